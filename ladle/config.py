@@ -1,0 +1,84 @@
+"""Every engine default and cross-field check, in one place."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str = "ladle-demo"
+    tokenizer: str | None = None  # defaults to the model directory
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    device: str = "auto"  # auto: cuda when present, else cpu
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
+    block_size: int = 16
+    # KV-cache size: bytes ("4GiB", "512MB", 1e9) or a fraction of free device memory ("0.3").
+    kv_cache_memory: str | float | int | None = None
+    num_kv_blocks: int | None = None  # exact block count; overrides kv_cache_memory
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    max_logprobs: int = 20
+    logits_processors: list[str] = field(default_factory=list)  # "module:Class"
+    structured_outputs_backend: str = "auto"  # auto | xgrammar | guidance
+    reasoning_parser: str | None = None
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len: must be >= 1, got {self.max_model_len}")
+        if self.structured_outputs_backend not in ("auto", "xgrammar", "guidance"):
+            raise ValueError(
+                f"structured_outputs_backend: {self.structured_outputs_backend!r}; "
+                "accepted: auto, xgrammar, guidance"
+            )
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def kv_cache_bytes(spec: str | float | int | None, device: torch.device, needed: int) -> int:
+    """Bytes for the KV cache. None: what max_num_seqs full-length requests would need, capped at
+    a quarter of free memory. A value <= 1 is a fraction of free device memory."""
+    free = _free_memory(device)
+    if spec is None:
+        return int(min(needed, free * 0.25))
+    if isinstance(spec, str):
+        m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", spec)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(
+                f"kv_cache_memory: {spec!r} is not a size; use bytes (e.g. 4GiB, 512MB, 1e9) or a "
+                "fraction of free memory (e.g. 0.3)"
+            )
+        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    else:
+        value = float(spec)
+    if value <= 0:
+        raise ValueError(f"kv_cache_memory: must be positive, got {spec!r}")
+    return int(value * free) if value <= 1 else int(value)
+
+
+def _free_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -1,0 +1,166 @@
+"""EngineCore: owns the scheduler, the KV-cache manager and the model runner, and steps them.
+
+One step is three verbs: schedule, execute, update. It knows tokens only; text (detokenizing,
+stop strings) is the frontend's job. The API server drives it from a separate process; the
+offline LLM drives it in-process. Both call add_request / abort_request / step."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from ladle.config import EngineConfig, kv_cache_bytes
+from ladle.engine.kv_cache_manager import KVCacheManager
+from ladle.engine.request import FinishReason, Request, RequestStatus
+from ladle.engine.scheduler import Scheduler
+from ladle.messages import EngineCoreOutput, EngineCoreRequest
+from ladle.models.loader import load_model, read_hf_config, resolve_dtype, resolve_model_path
+from ladle.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, keep_logits: bool = False):
+        self.config = config
+        device = config.torch_device()
+        self.model_path = resolve_model_path(config.model)
+        hf_config = read_hf_config(self.model_path)
+        self.dtype = resolve_dtype(config.dtype, hf_config, device)
+        torch.manual_seed(config.seed)
+        model = load_model(self.model_path, hf_config, self.dtype, device)
+        mcfg = model.config
+        self.vocab_size = mcfg.vocab_size
+        self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
+        if self.max_model_len > mcfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len: {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings ({mcfg.max_position_embeddings})"
+            )
+        bs = config.block_size
+        per_block = ModelRunner.kv_bytes_per_block(mcfg, self.dtype, bs)
+        needed = per_block * -(-self.max_model_len // bs) * config.max_num_seqs
+        num_blocks = config.num_kv_blocks or (
+            kv_cache_bytes(config.kv_cache_memory, device, needed) // per_block
+        )
+        min_blocks = -(-self.max_model_len // bs)
+        if num_blocks < min_blocks:
+            raise ValueError(
+                f"kv_cache_memory: room for {num_blocks} blocks of {bs} tokens, but one request "
+                f"of max_model_len={self.max_model_len} needs {min_blocks}; give more memory or "
+                "lower max_model_len"
+            )
+        self.kv_cache = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+        )
+        self.runner = ModelRunner(model, device, num_blocks, bs, config.max_num_seqs,
+                                  self.max_model_len, config.seed, keep_logits)
+        self.hf_config = hf_config
+        self.num_steps = 0
+        self.last_logits = None  # (R, V) of the last step when keep_logits (tests)
+        self.last_req_ids: list[str] = []
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, bs,
+                    num_blocks * per_block / 2**20)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Validate and queue a request. ValueError names the field at fault."""
+        if req.req_id in self.scheduler.requests:
+            raise ValueError(f"request id {req.req_id!r} is already in use")
+        params = req.sampling_params
+        n_prompt = len(req.prompt_token_ids)
+        if n_prompt == 0:
+            raise ValueError("prompt: must contain at least one token")
+        if n_prompt >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {n_prompt} tokens, but max_model_len is {self.max_model_len}; the "
+                "prompt must leave room for at least one output token"
+            )
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token id(s) {bad[:5]} outside the vocabulary (0 to "
+                             f"{self.vocab_size - 1})")
+        params.verify_for_model(self.vocab_size, self.config.max_logprobs)
+        request = Request(req.req_id, req.prompt_token_ids, params, req.eos_token_ids,
+                          req.priority, req.cache_salt, req.arrival_time)
+        room = self.max_model_len - n_prompt
+        request.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        self.scheduler.add_request(request)
+
+    def abort_request(self, req_id: str) -> None:
+        req = self.scheduler.requests.get(req_id)
+        if req is not None:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ---------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        blocks = {r.req_id: self.kv_cache.get_blocks(r.req_id) for r in sched.scheduled}
+        out = self.runner.execute(sched, blocks)
+        self.scheduler.update_after_step(sched)
+        self.num_steps += 1
+        if out.logits is not None:
+            self.last_logits, self.last_req_ids = out.logits, out.req_ids
+        return self._update(sched.scheduled, out.sampled_token_ids)
+
+    def _update(self, scheduled: list[Request], sampled: np.ndarray) -> list[EngineCoreOutput]:
+        """Accept the sampled token of every row that finished its prompt; stop what is done."""
+        rows = self.runner.input_batch.req_id_to_row
+        outputs = []
+        accepted_rows, accepted_tokens = [], []
+        for req in scheduled:
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a prompt chunk: its sample is not a token of the output
+            row = rows[req.req_id]
+            token = int(sampled[row])
+            req.append_output_token(token)
+            accepted_rows.append(row)
+            accepted_tokens.append(token)
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.scheduler.finish(req, status)
+            outputs.append(EngineCoreOutput(
+                req_id=req.req_id,
+                new_token_ids=[token],
+                finish_reason=None if status is None else int(req.finish_reason),
+                stop_reason=req.stop_reason,
+                num_cached_tokens=req.num_cached_tokens,
+            ))
+        if accepted_rows:
+            self.runner.accept_tokens(np.array(accepted_rows), np.array(accepted_tokens))
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def stats(self) -> dict:
+        kv = self.kv_cache
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage": kv.usage,
+            "num_used_blocks": kv.num_used_blocks,
+            "num_blocks": kv.num_blocks,
+            "prefix_cache_queries": kv.num_prefix_queries,
+            "prefix_cache_hits": kv.num_prefix_hits,
+        }
+
+
+__all__ = ["EngineCore", "FinishReason"]

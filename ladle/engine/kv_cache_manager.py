@@ -1,0 +1,136 @@
+"""Paged KV-cache bookkeeping: which blocks each request holds, and the prefix cache.
+
+Blocks are fixed-size (block_size tokens). A full block is named by a hash chained over every
+token before it (plus the request's cache_salt in the first block), so equal prefixes share
+blocks. Blocks whose last owner finished stay cached in an LRU free queue until reused."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from ladle.engine.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        # Free blocks in eviction order (oldest first); cached ones are still findable by hash.
+        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.req_blocks: dict[str, list[int]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # blocks of a request already hashed
+        # Prefix-cache statistics, in tokens of prompts looked up.
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
+
+    # ---- accounting -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def get_blocks(self, req_id: str) -> list[int]:
+        return self.req_blocks.get(req_id, [])
+
+    # ---- prefix cache -----------------------------------------------------------------------
+    def _hash_blocks(self, request: Request) -> None:
+        """Extend request.block_hashes over every full block of its known tokens."""
+        bs = self.block_size
+        tokens = request.all_token_ids
+        hashes = request.block_hashes
+        parent = hashes[-1] if hashes else hash(("ladle", request.cache_salt))
+        for i in range(len(hashes), len(tokens) // bs):
+            parent = hash((parent, tuple(tokens[i * bs : (i + 1) * bs])))
+            hashes.append(parent)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Blocks of the longest cached prefix, and how many tokens they cover. At least one
+        token is always left to compute, because the last position must produce logits."""
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        self._hash_blocks(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for h in request.block_hashes[:max_blocks]:
+            b = self.cached.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+        self.num_prefix_queries += request.num_tokens
+        self.num_prefix_hits += len(blocks) * self.block_size
+        return blocks, len(blocks) * self.block_size
+
+    # ---- allocation -------------------------------------------------------------------------
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
+    ) -> bool:
+        """Make room for num_new_tokens more tokens after request.num_computed_tokens (with
+        computed_blocks, the request's prefix-cache hit, on its first allocation). Returns False
+        and changes nothing when there are not enough free blocks."""
+        computed_blocks = computed_blocks or []
+        held = self.req_blocks.get(request.req_id, [])
+        num_computed = request.num_computed_tokens
+        need = -(-(num_computed + num_new_tokens) // self.block_size) - len(held) - len(computed_blocks)
+        # Touching a cached block that sits in the free queue takes it out of the queue.
+        num_revived = sum(1 for b in computed_blocks if self.ref_cnt[b] == 0)
+        if need + num_revived > len(self.free_queue):
+            return False
+        blocks = self.req_blocks.setdefault(request.req_id, [])
+        for b in computed_blocks:
+            if self.ref_cnt[b] == 0:
+                del self.free_queue[b]
+            self.ref_cnt[b] += 1
+            blocks.append(b)
+        if computed_blocks:
+            self.num_cached_blocks[request.req_id] = len(computed_blocks)
+        for _ in range(max(need, 0)):
+            b, _ = self.free_queue.popitem(last=False)
+            if self.block_hash[b] is not None:  # evict from the prefix cache
+                if self.cached.get(self.block_hash[b]) == b:
+                    del self.cached[self.block_hash[b]]
+                self.block_hash[b] = None
+            self.ref_cnt[b] = 1
+            blocks.append(b)
+        return True
+
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Publish the request's blocks that the first num_tokens tokens fill completely."""
+        if not self.enable_prefix_caching:
+            return
+        self._hash_blocks(request)
+        blocks = self.req_blocks.get(request.req_id, [])
+        start = self.num_cached_blocks.get(request.req_id, 0)
+        end = min(num_tokens // self.block_size, len(blocks), len(request.block_hashes))
+        for i in range(start, end):
+            h = request.block_hashes[i]
+            b = blocks[i]
+            if self.block_hash[b] is None and h not in self.cached:
+                self.block_hash[b] = h
+                self.cached[h] = b
+        self.num_cached_blocks[request.req_id] = max(start, end)
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks at once. Its tail blocks are queued for eviction before
+        its head blocks, since a later request is likelier to share the head."""
+        blocks = self.req_blocks.pop(request.req_id, [])
+        self.num_cached_blocks.pop(request.req_id, None)
+        for b in reversed(blocks):
+            self.ref_cnt[b] -= 1
+            if self.ref_cnt[b] == 0:
+                self.free_queue[b] = None
+
+    def reset_prefix_cache(self) -> None:
+        for b in list(self.free_queue):
+            self.block_hash[b] = None
+        self.cached = {h: b for h, b in self.cached.items() if self.ref_cnt[b] > 0}

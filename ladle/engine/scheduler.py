@@ -1,0 +1,160 @@
+"""Continuous batching with chunked prefill.
+
+Every request carries num_computed_tokens; each step gives every scheduled request as many new
+tokens as the budget allows (1 while decoding, a chunk of the prompt while prefilling), so prefill
+and decode mix in one batch. Running requests go first; when the KV cache runs out, the newest
+running request (lowest priority first) is preempted: its blocks are freed and it recomputes
+later. Waiting requests are admitted by (priority, arrival)."""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from ladle.engine.kv_cache_manager import KVCacheManager
+from ladle.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    # Requests to run this step, in the order the model runner lays them out.
+    scheduled: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
+    finished_req_ids: set[str] = field(default_factory=set)  # left the batch since last step
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ):
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # heap by (priority, arrival)
+        self.running: list[Request] = []  # admission order; the newest is last
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0  # since start, for metrics and tests
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.req_id] = request
+        heapq.heappush(self.waiting, request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = set()
+        budget = self.max_num_batched_tokens
+
+        # 1. Running requests keep going; preempt from the back when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv_cache.allocate_slots(req, num_new):
+                victim = max(self.running[i:], key=lambda r: (r.priority, r.arrival_time))
+                budget += self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue  # req was preempted itself; self.running shrank at or after i
+            out.scheduled.append(req)
+            out.num_scheduled_tokens[req.req_id] = num_new
+            budget -= num_new
+            i += 1
+
+        # 2. Admit waiting requests while there is budget, a free row and cache room.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if req.status == RequestStatus.WAITING_FOR_GRAMMAR and not self._grammar_ready(req):
+                # Others may run; this one stays until its grammar compiles.
+                ready = [r for r in self.waiting if self._grammar_ready(r)]
+                if not ready:
+                    break
+                req = min(ready)
+            computed_blocks, num_cached = [], 0
+            if req.num_computed_tokens == 0:
+                computed_blocks, num_cached = self.kv_cache.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_cached, budget)
+            req.num_computed_tokens = num_cached
+            if not self.kv_cache.allocate_slots(req, num_new, computed_blocks):
+                req.num_computed_tokens = 0
+                break
+            self.waiting.remove(req)
+            heapq.heapify(self.waiting)
+            if req.num_preemptions == 0 or req.num_cached_tokens == 0:
+                req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(req)
+            out.num_scheduled_tokens[req.req_id] = num_new
+            budget -= num_new
+        return out
+
+    @staticmethod
+    def _grammar_ready(req: Request) -> bool:
+        if req.status != RequestStatus.WAITING_FOR_GRAMMAR:
+            return True
+        if req.grammar is not None and req.grammar.is_ready():
+            req.status = RequestStatus.WAITING
+            return True
+        return False
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> int:
+        """Preempt req; returns the tokens it had been given this step (back to the budget)."""
+        self.running.remove(req)
+        self.kv_cache.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(req)
+        heapq.heappush(self.waiting, req)
+        if req in out.scheduled:
+            out.scheduled.remove(req)
+            return out.num_scheduled_tokens.pop(req.req_id)
+        return 0
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advance num_computed_tokens for what ran and publish newly full blocks."""
+        for req in out.scheduled:
+            req.num_computed_tokens += out.num_scheduled_tokens[req.req_id]
+            self.kv_cache.cache_full_blocks(req, req.num_computed_tokens)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """End a request in any state; its blocks are freed at once."""
+        if req.is_finished:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+            heapq.heapify(self.waiting)
+        req.status = status
+        self.kv_cache.free(req)
+        self.finished_req_ids.add(req.req_id)
+        del self.requests[req.req_id]

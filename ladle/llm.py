@@ -1,0 +1,139 @@
+"""The offline API, shaped like vLLM's: LLM(model).generate(prompts, sampling_params)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from ladle.config import EngineConfig
+from ladle.engine.core import EngineCore
+from ladle.frontend.output_processor import OutputProcessor
+from ladle.messages import EngineCoreRequest
+from ladle.outputs import RequestOutput
+from ladle.sampling_params import SamplingParams
+from ladle.tokenizer import eos_token_ids, load_tokenizer
+
+Prompt = str | list[int] | dict
+
+
+class LLM:
+    """Runs an EngineCore in this process. Keyword arguments are EngineConfig fields."""
+
+    def __init__(self, model: str = "ladle-demo", **kwargs):
+        self.config = EngineConfig(model=model, **kwargs)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = load_tokenizer(self.config.tokenizer or self.engine.model_path)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.engine.model_path)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """prompts: a string, a list of token ids, {"prompt_token_ids": [...]}, or a list of
+        these. sampling_params: one for all prompts, or one per prompt."""
+        prompts = self._as_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts; "
+                                 "pass one, or one per prompt")
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, params, strict=True):
+                ids.append(self._add(p, sp))
+        except Exception:
+            for rid in ids:  # a bad prompt rejects the whole call and leaves nothing queued
+                for cid in self.output_processor.abort(rid):
+                    self.engine.abort_request(cid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; the model's chat template renders
+        each into a prompt."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.tokenizer.apply_chat_template(
+                conv, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False,
+                **(chat_template_kwargs or {}),
+            )
+            for conv in convs
+        ]
+        # The template already wrote any BOS; tokenising must not add a second one.
+        prompts = [{"prompt": p, "prompt_token_ids": self._encode(p, add_special_tokens=False)}
+                   for p in prompts]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    # ---- internals --------------------------------------------------------------------------
+    @staticmethod
+    def _as_list(prompts) -> list:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if prompts and isinstance(prompts[0], int):
+            return [list(prompts)]
+        return list(prompts)
+
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _add(self, prompt: Prompt, params: SamplingParams) -> str:
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self._encode(prompt)
+        elif isinstance(prompt, dict):
+            text = prompt.get("prompt")
+            token_ids = prompt.get("prompt_token_ids") or self._encode(text)
+        else:
+            text, token_ids = None, list(prompt)
+        request_id = str(next(self._ids))
+        n = params.best_of or params.n
+        children = [params.child(i) if n > 1 else params for i in range(n)]
+        child_ids = [request_id if n == 1 else f"{request_id}-{i}" for i in range(n)]
+        self.output_processor.add_request(request_id, text, token_ids, child_ids, children)
+        now = time.monotonic()
+        try:
+            for cid, cp in zip(child_ids, children, strict=True):
+                self.engine.add_request(
+                    EngineCoreRequest(cid, token_ids, cp, self.eos_token_ids, now)
+                )
+        except Exception:
+            for cid in self.output_processor.abort(request_id):
+                self.engine.abort_request(cid)
+            raise
+        return request_id
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm)
+        while self.engine.has_unfinished_requests():
+            changed, to_abort = self.output_processor.process(self.engine.step())
+            for rid in to_abort:
+                self.engine.abort_request(rid)
+            for state in changed:
+                if state.finished:
+                    done[state.request_id] = state.to_output()
+                    bar.update(1)
+        bar.close()
+        return [done[r] for r in request_ids]

@@ -1,0 +1,44 @@
+"""What crosses the boundary between the API process and the engine-core process (msgspec
+structs, msgpack on the wire). The offline LLM uses the same types in one process."""
+
+from __future__ import annotations
+
+import msgspec
+
+from ladle.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams  # a dataclass: msgspec encodes it field by field
+    eos_token_ids: list[int]
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class Logprobs(msgspec.Struct, array_like=True):
+    """Per sampled token: the top-k (ids, values) in rank order, and the sampled token's value
+    and rank (1 = most likely)."""
+
+    token_ids: list[list[int]]  # (N, k)
+    values: list[list[float]]  # (N, k)
+    sampled_values: list[float]  # (N,)
+    sampled_ranks: list[int]  # (N,)
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: int | None = None  # FinishReason value, None while running
+    stop_reason: int | str | None = None  # the stop token id that ended it
+    num_cached_tokens: int = 0
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
+    error: str | None = None  # why the request failed (FinishReason.ERROR)
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = []
+    stats: dict | None = None  # scheduler and cache gauges, sent with each step's outputs

@@ -1,0 +1,188 @@
+"""Find a checkpoint (local directory, the built-in `ladle-demo`, or a hub id), build its model
+class and load its safetensors weights, sharded or not, exactly as they are published."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from ladle.models.llama import LlamaForCausalLM
+from ladle.models.qwen2 import Qwen2ForCausalLM
+from ladle.models.qwen3 import Qwen3ForCausalLM
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+DEMO_MODEL = "ladle-demo"
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint that cannot be found, read or served; the message names the file at fault."""
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local directory is used as it is; `ladle-demo` is built locally on first use; anything
+    else is a hub id fetched with huggingface_hub (config, weights and tokenizer files only)."""
+    if model == DEMO_MODEL:
+        from ladle.models.demo import ensure_demo_model
+
+        return Path(ensure_demo_model())
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise ModelLoadError(f"model {model!r}: not a directory and not a hub id (owner/name)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(
+            model,
+            allow_patterns=["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt", "*.tiktoken"],
+        )
+    except Exception as e:  # network errors, missing repos and gated repos all end here
+        raise ModelLoadError(
+            f"model {model!r}: not a local directory, and downloading it from the Hugging Face "
+            f"hub failed ({type(e).__name__}: {e}). Offline? Pass a local checkpoint directory."
+        ) from e
+    return Path(local)
+
+
+def read_hf_config(path: Path) -> dict:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelLoadError(f"{cfg_file}: missing; a checkpoint directory needs config.json")
+    with open(cfg_file) as f:
+        cfg = json.load(f)
+    if "text_config" in cfg and "num_hidden_layers" not in cfg:
+        raise ModelLoadError(f"{cfg_file}: multimodal checkpoints are not supported")
+    return cfg
+
+
+def model_class(hf_config: dict, path: Path) -> type[LlamaForCausalLM]:
+    archs = hf_config.get("architectures") or []
+    for arch in archs:
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    raise ModelLoadError(
+        f"{path / 'config.json'}: architectures {archs} not supported; "
+        f"supported: {', '.join(ARCHITECTURES)}"
+    )
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: dict, device: torch.device) -> torch.dtype:
+    """`auto` takes the checkpoint's dtype; float16 becomes bfloat16 on CPU, where float16
+    matmuls are slow and bfloat16 ones run on AMX."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
+             "float32": torch.float32, "float": torch.float32}
+    if dtype == "auto":
+        name = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
+        resolved = names.get(name, torch.float32)
+        if resolved == torch.float16 and device.type == "cpu":
+            resolved = torch.bfloat16
+        return resolved
+    if dtype not in names:
+        raise ValueError(f"dtype {dtype!r} is not supported; use auto, bfloat16, float16 or float32")
+    return names[dtype]
+
+
+def load_model(path: Path, hf_config: dict, dtype: torch.dtype, device: torch.device):
+    cls = model_class(hf_config, path)
+    with torch.device("meta"):
+        model = cls(hf_config)
+    model = model.to_empty(device=device).to(dtype)
+    # Buffers (rotary tables) were created on meta: rebuild them on the real device.
+    cfg = model.config
+    from ladle.models.layers import RotaryEmbedding
+
+    model.rotary = RotaryEmbedding(
+        cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+    ).to(device)
+    load_weights(model, path)
+    return model.eval()
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [path / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index}: lists shard(s) that are missing: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weights file (model.safetensors expected)")
+    return files
+
+
+@torch.no_grad()
+def load_weights(model: LlamaForCausalLM, path: Path) -> None:
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    files = _weight_files(path)
+    with tqdm(total=len(params), desc="Loading weights", unit="tensor", leave=False,
+              disable=os.environ.get("LADLE_NO_PROGRESS") == "1") as bar:
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    target = _target(name, model, params)
+                    if target is None:
+                        continue
+                    pname, shard = target
+                    tensor = f.get_tensor(name)
+                    param = params[pname]
+                    if shard is None:
+                        _copy(param, tensor, name)
+                        loaded.add(pname)
+                    else:
+                        sizes = model.shard_sizes(pname.rsplit(".", 1)[0].rsplit(".", 1)[1])
+                        start = sum(sizes[:shard])
+                        _copy(param.narrow(0, start, sizes[shard]), tensor, name)
+                        loaded.add(f"{pname}#{shard}")
+                    bar.update(1)
+    expected = set()
+    for pname in params:
+        fused = pname.rsplit(".", 1)[0].rsplit(".", 1)[-1]
+        if fused in ("qkv_proj", "gate_up_proj"):
+            expected |= {f"{pname}#{i}" for i in range(len(model.shard_sizes(fused)))}
+        else:
+            expected.add(pname)
+    missing = sorted(expected - loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+        raise ModelLoadError(f"{path}: weights missing from the checkpoint: {shown}")
+
+
+def _target(name: str, model, params: dict) -> tuple[str, int | None] | None:
+    """Map a checkpoint tensor name to (parameter name, shard index or None)."""
+    if name.startswith("model."):
+        name = name[len("model."):]
+    if "rotary_emb" in name:
+        return None
+    if name.startswith("lm_head.") and model.lm_head is None:
+        return None  # tied: some checkpoints still store a copy of the embedding
+    for part, (fused, shard) in model.stacked.items():
+        if f".{part}." in name:
+            pname = name.replace(f".{part}.", f".{fused}.")
+            if pname in params:
+                return pname, shard
+    if name in params:
+        return name, None
+    return None  # tensors of heads ladle does not run (e.g. mtp layers) are skipped
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ModelLoadError(f"weight {name}: shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(src)

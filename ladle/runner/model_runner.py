@@ -1,0 +1,125 @@
+"""The model runner: turns a SchedulerOutput into one forward pass and one sampler call.
+
+Inputs are built with array ops over the persistent batch (token ids, positions and cache slots
+of every scheduled token), the forward runs on the flat token stream, logits are computed only at
+each row's last scheduled position, and the sampler draws one token per row. Rows still in the
+middle of their prompt sample too; the engine discards those tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ladle.engine.scheduler import SchedulerOutput
+from ladle.runner.attention import AttentionMetadata, build_group
+from ladle.runner.input_batch import InputBatch
+from ladle.sample.metadata import SamplingMetadata
+from ladle.sample.sampler import Sampler
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    req_ids: list[str]  # row order
+    sampled_token_ids: np.ndarray  # (R,) one token per row
+    logits: torch.Tensor | None = None  # (R, V) kept only when asked (tests, debugging)
+
+
+class ModelRunner:
+    def __init__(self, model, device: torch.device, num_blocks: int, block_size: int,
+                 max_num_seqs: int, max_model_len: int, seed: int, keep_logits: bool = False):
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        cfg = model.config
+        self.vocab_size = cfg.vocab_size
+        dtype = next(model.parameters()).dtype
+        num_slots = num_blocks * block_size
+        # One (k, v) pair per layer, each (num_slots, KVH, D).
+        self.kv_caches = [
+            (torch.zeros(num_slots, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device),
+             torch.zeros(num_slots, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device))
+            for _ in range(cfg.num_layers)
+        ]
+        max_blocks = -(-max_model_len // block_size)
+        self.input_batch = InputBatch(max_num_seqs, max_model_len, max_blocks)
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self.sampler = Sampler(cfg.vocab_size, device, self.generator)
+        self.sampling_metadata: SamplingMetadata | None = None
+        self.keep_logits = keep_logits
+
+    @staticmethod
+    def kv_bytes_per_block(model_config, dtype: torch.dtype, block_size: int) -> int:
+        c = model_config
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * elem
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, kv_blocks: dict[str, list[int]]) -> RunnerOutput:
+        batch = self.input_batch
+        update = batch.update(sched.scheduled, reset={r.req_id for r in sched.preempted})
+        if update is not None or self.sampling_metadata is None:
+            self.sampling_metadata = SamplingMetadata.from_columns(
+                batch.columns, batch.num_reqs, self.device
+            )
+        R = batch.num_reqs
+        reqs = batch.requests[:R]
+        for row, req in enumerate(reqs):
+            batch.set_blocks(row, kv_blocks[req.req_id])
+        num_sched = np.array([sched.num_scheduled_tokens[r.req_id] for r in reqs], dtype=np.int64)
+        num_computed = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
+
+        # Flat token layout: row r contributes num_sched[r] tokens starting at num_computed[r].
+        ends = np.cumsum(num_sched)
+        starts = ends - num_sched
+        T = int(ends[-1])
+        row_of = np.repeat(np.arange(R), num_sched)
+        pos = num_computed[row_of] + (np.arange(T) - starts[row_of])
+        input_ids = batch.token_ids[row_of, pos]
+        bs = self.block_size
+        slots = batch.block_table[row_of, pos // bs] * bs + pos % bs
+
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(self.device),
+            groups=self._groups(num_sched, num_computed, starts),
+        )
+        hidden = self.model(
+            torch.from_numpy(input_ids).to(self.device),
+            torch.from_numpy(pos).to(self.device),
+            meta,
+            self.kv_caches,
+        )
+        logits = self.model.compute_logits(hidden[torch.from_numpy(ends - 1).to(self.device)])
+        output_positions = torch.from_numpy(
+            batch.num_tokens[:R] - batch.num_prompt_tokens[:R]
+        ).to(self.device)
+        out = self.sampler(logits, self.sampling_metadata, output_positions)
+        return RunnerOutput(
+            req_ids=[r.req_id for r in reqs],
+            sampled_token_ids=out.sampled_token_ids.cpu().numpy(),
+            logits=logits.float() if self.keep_logits else None,
+        )
+
+    def _groups(self, num_sched, num_computed, starts):
+        """Decode rows (one query) attend in one group, prefill chunks in another."""
+        ctx = num_computed + num_sched
+        groups = []
+        bs = self.block_size
+        for rows in (np.nonzero(num_sched == 1)[0], np.nonzero(num_sched > 1)[0]):
+            if len(rows) == 0:
+                continue
+            L = int(ctx[rows].max())
+            offs = np.arange(L)
+            slots = self.input_batch.block_table[rows][:, offs // bs] * bs + offs % bs  # (B, L)
+            slots = np.where(offs[None, :] < ctx[rows][:, None], slots, 0)
+            groups.append(build_group(
+                starts[rows].tolist(), num_sched[rows].tolist(), ctx[rows].tolist(),
+                torch.from_numpy(slots), self.device,
+            ))
+        return groups
+
+    def accept_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        self.input_batch.append_tokens(rows, token_ids)
