@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ladle.engine.scheduler import SchedulerOutput
-from ladle.runner.attention import AttentionMetadata, build_group
+from ladle.runner.attention import AttentionMetadata, DecodeBatch, build_prefill
 from ladle.runner.input_batch import InputBatch
 from ladle.sample.metadata import SamplingMetadata
 from ladle.sample.sampler import Sampler
@@ -36,11 +36,11 @@ class ModelRunner:
         cfg = model.config
         self.vocab_size = cfg.vocab_size
         dtype = next(model.parameters()).dtype
-        num_slots = num_blocks * block_size
-        # One (k, v) pair per layer, each (num_slots, KVH, D).
+        # One (k, v) pair per layer, each (num_blocks, KVH, block_size, D).
+        shape = (num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
         self.kv_caches = [
-            (torch.zeros(num_slots, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device),
-             torch.zeros(num_slots, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device))
+            (torch.zeros(shape, dtype=dtype, device=device),
+             torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_layers)
         ]
         max_blocks = -(-max_model_len // block_size)
@@ -80,11 +80,10 @@ class ModelRunner:
         pos = num_computed[row_of] + (np.arange(T) - starts[row_of])
         input_ids = batch.token_ids[row_of, pos]
         bs = self.block_size
-        slots = batch.block_table[row_of, pos // bs] * bs + pos % bs
-
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(self.device),
-            groups=self._groups(num_sched, num_computed, starts),
+            slot_blocks=torch.from_numpy(batch.block_table[row_of, pos // bs]).to(self.device),
+            slot_offsets=torch.from_numpy(pos % bs).to(self.device),
+            **self._attention_layout(num_sched, num_computed, starts),
         )
         hidden = self.model(
             torch.from_numpy(input_ids).to(self.device),
@@ -103,23 +102,26 @@ class ModelRunner:
             logits=logits.float() if self.keep_logits else None,
         )
 
-    def _groups(self, num_sched, num_computed, starts):
-        """Decode rows (one query) attend in one group, prefill chunks in another."""
+    def _attention_layout(self, num_sched, num_computed, starts) -> dict:
+        """Decode rows attend in one batched call; each prefill chunk in its own."""
         ctx = num_computed + num_sched
-        groups = []
         bs = self.block_size
-        for rows in (np.nonzero(num_sched == 1)[0], np.nonzero(num_sched > 1)[0]):
-            if len(rows) == 0:
-                continue
-            L = int(ctx[rows].max())
-            offs = np.arange(L)
-            slots = self.input_batch.block_table[rows][:, offs // bs] * bs + offs % bs  # (B, L)
-            slots = np.where(offs[None, :] < ctx[rows][:, None], slots, 0)
-            groups.append(build_group(
-                starts[rows].tolist(), num_sched[rows].tolist(), ctx[rows].tolist(),
-                torch.from_numpy(slots), self.device,
-            ))
-        return groups
+        table = self.input_batch.block_table
+        decode = None
+        rows = np.nonzero(num_sched == 1)[0]
+        if len(rows):
+            num_blocks = -(-int(ctx[rows].max()) // bs)
+            decode = DecodeBatch(
+                rows=torch.from_numpy(starts[rows]).to(self.device),
+                block_table=torch.from_numpy(table[rows, :num_blocks]).to(self.device),
+                ctx_lens=torch.from_numpy(ctx[rows]).to(self.device),
+            )
+        prefills = [
+            build_prefill(int(starts[r]), int(num_sched[r]), int(ctx[r]),
+                          torch.from_numpy(table[r, : -(-int(ctx[r]) // bs)]), bs, self.device)
+            for r in np.nonzero(num_sched > 1)[0]
+        ]
+        return {"decode": decode, "prefills": prefills}
 
     def accept_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         self.input_batch.append_tokens(rows, token_ids)
