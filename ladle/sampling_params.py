@@ -150,6 +150,24 @@ class SamplingParams:
                     "accepted: 0 to max_logprobs (raise it with --max-logprobs)"
                 )
 
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """Tokenise bad_words the way vLLM does: each word as written and with a leading
+        space (the form it takes mid-sentence), so both spellings are banned. Runs in the
+        frontend; the engine only sees token ids."""
+        if not self.bad_words:
+            return
+        seqs: list[list[int]] = []
+        for word in self.bad_words:
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if plain:
+                seqs.append(plain)
+            # The spaced form counts only when the space makes a different word token of the
+            # same length (not a lone space token in front of the plain form).
+            if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+                seqs.append(spaced)
+        self.bad_words_token_ids = seqs
+
     @property
     def sampling_type(self) -> SamplingType:
         if self.temperature < _GREEDY_EPS:

@@ -15,6 +15,13 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
         raise ValueError(f"tokenizer: could not load one from {path} ({type(e).__name__}: {e})") from e
 
 
+def has_tokenizer(path: str | Path) -> bool:
+    """A directory with tokenizer files (a bare weights checkpoint may have none)."""
+    p = Path(path)
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    return not p.is_dir() or any((p / n).is_file() for n in names)
+
+
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_path: str | Path) -> list[int]:
     """generation_config.json's eos_token_id (int or list) plus the tokenizer's own EOS."""
     ids: list[int] = []

@@ -15,9 +15,10 @@ from ladle.config import EngineConfig, kv_cache_bytes
 from ladle.engine.kv_cache_manager import KVCacheManager
 from ladle.engine.request import FinishReason, Request, RequestStatus
 from ladle.engine.scheduler import Scheduler
-from ladle.messages import EngineCoreOutput, EngineCoreRequest
+from ladle.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
 from ladle.models.loader import load_model, read_hf_config, resolve_dtype, resolve_model_path
-from ladle.runner.model_runner import ModelRunner
+from ladle.runner.model_runner import ModelRunner, RunnerOutput
+from ladle.tokenizer import has_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +57,15 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
+        # The engine needs the tokenizer only for facts about the vocabulary (thinking tokens,
+        # grammars); text never passes through this process. A checkpoint without tokenizer
+        # files still serves token-id requests.
+        tok_path = config.tokenizer or self.model_path
+        self.tokenizer = load_tokenizer(tok_path) if has_tokenizer(tok_path) else None
+        self.think_token_ids = _think_token_ids(self.tokenizer)
         self.runner = ModelRunner(model, device, num_blocks, bs, config.max_num_seqs,
-                                  self.max_model_len, config.seed, keep_logits)
+                                  self.max_model_len, config.seed, keep_logits,
+                                  config.logits_processors, self.think_token_ids)
         self.hf_config = hf_config
         self.num_steps = 0
         self.last_logits = None  # (R, V) of the last step when keep_logits (tests)
@@ -84,6 +92,13 @@ class EngineCore:
             raise ValueError(f"prompt: token id(s) {bad[:5]} outside the vocabulary (0 to "
                              f"{self.vocab_size - 1})")
         params.verify_for_model(self.vocab_size, self.config.max_logprobs)
+        if params.bad_words and params.bad_words_token_ids is None:
+            raise ValueError("bad_words: not tokenised; call SamplingParams.update_from_tokenizer "
+                             "in the frontend before sending the request")
+        if params.thinking_token_budget is not None and self.think_token_ids[1] is None:
+            raise ValueError("thinking_token_budget: this model's tokenizer has no </think> token")
+        for proc in self.runner.custom_processors:
+            proc.validate_params(params)
         request = Request(req.req_id, req.prompt_token_ids, params, req.eos_token_ids,
                           req.priority, req.cache_salt, req.arrival_time)
         room = self.max_model_len - n_prompt
@@ -109,14 +124,20 @@ class EngineCore:
         self.num_steps += 1
         if out.logits is not None:
             self.last_logits, self.last_req_ids = out.logits, out.req_ids
-        return self._update(sched.scheduled, out.sampled_token_ids)
+        return self._update(sched.scheduled, out)
 
-    def _update(self, scheduled: list[Request], sampled: np.ndarray) -> list[EngineCoreOutput]:
+    def _update(self, scheduled: list[Request], out: RunnerOutput) -> list[EngineCoreOutput]:
         """Accept the sampled token of every row that finished its prompt; stop what is done."""
         rows = self.runner.input_batch.req_id_to_row
+        sampled = out.sampled_token_ids
+        lp_index = {int(r): i for i, r in enumerate(out.logprob_rows)}
         outputs = []
         accepted_rows, accepted_tokens = [], []
         for req in scheduled:
+            if req.req_id in out.prompt_logprobs:
+                if out.prompt_logprobs[req.req_id].start == 0:
+                    req.prompt_logprobs_parts = []  # first chunk (again, after a preemption)
+                req.prompt_logprobs_parts.append(out.prompt_logprobs[req.req_id])
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a prompt chunk: its sample is not a token of the output
             row = rows[req.req_id]
@@ -133,6 +154,8 @@ class EngineCore:
                 finish_reason=None if status is None else int(req.finish_reason),
                 stop_reason=req.stop_reason,
                 num_cached_tokens=req.num_cached_tokens,
+                logprobs=_token_logprobs(out, lp_index.get(row), int(out.num_logprobs[row])),
+                prompt_logprobs=_prompt_logprobs(req),
             ))
         if accepted_rows:
             self.runner.accept_tokens(np.array(accepted_rows), np.array(accepted_tokens))
@@ -161,6 +184,39 @@ class EngineCore:
             "prefix_cache_queries": kv.num_prefix_queries,
             "prefix_cache_hits": kv.num_prefix_hits,
         }
+
+
+def _token_logprobs(out: RunnerOutput, i: int | None, k: int) -> Logprobs | None:
+    if i is None:
+        return None
+    lp = out.logprobs
+    return Logprobs(
+        token_ids=[lp.token_ids[i, :k].tolist()],
+        values=[lp.values[i, :k].tolist()],
+        sampled_values=[float(lp.sampled_values[i])],
+        sampled_ranks=[int(lp.sampled_ranks[i])],
+    )
+
+
+def _prompt_logprobs(req: Request) -> Logprobs | None:
+    """Sent once, with the first output token: entries for prompt tokens 1..n-1."""
+    parts = req.prompt_logprobs_parts
+    if not parts or req.num_output_tokens != 1:
+        return None
+    req.prompt_logprobs_parts = []
+    return Logprobs(
+        token_ids=[row.tolist() for p in parts for row in p.token_ids],
+        values=[row.tolist() for p in parts for row in p.values],
+        sampled_values=[float(v) for p in parts for v in p.target_values],
+        sampled_ranks=[int(r) for p in parts for r in p.target_ranks],
+    )
+
+
+def _think_token_ids(tokenizer) -> tuple[int | None, int | None]:
+    if tokenizer is None:
+        return None, None
+    vocab = tokenizer.get_vocab()
+    return vocab.get("<think>"), vocab.get("</think>")
 
 
 __all__ = ["EngineCore", "FinishReason"]

@@ -71,6 +71,7 @@ class Request:
         self.error: str | None = None
         self.block_hashes: list[int] = []  # hashes of this request's full blocks, in order
         self.grammar = None  # structured-output matcher, when the request has a constraint
+        self.prompt_logprobs_parts: list = []  # per prefill chunk, until the first output token
         self.max_tokens = sampling_params.max_tokens  # resolved against max_model_len on add
 
     @property

@@ -8,32 +8,12 @@ way. Sampling columns are declared once, in SAMPLING_COLUMNS, so add/move/clear 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from ladle.engine.request import Request
-from ladle.sampling_params import SamplingParams, SamplingType
-
-
-@dataclass(slots=True)
-class AddedRow:
-    row: int
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # a live reference: it grows as the request generates
-    request: Request
-
-
-@dataclass(slots=True)
-class BatchUpdate:
-    """Applied in this order: removed, added, moved. After it, rows [0, batch_size) are full."""
-
-    batch_size: int
-    removed: list[int] = field(default_factory=list)
-    added: list[AddedRow] = field(default_factory=list)
-    moved: list[tuple[int, int]] = field(default_factory=list)  # (from_row, to_row), one-way
-
+from ladle.sample.logits_processors.interface import AddedRow, BatchUpdate
+from ladle.sampling_params import LOGPROBS_MODES, SamplingParams, SamplingType
 
 # name -> (dtype, value for a request's params). The sampler reads these columns.
 SAMPLING_COLUMNS: dict[str, tuple[type, Callable[[SamplingParams], object]]] = {
@@ -48,6 +28,7 @@ SAMPLING_COLUMNS: dict[str, tuple[type, Callable[[SamplingParams], object]]] = {
     "frequency_penalty": (np.float32, lambda p: p.frequency_penalty),
     "repetition_penalty": (np.float32, lambda p: p.repetition_penalty),
     "num_logprobs": (np.int32, lambda p: -1 if p.logprobs is None else p.logprobs),
+    "logprobs_mode": (np.int8, lambda p: LOGPROBS_MODES.index(p.logprobs_mode)),
 }
 
 
@@ -91,7 +72,7 @@ class InputBatch:
                 self.num_reqs += 1
             self._write_row(row, req)
             upd.added.append(AddedRow(row, req.sampling_params, req.prompt_token_ids,
-                                      req.output_token_ids, req))
+                                      req.output_token_ids, req.eos_token_ids))
         # Compact: move the last rows down into the remaining holes.
         holes.sort()
         last = self.num_reqs - 1

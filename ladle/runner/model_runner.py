@@ -2,12 +2,13 @@
 
 Inputs are built with array ops over the persistent batch (token ids, positions and cache slots
 of every scheduled token), the forward runs on the flat token stream, logits are computed only at
-each row's last scheduled position, and the sampler draws one token per row. Rows still in the
-middle of their prompt sample too; the engine discards those tokens."""
+each row's last scheduled position (plus prompt positions of rows that asked for prompt
+logprobs), and the sampler draws one token per row. Rows still in the middle of their prompt
+sample too; the engine discards those tokens."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -15,20 +16,48 @@ import torch
 from ladle.engine.scheduler import SchedulerOutput
 from ladle.runner.attention import AttentionMetadata, DecodeBatch, build_prefill
 from ladle.runner.input_batch import InputBatch
+from ladle.sample.logits_processors.builtin import (
+    AllowedTokenIdsProcessor,
+    BadWordsProcessor,
+    LogitBiasProcessor,
+    MinPProcessor,
+    MinTokensProcessor,
+    ThinkingBudgetProcessor,
+)
+from ladle.sample.logits_processors.custom import load_custom_processors
+from ladle.sample.logits_processors.interface import LogitsProcessor, ProcessorConfig
 from ladle.sample.metadata import SamplingMetadata
-from ladle.sample.sampler import Sampler
+from ladle.sample.penalties import PenaltyState
+from ladle.sample.sampler import LogprobsTensors, Sampler
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """For prompt positions 1..n-1 of one chunk: the top-k and the actual prompt token."""
+
+    start: int  # first prompt position of the chunk (0 for the first chunk)
+    token_ids: np.ndarray  # (n, k)
+    values: np.ndarray  # (n, k)
+    target_values: np.ndarray  # (n,)
+    target_ranks: np.ndarray  # (n,)
 
 
 @dataclass(slots=True)
 class RunnerOutput:
     req_ids: list[str]  # row order
     sampled_token_ids: np.ndarray  # (R,) one token per row
+    logprob_rows: np.ndarray  # rows that have logprobs, in the order of `logprobs`
+    num_logprobs: np.ndarray  # (R,) requested top-k per row, -1 = none
+    logprobs: LogprobsTensors | None = None  # on CPU
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     logits: torch.Tensor | None = None  # (R, V) kept only when asked (tests, debugging)
 
 
 class ModelRunner:
     def __init__(self, model, device: torch.device, num_blocks: int, block_size: int,
-                 max_num_seqs: int, max_model_len: int, seed: int, keep_logits: bool = False):
+                 max_num_seqs: int, max_model_len: int, seed: int, keep_logits: bool = False,
+                 logits_processors: list[str] | None = None,
+                 think_token_ids: tuple[int | None, int | None] = (None, None)):
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -47,7 +76,20 @@ class ModelRunner:
         self.input_batch = InputBatch(max_num_seqs, max_model_len, max_blocks)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        self.sampler = Sampler(cfg.vocab_size, device, self.generator)
+        pcfg = ProcessorConfig(cfg.vocab_size, device, max_num_seqs)
+        self.custom_processors = load_custom_processors(logits_processors or [], pcfg)
+        changing: list[LogitsProcessor] = [
+            AllowedTokenIdsProcessor(pcfg), BadWordsProcessor(pcfg), MinTokensProcessor(pcfg),
+            LogitBiasProcessor(pcfg),
+        ]
+        invariant: list[LogitsProcessor] = [MinPProcessor(pcfg)]
+        for p in self.custom_processors:
+            (invariant if p.is_argmax_invariant() else changing).append(p)
+        self.sampler = Sampler(
+            cfg.vocab_size, device, self.generator,
+            PenaltyState(max_num_seqs, cfg.vocab_size, device), changing,
+            ThinkingBudgetProcessor(pcfg, *think_token_ids), invariant,
+        )
         self.sampling_metadata: SamplingMetadata | None = None
         self.keep_logits = keep_logits
 
@@ -61,10 +103,12 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput, kv_blocks: dict[str, list[int]]) -> RunnerOutput:
         batch = self.input_batch
         update = batch.update(sched.scheduled, reset={r.req_id for r in sched.preempted})
+        self.sampler.update_state(update)
         if update is not None or self.sampling_metadata is None:
             self.sampling_metadata = SamplingMetadata.from_columns(
                 batch.columns, batch.num_reqs, self.device
             )
+        meta = self.sampling_metadata
         R = batch.num_reqs
         reqs = batch.requests[:R]
         for row, req in enumerate(reqs):
@@ -80,7 +124,7 @@ class ModelRunner:
         pos = num_computed[row_of] + (np.arange(T) - starts[row_of])
         input_ids = batch.token_ids[row_of, pos]
         bs = self.block_size
-        meta = AttentionMetadata(
+        attn = AttentionMetadata(
             slot_blocks=torch.from_numpy(batch.block_table[row_of, pos // bs]).to(self.device),
             slot_offsets=torch.from_numpy(pos % bs).to(self.device),
             **self._attention_layout(num_sched, num_computed, starts),
@@ -88,19 +132,50 @@ class ModelRunner:
         hidden = self.model(
             torch.from_numpy(input_ids).to(self.device),
             torch.from_numpy(pos).to(self.device),
-            meta,
+            attn,
             self.kv_caches,
         )
         logits = self.model.compute_logits(hidden[torch.from_numpy(ends - 1).to(self.device)])
+        kept = logits.float().clone() if self.keep_logits else None
+        prompt_lp = self._prompt_logprobs(hidden, reqs, num_sched, num_computed, starts)
         output_positions = torch.from_numpy(
             batch.num_tokens[:R] - batch.num_prompt_tokens[:R]
         ).to(self.device)
-        out = self.sampler(logits, self.sampling_metadata, output_positions)
+        out = self.sampler(logits, meta, output_positions)
+        lp = out.logprobs
+        if lp is not None:
+            lp = LogprobsTensors(lp.token_ids.cpu(), lp.values.cpu(), lp.sampled_values.cpu(),
+                                 lp.sampled_ranks.cpu())
         return RunnerOutput(
             req_ids=[r.req_id for r in reqs],
             sampled_token_ids=out.sampled_token_ids.cpu().numpy(),
-            logits=logits.float() if self.keep_logits else None,
+            logprob_rows=meta.logprob_rows.cpu().numpy(),
+            num_logprobs=meta.num_logprobs,
+            logprobs=lp,
+            prompt_logprobs=prompt_lp,
+            logits=kept,
         )
+
+    def _prompt_logprobs(self, hidden, reqs, num_sched, num_computed, starts):
+        """Raw logprobs of each prompt token given the tokens before it, for the rows that
+        asked, computed on this step's chunk of their prompt."""
+        out: dict[str, PromptLogprobs] = {}
+        for row, req in enumerate(reqs):
+            k = req.sampling_params.prompt_logprobs
+            n_prompt = req.num_prompt_tokens
+            s = int(num_computed[row])
+            e = min(s + int(num_sched[row]), n_prompt - 1)  # positions predicting a prompt token
+            if k is None or e <= s:
+                continue
+            flat = torch.arange(int(starts[row]), int(starts[row]) + e - s, device=self.device)
+            lps = torch.log_softmax(self.model.compute_logits(hidden[flat]).float(), dim=-1)
+            targets = torch.tensor(req.prompt_token_ids[s + 1 : e + 1], device=self.device)
+            target_vals = lps.gather(1, targets[:, None])[:, 0]
+            ranks = (lps > target_vals[:, None]).sum(-1) + 1
+            vals, ids = lps.topk(k, dim=-1) if k else (lps[:, :0], targets[:, None][:, :0])
+            out[req.req_id] = PromptLogprobs(s, ids.cpu().numpy(), vals.cpu().numpy(),
+                                             target_vals.cpu().numpy(), ranks.cpu().numpy())
+        return out
 
     def _attention_layout(self, num_sched, num_computed, starts) -> dict:
         """Decode rows attend in one batched call; each prefill chunk in its own."""
@@ -123,5 +198,9 @@ class ModelRunner:
         ]
         return {"decode": decode, "prefills": prefills}
 
+    @torch.inference_mode()
     def accept_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Append the tokens the engine accepted (one per listed row) to the batch state."""
         self.input_batch.append_tokens(rows, token_ids)
+        self.sampler.accept(torch.from_numpy(rows).to(self.device),
+                            torch.from_numpy(token_ids).to(self.device))

@@ -35,9 +35,13 @@ class SeededNoise:
         k2 = _fmix32(k1 ^ ((positions * 0x27D4EB2F + 0x165667B1) & _M32))
         return k1, k2
 
-    def exponential(self, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """(R,) seeds and output positions -> (R, V) float32 Exp(1) noise."""
+    def exponential(self, seeds: torch.Tensor, positions: torch.Tensor,
+                    token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """(R,) seeds and output positions -> (R, V) float32 Exp(1) noise, or (R, K) for the
+        token ids (R, K) given. A token's noise depends only on (seed, position, token id), so
+        drawing over a candidate subset gives the same values as over the whole vocabulary."""
         k1, k2 = self.row_keys(seeds, positions)
-        h = _fmix32(((self.token_key[None, :] ^ k1[:, None]) + k2[:, None]) & _M32)
+        tk = self.token_key[None, :] if token_ids is None else self.token_key[token_ids]
+        h = _fmix32(((tk ^ k1[:, None]) + k2[:, None]) & _M32)
         u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1)
         return -torch.log(u)

@@ -1,12 +1,24 @@
-"""The sampler: one vectorised pass over the (rows, vocab) logits of a step.
+"""The sampler: one vectorised pass over the (rows, vocab) logits of a step, every row with its
+own parameters.
 
 Steps, in order (each skipped when no row needs it):
-  1. float32
-  2. greedy argmax for greedy rows
-  3. temperature
-  4. sampling by exponential race: argmax(p / E), E ~ Exp(1); seeded rows draw E from a
-     counter-based hash of (seed, output position), others from the engine's generator
-  5. per-row choice between the greedy and the random token
+   1. raw snapshot for rows that asked for raw logprobs / raw logits
+   2. float32
+   3. processors that can change the argmax: allowed_token_ids, bad_words, min_tokens,
+      logit_bias, then custom ones
+   4. penalties: repetition, frequency, presence (incremental counts, see penalties.py)
+   5. thinking-token budget (forces the end-of-thinking token once the budget is spent)
+   6. greedy argmax for greedy rows
+   7. temperature
+   8. processors that cannot change the argmax: min_p, then custom ones
+   9. top-k, then top-p on the mass top-k left (on the top-k candidates only, when every random
+      row has a small top_k; otherwise on a full sort)
+  10. sampling by exponential race, argmax(p / E) with E ~ Exp(1); seeded rows draw E from a
+      counter-based hash of (seed, output position, token id), the others from the engine's
+      generator
+  11. per-row choice between the greedy and the random token
+  12. logprobs: top-k values plus the sampled token's value and rank, from the raw or the
+      processed distribution as each row's logprobs_mode says
 """
 
 from __future__ import annotations
@@ -15,41 +27,123 @@ from dataclasses import dataclass
 
 import torch
 
+from ladle.sample.logits_processors.interface import BatchUpdate, LogitsProcessor
 from ladle.sample.metadata import SamplingMetadata
 from ladle.sample.noise import SeededNoise
+from ladle.sample.ops import NEG_INF, race, restrict_top_k_top_p
+from ladle.sample.penalties import PenaltyState
+
+
+@dataclass(slots=True)
+class LogprobsTensors:
+    """For the rows that asked (meta.logprob_rows), k = the largest num_logprobs."""
+
+    token_ids: torch.Tensor  # (N, k) in rank order
+    values: torch.Tensor  # (N, k)
+    sampled_values: torch.Tensor  # (N,)
+    sampled_ranks: torch.Tensor  # (N,) 1 = most likely
 
 
 @dataclass(slots=True)
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # (R,) int64
+    logprobs: LogprobsTensors | None = None
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device, generator: torch.Generator | None = None):
+    def __init__(self, vocab_size: int, device: torch.device, generator: torch.Generator,
+                 penalties: PenaltyState, argmax_changing: list[LogitsProcessor],
+                 thinking: LogitsProcessor | None, argmax_invariant: list[LogitsProcessor]):
         self.noise = SeededNoise(vocab_size, device)
         self.generator = generator
+        self.penalties = penalties
+        self.argmax_changing = argmax_changing
+        self.thinking = thinking
+        self.argmax_invariant = argmax_invariant
 
-    def __call__(
-        self, logits: torch.Tensor, meta: SamplingMetadata, output_positions: torch.Tensor
-    ) -> SamplerOutput:
-        """logits: (R, V); output_positions: (R,) index of the token being sampled within each
-        request's output (the counter of the seeded noise)."""
+    @property
+    def processors(self) -> list[LogitsProcessor]:
+        extra = [self.thinking] if self.thinking is not None else []
+        return self.argmax_changing + extra + self.argmax_invariant
+
+    def update_state(self, update: BatchUpdate | None) -> None:
+        self.penalties.update_state(update)
+        for p in self.processors:
+            p.update_state(update)
+
+    def accept(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Tokens accepted into rows' outputs this step (for the incremental penalty counts)."""
+        self.penalties.accept(rows, token_ids)
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
+                 output_positions: torch.Tensor) -> SamplerOutput:
+        """logits: (R, V) in batch-row order; output_positions: (R,) index of the token being
+        sampled within each request's output (the counter of the seeded noise)."""
+        raw = None
+        if meta.any_raw_logprobs:
+            raw = logits[meta.logprob_rows].float()
         logits = logits.float()
+        for p in self.argmax_changing:
+            logits = p.apply(logits)
+        if not meta.no_penalties:
+            logits = self.penalties.apply(logits, meta.presence, meta.frequency, meta.repetition)
+        if self.thinking is not None:
+            logits = self.thinking.apply(logits)
         greedy = None if meta.all_random else logits.argmax(dim=-1)
         if meta.all_greedy:
-            return SamplerOutput(greedy)
-        probs = torch.softmax(logits / meta.temperature[:, None], dim=-1)
-        sampled = self._race(probs, meta, output_positions)
-        if greedy is not None:
-            sampled = torch.where(meta.is_greedy, greedy, sampled)
-        return SamplerOutput(sampled)
-
-    def _race(self, probs, meta: SamplingMetadata, output_positions) -> torch.Tensor:
-        if meta.all_seeded:
-            noise = self.noise.exponential(meta.seeds, output_positions)
+            sampled, processed = greedy, logits
         else:
-            noise = torch.empty_like(probs).exponential_(generator=self.generator)
-            if meta.any_seeded:
-                rows = meta.has_seed.nonzero().squeeze(1)
-                noise[rows] = self.noise.exponential(meta.seeds[rows], output_positions[rows])
-        return (probs / noise).argmax(dim=-1)
+            logits = logits / meta.temperature[:, None]
+            for p in self.argmax_invariant:
+                logits = p.apply(logits)
+            sampled, processed = self._sample_random(logits, meta, output_positions)
+            if greedy is not None:
+                sampled = torch.where(meta.is_greedy, greedy, sampled)
+        lp = None
+        if meta.max_num_logprobs >= 0:
+            lp = self._logprobs(raw, processed, sampled, meta)
+        return SamplerOutput(sampled, lp)
+
+    def _noise(self, meta: SamplingMetadata, positions, ids: torch.Tensor | None, shape):
+        if meta.all_seeded:
+            return self.noise.exponential(meta.seeds, positions, ids)
+        noise = torch.empty(shape, device=meta.seeds.device).exponential_(generator=self.generator)
+        if meta.any_seeded:
+            rows = meta.has_seed.nonzero().squeeze(1)
+            sub_ids = None if ids is None else ids[rows]
+            noise[rows] = self.noise.exponential(meta.seeds[rows], positions[rows], sub_ids)
+        return noise
+
+    def _sample_random(self, logits, meta: SamplingMetadata, positions):
+        """Returns the sampled ids and the final logits (what the token was drawn from; the
+        full (R, V) tensor, with -inf where top-k/top-p removed a token)."""
+        if not (meta.need_top_k or meta.need_top_p):
+            probs = torch.softmax(logits, dim=-1)
+            return race(probs, self._noise(meta, positions, None, probs.shape)), logits
+        vals, ids = restrict_top_k_top_p(logits, meta.top_k, meta.top_p, meta.candidate_k,
+                                         meta.need_top_p)
+        probs = torch.softmax(vals, dim=-1)
+        choice = race(probs, self._noise(meta, positions, ids, probs.shape))
+        sampled = ids.gather(1, choice[:, None])[:, 0]
+        final = None
+        if meta.any_processed_logprobs:
+            final = torch.full_like(logits, NEG_INF).scatter_(1, ids, vals)
+        return sampled, final
+
+    @staticmethod
+    def _logprobs(raw, processed, sampled, meta: SamplingMetadata) -> LogprobsTensors:
+        rows = meta.logprob_rows
+        if raw is not None and processed is not None and meta.any_processed_logprobs:
+            src = torch.where(meta.logprobs_raw[:, None], raw, processed[rows])
+        elif raw is not None:
+            src = raw
+        else:
+            src = processed[rows]
+        as_logprobs = torch.log_softmax(src, dim=-1)
+        src = torch.where(meta.logprobs_as_logits[:, None], src, as_logprobs)
+        k = max(meta.max_num_logprobs, 0)
+        values, token_ids = src.topk(k, dim=-1) if k else (src[:, :0], sampled[rows, None][:, :0])
+        chosen = sampled[rows]
+        sampled_values = src.gather(1, chosen[:, None])[:, 0]
+        ranks = (src > sampled_values[:, None]).sum(dim=-1) + 1
+        return LogprobsTensors(token_ids, values, sampled_values, ranks)

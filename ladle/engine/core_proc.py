@@ -1,0 +1,165 @@
+"""The engine-core process: builds an EngineCore and runs its loop behind two ZMQ sockets.
+
+    API process                                engine-core process
+    PUSH  --(ADD EngineCoreRequest | ABORT [ids])-->  PULL   input
+    PULL  <--(EngineReady, then EngineCoreOutputs)--  PUSH   output
+
+Each loop turn drains the input socket without blocking, steps once if there is work, and sends
+that step's outputs with EngineCore.stats(). When idle it blocks on the input socket. No HTTP and
+no text work happens here: the process knows token ids only.
+
+    python -m ladle.engine.core_proc --input ipc://... --output ipc://... --config '{json}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from enum import Enum
+
+import msgspec
+import zmq
+
+from ladle.config import EngineConfig
+from ladle.engine.request import FinishReason
+from ladle.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+
+logger = logging.getLogger("ladle.engine.core_proc")
+
+# How often an idle engine wakes up to check that the API process is still there.
+_IDLE_POLL_MS = 1000
+
+
+class RequestType(bytes, Enum):
+    """First frame of every API -> engine message; the second frame is the msgpack payload."""
+
+    ADD = b"\x00"  # payload: EngineCoreRequest
+    ABORT = b"\x01"  # payload: list[str], engine request ids
+
+
+class EngineReady(msgspec.Struct, omit_defaults=True):
+    """The engine's first message on the output socket: it loaded the model, or why not."""
+
+    vocab_size: int = 0
+    max_model_len: int = 0
+    model_path: str = ""  # the resolved checkpoint directory (tokenizer and generation_config)
+    num_kv_blocks: int = 0
+    block_size: int = 0
+    pid: int = 0
+    error: str | None = None  # set when the engine failed to start; it then exits non-zero
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> None:
+    """Entry point of the engine process: handshake, then the busy loop until SIGTERM or until
+    the parent goes away. An exception in a step ends the process with a non-zero code (the API
+    process watches for that and fails the requests in flight)."""
+    ctx = zmq.Context()
+    out_sock = ctx.socket(zmq.PUSH)
+    out_sock.setsockopt(zmq.LINGER, 2000)
+    out_sock.connect(output_addr)
+    in_sock = ctx.socket(zmq.PULL)
+    in_sock.setsockopt(zmq.LINGER, 0)
+    in_sock.connect(input_addr)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        from ladle.engine.core import EngineCore  # torch and the model: only in this process
+
+        engine = EngineCore(config)
+    except Exception as e:
+        logger.exception("engine core failed to start")
+        out_sock.send(encoder.encode(EngineReady(error=f"{type(e).__name__}: {e}")))
+        out_sock.close()
+        ctx.term()
+        sys.exit(1)
+    out_sock.send(encoder.encode(EngineReady(
+        vocab_size=engine.vocab_size, max_model_len=engine.max_model_len,
+        model_path=str(engine.model_path), num_kv_blocks=engine.kv_cache.num_blocks,
+        block_size=config.block_size, pid=os.getpid(),
+    )))
+    EngineCoreLoop(engine, in_sock, out_sock).run()
+
+
+class EngineCoreLoop:
+    def __init__(self, engine, in_sock: zmq.Socket, out_sock: zmq.Socket):
+        self.engine = engine
+        self.in_sock = in_sock
+        self.out_sock = out_sock
+        self.poller = zmq.Poller()
+        self.poller.register(in_sock, zmq.POLLIN)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+        self.abort_decoder = msgspec.msgpack.Decoder(list[str])
+        self.parent_pid = os.getppid()
+        self.errors: list[EngineCoreOutput] = []  # requests rejected since the last send
+        self.is_dirty = False  # the engine's state changed since the last stats were sent
+
+    def run(self) -> None:
+        engine = self.engine
+        while True:
+            if not engine.has_unfinished_requests():
+                if self.is_dirty or self.errors:
+                    self._send([])  # aborts freed blocks: report the idle gauges once
+                while not self.poller.poll(_IDLE_POLL_MS):
+                    if os.getppid() != self.parent_pid:
+                        logger.info("API process exited; engine core stopping")
+                        return
+            self._drain_input()
+            outputs = engine.step() if engine.has_unfinished_requests() else []
+            if outputs or self.errors:
+                self._send(outputs)
+
+    def _drain_input(self) -> None:
+        while True:
+            try:
+                kind, payload = self.in_sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.is_dirty = True
+            if kind.bytes == RequestType.ADD.value:
+                req = self.add_decoder.decode(payload.buffer)
+                try:
+                    self.engine.add_request(req)
+                except ValueError as e:  # the API process validates first; this is a backstop
+                    self.errors.append(EngineCoreOutput(
+                        req_id=req.req_id, new_token_ids=[], finish_reason=int(FinishReason.ERROR),
+                        error=str(e)))
+            elif kind.bytes == RequestType.ABORT.value:
+                for req_id in self.abort_decoder.decode(payload.buffer):
+                    self.engine.abort_request(req_id)
+            else:
+                logger.error("unknown request type %r", kind.bytes)
+
+    def _send(self, outputs: list[EngineCoreOutput]) -> None:
+        if self.errors:
+            outputs = self.errors + outputs
+            self.errors = []
+        msg = EngineCoreOutputs(outputs=outputs, stats=self.engine.stats())
+        self.out_sock.send(self.encoder.encode(msg), copy=False)
+        self.is_dirty = False
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="ladle engine-core process (started by ladle serve)")
+    ap.add_argument("--input", required=True, help="ZMQ address the API process pushes to")
+    ap.add_argument("--output", required=True, help="ZMQ address the API process pulls from")
+    ap.add_argument("--config", required=True, help="EngineConfig as JSON")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("LADLE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s")
+    # Ctrl-C in a terminal reaches the whole process group: the API process decides when the
+    # engine stops (it sends SIGTERM), so in-flight requests can end cleanly.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    config = msgspec.json.decode(args.config.encode(), type=EngineConfig)
+    t = time.perf_counter()
+    logger.info("engine core starting (pid %d, model %s)", os.getpid(), config.model)
+    run_engine_core(config, args.input, args.output)
+    logger.info("engine core stopped after %.0f s", time.perf_counter() - t)
+
+
+if __name__ == "__main__":
+    main()

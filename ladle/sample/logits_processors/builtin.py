@@ -1,0 +1,203 @@
+"""Built-in processors: allowed_token_ids, bad_words, min_tokens, logit_bias, min_p, and the
+thinking-token budget. Each keeps state only for the rows that use it and costs nothing when no
+row does."""
+
+from __future__ import annotations
+
+import torch
+
+from ladle.sample.logits_processors.interface import (
+    AddedRow,
+    BatchUpdate,
+    ProcessorConfig,
+    RowStateProcessor,
+)
+
+NEG_INF = float("-inf")
+
+
+class AllowedTokenIdsProcessor(RowStateProcessor):
+    """Every token outside allowed_token_ids gets -inf."""
+
+    def __init__(self, config: ProcessorConfig):
+        super().__init__(config)
+        self.rows: torch.Tensor | None = None
+        self.banned: torch.Tensor | None = None  # (active rows, V) bool
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def new_state(self, a: AddedRow):
+        return a.params.allowed_token_ids
+
+    def update_state(self, update: BatchUpdate | None) -> bool:
+        if super().update_state(update):
+            rows = sorted(self.states)
+            banned = torch.ones(len(rows), self.config.vocab_size, dtype=torch.bool)
+            for i, r in enumerate(rows):
+                banned[i, self.states[r]] = False
+            self.rows = torch.tensor(rows, dtype=torch.long, device=self.config.device)
+            self.banned = banned.to(self.config.device)
+        return False
+
+    def apply(self, logits):
+        if self.states:
+            logits[self.rows] = logits[self.rows].masked_fill(self.banned, NEG_INF)
+        return logits
+
+
+class BadWordsProcessor(RowStateProcessor):
+    """A single-token bad word is always banned; a multi-token one bans its last token only
+    when the output so far ends with the word's other tokens."""
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def new_state(self, a: AddedRow):
+        seqs = a.params.bad_words_token_ids
+        return (seqs, a.output_token_ids) if seqs else None
+
+    def apply(self, logits):
+        rows, toks = [], []
+        for row, (seqs, out) in self.states.items():
+            for seq in seqs:
+                n = len(seq) - 1
+                if n == 0 or (len(out) >= n and out[-n:] == seq[:-1]):
+                    rows.append(row)
+                    toks.append(seq[-1])
+        if rows:
+            logits[rows, toks] = NEG_INF
+        return logits
+
+
+class MinTokensProcessor(RowStateProcessor):
+    """EOS and stop_token_ids get -inf until the row has min_tokens output tokens."""
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def new_state(self, a: AddedRow):
+        p = a.params
+        stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(a.eos_token_ids))
+        if p.min_tokens > 0 and stops:
+            return p.min_tokens, stops, a.output_token_ids
+        return None
+
+    def apply(self, logits):
+        rows, toks = [], []
+        for row, (min_tokens, stops, out) in self.states.items():
+            if len(out) < min_tokens:
+                rows += [row] * len(stops)
+                toks += stops
+        if rows:
+            logits[rows, toks] = NEG_INF
+        return logits
+
+
+class LogitBiasProcessor(RowStateProcessor):
+    """Adds logit_bias[token] to the row's logit of token (values already clamped to
+    [-100, 100] by SamplingParams)."""
+
+    def __init__(self, config: ProcessorConfig):
+        super().__init__(config)
+        self.index: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.values: torch.Tensor | None = None
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def new_state(self, a: AddedRow):
+        return a.params.logit_bias or None
+
+    def update_state(self, update: BatchUpdate | None) -> bool:
+        if super().update_state(update):
+            rows, toks, vals = [], [], []
+            for r, bias in self.states.items():
+                rows += [r] * len(bias)
+                toks += list(bias)
+                vals += list(bias.values())
+            dev = self.config.device
+            self.index = (torch.tensor(rows, dtype=torch.long, device=dev),
+                          torch.tensor(toks, dtype=torch.long, device=dev))
+            self.values = torch.tensor(vals, dtype=torch.float32, device=dev)
+        return False
+
+    def apply(self, logits):
+        if self.states:
+            logits.index_put_(self.index, self.values, accumulate=True)
+        return logits
+
+
+class MinPProcessor(RowStateProcessor):
+    """Drops tokens whose probability is below min_p times the row's top probability. On
+    temperature-scaled logits that is: logit < max_logit + log(min_p); no softmax needed."""
+
+    def __init__(self, config: ProcessorConfig):
+        super().__init__(config)
+        self.rows: torch.Tensor | None = None
+        self.log_min_p: torch.Tensor | None = None
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def new_state(self, a: AddedRow):
+        return a.params.min_p if a.params.min_p > 0 else None
+
+    def update_state(self, update: BatchUpdate | None) -> bool:
+        if super().update_state(update):
+            rows = sorted(self.states)
+            dev = self.config.device
+            self.rows = torch.tensor(rows, dtype=torch.long, device=dev)
+            self.log_min_p = torch.tensor([self.states[r] for r in rows],
+                                          dtype=torch.float32, device=dev).log()
+        return False
+
+    def apply(self, logits):
+        if self.states:
+            sub = logits[self.rows]
+            cutoff = sub.max(dim=-1, keepdim=True).values + self.log_min_p[:, None]
+            logits[self.rows] = sub.masked_fill(sub < cutoff, NEG_INF)
+        return logits
+
+
+class ThinkingBudgetProcessor(RowStateProcessor):
+    """Ends the thinking phase once thinking_token_budget tokens were spent in it, by forcing
+    the end-of-thinking token. A row is thinking after a start token (in the prompt, when the
+    chat template opened the block, or in the output) until an end token."""
+
+    def __init__(self, config: ProcessorConfig, think_start_id: int | None,
+                 think_end_id: int | None):
+        super().__init__(config)
+        self.start_id, self.end_id = think_start_id, think_end_id
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def new_state(self, a: AddedRow):
+        budget = a.params.thinking_token_budget
+        if budget is None or self.end_id is None:
+            return None
+        prompt = a.prompt_token_ids
+        last_start = max((i for i, t in enumerate(prompt) if t == self.start_id), default=-1)
+        last_end = max((i for i, t in enumerate(prompt) if t == self.end_id), default=-1)
+        # [budget, output list, tokens seen, thinking?, tokens spent thinking]
+        return [budget, a.output_token_ids, 0, last_start > last_end, 0]
+
+    def apply(self, logits):
+        force = []
+        for row, st in self.states.items():
+            budget, out, seen, thinking, spent = st
+            for t in out[seen:]:
+                if t == self.start_id:
+                    thinking, spent = True, 0
+                elif t == self.end_id:
+                    thinking = False
+                elif thinking:
+                    spent += 1
+            st[2:] = [len(out), thinking, spent]
+            if thinking and spent >= budget:
+                force.append(row)
+        if force:
+            logits[force] = NEG_INF
+            logits[force, self.end_id] = 0.0
+        return logits

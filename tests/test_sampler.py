@@ -1,0 +1,298 @@
+"""Exact semantics of every sampling parameter, each row against a plain per-row reference
+computed here; sampling frequencies against softmax probabilities (chi-square)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from sampler_harness import Harness
+
+from ladle.sampling_params import SamplingParams
+
+V = 32
+NEG = float("-inf")
+
+
+def P(**kw):
+    """Params that report the full processed logits of every row."""
+    kw.setdefault("logprobs", V)
+    kw.setdefault("logprobs_mode", "processed_logits")
+    kw.setdefault("max_tokens", 100)
+    return SamplingParams(**kw)
+
+
+def logits_for(rows: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, V, generator=g) * 2
+
+
+# ---- plain per-row references --------------------------------------------------------------
+def ref_penalties(row, prompt, output, rep=1.0, freq=0.0, pres=0.0):
+    row = row.clone()
+    counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=V).float()
+    for t in range(V):
+        if t in prompt or counts[t] > 0:
+            row[t] = row[t] / rep if row[t] > 0 else row[t] * rep
+    return row - freq * counts - pres * (counts > 0).float()
+
+
+def ref_top_k_top_p(row, k, p):
+    row = row.clone()
+    order = torch.argsort(row, descending=True)
+    if k:
+        row[order[k:]] = NEG
+    probs = torch.softmax(row, -1)
+    kept, mass = [], 0.0
+    for t in order.tolist():
+        if mass >= p and p < 1:
+            break
+        if row[t] == NEG:
+            break
+        kept.append(t)
+        mass += probs[t].item()
+    out = torch.full_like(row, NEG)
+    out[kept] = row[kept]
+    return out
+
+
+def ref_min_p(row, min_p):
+    probs = torch.softmax(row, -1)
+    return torch.where(probs < min_p * probs.max(), torch.full_like(row, NEG), row)
+
+
+# ---- exact semantics ------------------------------------------------------------------------
+def test_penalties_match_reference():
+    h = Harness(V)
+    prompt, output = [1, 2, 3, 3], [3, 5, 5, 5, 9, 30]
+    specs = [
+        (P(temperature=0, repetition_penalty=1.3), prompt, output),
+        (P(temperature=0, frequency_penalty=0.7), prompt, output),
+        (P(temperature=0, presence_penalty=1.1), prompt, output),
+        (P(temperature=0, repetition_penalty=0.8, frequency_penalty=-0.5, presence_penalty=0.3),
+         prompt, output),
+        (P(temperature=0), prompt, output),  # unpenalized row in the same batch: untouched
+    ]
+    h.set_requests(specs)
+    logits = logits_for(len(specs))
+    got = h.processed_logits(logits)
+    refs = [
+        ref_penalties(logits[0], prompt, output, rep=1.3),
+        ref_penalties(logits[1], prompt, output, freq=0.7),
+        ref_penalties(logits[2], prompt, output, pres=1.1),
+        ref_penalties(logits[3], prompt, output, rep=0.8, freq=-0.5, pres=0.3),
+        logits[4],
+    ]
+    for g, r in zip(got, refs, strict=True):
+        torch.testing.assert_close(g, r)
+
+
+def test_penalty_counts_follow_sampled_tokens_incrementally():
+    """Counts after several steps equal counts rebuilt from the whole history."""
+    h = Harness(V)
+    h.set_requests([(P(temperature=0, frequency_penalty=1.0, presence_penalty=0.5), [4], [])])
+    base = torch.zeros(1, V)
+    base[0, :4] = torch.tensor([3.0, 2.9, 2.8, 2.7])  # greedy picks, penalties rotate them
+    for _ in range(12):
+        h.step(base)
+    out = h.requests[0].output_token_ids
+    assert len(set(out)) > 1  # the penalties really changed the argmax over time
+    got = h.processed_logits(base)[0]
+    torch.testing.assert_close(got, ref_penalties(base[0], [4], out, freq=1.0, pres=0.5))
+
+
+def test_logit_bias_allowed_ids_and_bad_words():
+    h = Harness(V)
+    prompt = [1]
+    specs = [
+        (P(temperature=0, logit_bias={3: 5.0, 7: -100.0, 9: 250.0}), prompt, []),
+        (P(temperature=0, allowed_token_ids=[2, 4, 6]), prompt, []),
+        # [10] always banned; [11, 12] bans 12 only after 11; [13, 14, 15] bans 15 after 13 14.
+        (P(temperature=0, bad_words=["x"]), prompt, [13, 14]),
+        (P(temperature=0, bad_words=["x"]), prompt, [11]),
+        (P(temperature=0, bad_words=["x"]), prompt, [14, 13]),
+    ]
+    for _, (params, _, _) in enumerate(specs[2:]):
+        params.bad_words_token_ids = [[10], [11, 12], [13, 14, 15]]
+    h.set_requests(specs)
+    logits = logits_for(len(specs), seed=1)
+    got = h.processed_logits(logits)
+    r0 = logits[0].clone()
+    r0[3] += 5.0
+    r0[7] -= 100.0
+    r0[9] += 100.0  # clamped to [-100, 100]
+    torch.testing.assert_close(got[0], r0)
+    r1 = torch.full((V,), NEG)
+    r1[[2, 4, 6]] = logits[1, [2, 4, 6]]
+    torch.testing.assert_close(got[1], r1)
+    banned = {2: [10, 15], 3: [10, 12], 4: [10]}
+    for row, toks in banned.items():
+        r = logits[row].clone()
+        r[toks] = NEG
+        torch.testing.assert_close(got[row], r)
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached():
+    h = Harness(V)
+    specs = [
+        (P(temperature=0, min_tokens=3, stop_token_ids=[5]), [1], [2, 2]),  # 2 < 3: banned
+        (P(temperature=0, min_tokens=2, stop_token_ids=[5]), [1], [2, 2]),  # reached
+        (P(temperature=0, min_tokens=3, ignore_eos=True), [1], [2]),  # EOS not a stop here
+    ]
+    h.set_requests(specs, eos=(0,))
+    logits = logits_for(3)
+    got = h.processed_logits(logits)
+    r0 = logits[0].clone()
+    r0[[5, 0]] = NEG
+    torch.testing.assert_close(got[0], r0)
+    torch.testing.assert_close(got[1], logits[1])
+    torch.testing.assert_close(got[2], logits[2])
+
+
+def test_temperature_top_k_top_p_min_p_match_reference():
+    h = Harness(V)
+    cases = [
+        dict(temperature=0.7),
+        dict(temperature=1.0, top_k=5),
+        dict(temperature=1.3, top_p=0.6),
+        dict(temperature=0.9, top_k=8, top_p=0.5),  # top-p on the mass top-k left
+        dict(temperature=1.0, min_p=0.2),
+        dict(temperature=2.0, min_p=0.05, top_k=10, top_p=0.9),
+    ]
+    h.set_requests([(P(seed=i, **c), [1], []) for i, c in enumerate(cases)])
+    logits = logits_for(len(cases), seed=3)
+    got = h.processed_logits(logits)
+    for i, c in enumerate(cases):
+        r = logits[i] / c["temperature"]
+        if c.get("min_p"):
+            r = ref_min_p(r, c["min_p"])
+        r = ref_top_k_top_p(r, c.get("top_k", 0), c.get("top_p", 1.0))
+        torch.testing.assert_close(got[i], r, msg=str(c))
+
+
+def test_greedy_rows_take_the_argmax_after_processing():
+    h = Harness(V)
+    h.set_requests([(SamplingParams(temperature=0, logit_bias={7: 100.0}), [1], []),
+                    (SamplingParams(temperature=1e-6), [1], []),  # below 1e-5: greedy
+                    (SamplingParams(temperature=1.0, seed=3), [1], [])])
+    logits = logits_for(3, seed=5)
+    out = h.step(logits, accept=False).sampled_token_ids
+    assert out[0].item() == 7
+    assert out[1].item() == logits[1].argmax().item()
+
+
+def test_thinking_budget_forces_end_of_thinking():
+    think, end = 20, 21
+    h = Harness(V, think=(think, end))
+    h.set_requests([
+        (SamplingParams(temperature=0, thinking_token_budget=3), [1, think], [4, 5]),  # 2 spent
+        (SamplingParams(temperature=0, thinking_token_budget=3), [1, think], [4, 5, 6]),  # 3
+        (SamplingParams(temperature=0, thinking_token_budget=3), [1], [think, 4, 5, 6]),
+        (SamplingParams(temperature=0, thinking_token_budget=3), [1], [think, 4, end, 5, 6, 7]),
+    ])
+    logits = logits_for(4)
+    logits[:, end] = -50  # the model itself would never end thinking
+    out = h.step(logits, accept=False).sampled_token_ids.tolist()
+    assert out[0] != end and out[1] == end and out[2] == end and out[3] != end
+
+
+# ---- logprobs ---------------------------------------------------------------------------------
+def test_logprobs_modes_and_sampled_rank():
+    h = Harness(V)
+    h.set_requests([
+        (SamplingParams(temperature=0.5, top_k=4, seed=1, logprobs=3), [1], []),
+        (SamplingParams(temperature=0.5, top_k=4, seed=1, logprobs=3,
+                        logprobs_mode="processed_logprobs"), [1], []),
+        (SamplingParams(temperature=0, logprobs=0, logprobs_mode="raw_logits"), [1], []),
+        (SamplingParams(temperature=0.5), [1], []),  # no logprobs
+    ])
+    logits = logits_for(4, seed=9)
+    logits[1] = logits[0]
+    out = h.step(logits, accept=False)
+    lp = out.logprobs
+    assert lp.token_ids.shape == (3, 3)
+    raw = torch.log_softmax(logits[0], -1)
+    torch.testing.assert_close(lp.values[0], raw.topk(3).values)
+    s0 = out.sampled_token_ids[0]
+    torch.testing.assert_close(lp.sampled_values[0], raw[s0])
+    assert lp.sampled_ranks[0] == (raw > raw[s0]).sum() + 1
+    # processed: the distribution after temperature and top-k, renormalised over 4 tokens.
+    proc = torch.log_softmax(ref_top_k_top_p(logits[1] / 0.5, 4, 1.0), -1)
+    torch.testing.assert_close(lp.values[1], proc.topk(3).values)
+    assert torch.exp(proc).sum().item() == pytest.approx(1.0)
+    assert out.sampled_token_ids[1] == out.sampled_token_ids[0]  # same seed, same draw
+    torch.testing.assert_close(lp.sampled_values[2], logits[2].max())
+    assert lp.sampled_ranks[2] == 1
+
+
+# ---- distributions --------------------------------------------------------------------------
+def chi_square_ok(counts: torch.Tensor, probs: torch.Tensor) -> bool:
+    """Pearson chi-square against `probs` at significance 1e-4 (Wilson-Hilferty critical
+    value), over the tokens with non-zero probability; tokens with zero probability must
+    never appear."""
+    support = probs > 0
+    if counts[~support].sum() > 0:
+        return False
+    n = counts.sum()
+    expected = probs[support] * n
+    stat = (((counts[support] - expected) ** 2) / expected).sum().item()
+    df = int(support.sum()) - 1
+    z = 3.719  # one-sided 1e-4
+    crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat < crit
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+@pytest.mark.parametrize("case", [
+    dict(temperature=1.0),
+    dict(temperature=0.8, top_k=6),
+    dict(temperature=1.0, top_p=0.7),
+    dict(temperature=1.0, min_p=0.15),
+])
+def test_sampling_frequencies_match_softmax(case, seeded):
+    vocab, rows, steps = 12, 256, 40  # 10240 draws
+    h = Harness(vocab, max_rows=rows, seed=7)
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn(vocab, generator=g)
+    specs = [(SamplingParams(seed=(1000 + i) if seeded else None, max_tokens=100, **case),
+              [1], []) for i in range(rows)]
+    h.set_requests(specs)
+    counts = torch.zeros(vocab)
+    for _ in range(steps):
+        toks = h.step(base.expand(rows, vocab).clone()).sampled_token_ids
+        counts += torch.bincount(toks, minlength=vocab).float()
+    r = base / case["temperature"]
+    if case.get("min_p"):
+        r = ref_min_p(r, case["min_p"])
+    r = ref_top_k_top_p(r, case.get("top_k", 0), case.get("top_p", 1.0))
+    assert chi_square_ok(counts, torch.softmax(r, -1)), counts
+
+
+# ---- validation -------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, field, accepted", [
+    (dict(temperature=-0.1), "temperature", ">= 0"),
+    (dict(top_p=0.0), "top_p", "(0, 1]"),
+    (dict(top_p=1.5), "top_p", "(0, 1]"),
+    (dict(top_k=-2), "top_k", "-1 or 0"),
+    (dict(n=0), "n", ">= 1"),
+    (dict(min_tokens=20, max_tokens=10), "min_tokens", "<= max_tokens"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids", "non-empty"),
+    (dict(min_p=1.5), "min_p", "[0, 1]"),
+    (dict(presence_penalty=3.0), "presence_penalty", "[-2, 2]"),
+    (dict(repetition_penalty=0.0), "repetition_penalty", "> 0"),
+    (dict(logprobs_mode="weird"), "logprobs_mode", "raw_logprobs"),
+])
+def test_invalid_values_name_the_field(kwargs, field, accepted):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kwargs)
+    assert str(e.value).startswith(field + ":") and accepted in str(e.value)
+
+
+def test_model_dependent_validation():
+    with pytest.raises(ValueError, match=r"logit_bias: token id\(s\) \[40\] outside the vocab"):
+        SamplingParams(logit_bias={40: 1.0}).verify_for_model(32, 20)
+    with pytest.raises(ValueError, match="logprobs: 21 is above the server's maximum \\(20\\)"):
+        SamplingParams(logprobs=21).verify_for_model(32, 20)
+    with pytest.raises(ValueError, match="allowed_token_ids: token id"):
+        SamplingParams(allowed_token_ids=[1, 99]).verify_for_model(32, 20)
