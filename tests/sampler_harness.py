@@ -25,7 +25,7 @@ CPU = torch.device("cpu")
 
 
 class Harness:
-    def __init__(self, vocab: int, max_rows: int = 64, seed: int = 0, think=(None, None),
+    def __init__(self, vocab: int, max_rows: int = 64, seed: int = 0, reasoning=None,
                  custom=()):
         self.vocab = vocab
         self.batch = InputBatch(max_rows, 256, 16)
@@ -38,7 +38,7 @@ class Harness:
             p = cls(cfg)
             (invariant if p.is_argmax_invariant() else changing).append(p)
         self.sampler = Sampler(vocab, CPU, gen, PenaltyState(max_rows, vocab, CPU), changing,
-                               ThinkingBudgetProcessor(cfg, *think), invariant)
+                               ThinkingBudgetProcessor(cfg, reasoning), invariant)
         self.requests: list[Request] = []
 
     def set_requests(self, specs: list[tuple[SamplingParams, list[int], list[int]]],

@@ -183,8 +183,10 @@ def test_greedy_rows_take_the_argmax_after_processing():
 
 
 def test_thinking_budget_forces_end_of_thinking():
+    from ladle.reasoning import ReasoningConfig
+
     think, end = 20, 21
-    h = Harness(V, think=(think, end))
+    h = Harness(V, reasoning=ReasoningConfig("qwen3", think, end))
     h.set_requests([
         (SamplingParams(temperature=0, thinking_token_budget=3), [1, think], [4, 5]),  # 2 spent
         (SamplingParams(temperature=0, thinking_token_budget=3), [1, think], [4, 5, 6]),  # 3

@@ -17,8 +17,10 @@ from ladle.engine.request import FinishReason, Request, RequestStatus
 from ladle.engine.scheduler import Scheduler
 from ladle.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
 from ladle.models.loader import load_model, read_hf_config, resolve_dtype, resolve_model_path
+from ladle.reasoning import ReasoningConfig
 from ladle.runner.model_runner import ModelRunner, RunnerOutput
-from ladle.tokenizer import has_tokenizer, load_tokenizer
+from ladle.structured_output.manager import StructuredOutputManager
+from ladle.tokenizer import eos_token_ids, has_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +64,14 @@ class EngineCore:
         # files still serves token-id requests.
         tok_path = config.tokenizer or self.model_path
         self.tokenizer = load_tokenizer(tok_path) if has_tokenizer(tok_path) else None
-        self.think_token_ids = _think_token_ids(self.tokenizer)
+        self.reasoning = ReasoningConfig.from_tokenizer(config.reasoning_parser, self.tokenizer)
         self.runner = ModelRunner(model, device, num_blocks, bs, config.max_num_seqs,
                                   self.max_model_len, config.seed, keep_logits,
-                                  config.logits_processors, self.think_token_ids)
+                                  config.logits_processors, self.reasoning)
+        eos = _eos_ids(self.tokenizer, self.model_path)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, self.vocab_size, eos, config.structured_outputs_backend,
+            self.reasoning, config.max_num_seqs)
         self.hf_config = hf_config
         self.num_steps = 0
         self.last_logits = None  # (R, V) of the last step when keep_logits (tests)
@@ -95,14 +101,18 @@ class EngineCore:
         if params.bad_words and params.bad_words_token_ids is None:
             raise ValueError("bad_words: not tokenised; call SamplingParams.update_from_tokenizer "
                              "in the frontend before sending the request")
-        if params.thinking_token_budget is not None and self.think_token_ids[1] is None:
-            raise ValueError("thinking_token_budget: this model's tokenizer has no </think> token")
+        if params.thinking_token_budget is not None and self.reasoning is None:
+            raise ValueError("thinking_token_budget: needs a reasoning parser (start the engine "
+                             "with --reasoning-parser) to know when thinking starts and ends")
         for proc in self.runner.custom_processors:
             proc.validate_params(params)
         request = Request(req.req_id, req.prompt_token_ids, params, req.eos_token_ids,
                           req.priority, req.cache_salt, req.arrival_time)
         room = self.max_model_len - n_prompt
         request.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.structured_outputs is not None:
+            self.structured.add_request(request)  # compiles in the background
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.scheduler.add_request(request)
 
     def abort_request(self, req_id: str) -> None:
@@ -116,15 +126,18 @@ class EngineCore:
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
+        failed = [EngineCoreOutput(req_id=r.req_id, new_token_ids=[],
+                                   finish_reason=int(FinishReason.ERROR), error=r.error)
+                  for r in sched.failed]
         if sched.is_empty:
-            return []
+            return failed
         blocks = {r.req_id: self.kv_cache.get_blocks(r.req_id) for r in sched.scheduled}
-        out = self.runner.execute(sched, blocks)
+        out = self.runner.execute(sched, blocks, self.structured)
         self.scheduler.update_after_step(sched)
         self.num_steps += 1
         if out.logits is not None:
             self.last_logits, self.last_req_ids = out.logits, out.req_ids
-        return self._update(sched.scheduled, out)
+        return failed + self._update(sched.scheduled, out)
 
     def _update(self, scheduled: list[Request], out: RunnerOutput) -> list[EngineCoreOutput]:
         """Accept the sampled token of every row that finished its prompt; stop what is done."""
@@ -146,6 +159,8 @@ class EngineCore:
             accepted_rows.append(row)
             accepted_tokens.append(token)
             status = self._check_stop(req, token)
+            if req.grammar is not None and self.structured.accept(req, token) and status is None:
+                status = RequestStatus.FINISHED_STOPPED  # the constraint is complete
             if status is not None:
                 self.scheduler.finish(req, status)
             outputs.append(EngineCoreOutput(
@@ -175,7 +190,7 @@ class EngineCore:
 
     def stats(self) -> dict:
         kv = self.kv_cache
-        return {
+        return self.structured.stats() | {
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "kv_cache_usage": kv.usage,
@@ -212,11 +227,8 @@ def _prompt_logprobs(req: Request) -> Logprobs | None:
     )
 
 
-def _think_token_ids(tokenizer) -> tuple[int | None, int | None]:
-    if tokenizer is None:
-        return None, None
-    vocab = tokenizer.get_vocab()
-    return vocab.get("<think>"), vocab.get("</think>")
+def _eos_ids(tokenizer, model_path) -> list[int]:
+    return eos_token_ids(tokenizer, model_path) if tokenizer is not None else []
 
 
 __all__ = ["EngineCore", "FinishReason"]

@@ -22,6 +22,7 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)  # left the batch since last step
+    failed: list[Request] = field(default_factory=list)  # e.g. grammar compile errors
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -69,6 +70,11 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
         budget = self.max_num_batched_tokens
+        for req in [r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_GRAMMAR]:
+            if req.grammar.poll() == "error":  # fails alone; nobody else waits for it
+                req.error = req.grammar.error
+                self.finish(req, RequestStatus.FINISHED_ERROR)
+                out.failed.append(req)
 
         # 1. Running requests keep going; preempt from the back when blocks run out.
         i = 0
@@ -119,7 +125,7 @@ class Scheduler:
     def _grammar_ready(req: Request) -> bool:
         if req.status != RequestStatus.WAITING_FOR_GRAMMAR:
             return True
-        if req.grammar is not None and req.grammar.is_ready():
+        if req.grammar.poll() == "ready":
             req.status = RequestStatus.WAITING
             return True
         return False

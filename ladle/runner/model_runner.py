@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ladle.engine.scheduler import SchedulerOutput
+from ladle.reasoning import ReasoningConfig
 from ladle.runner.attention import AttentionMetadata, DecodeBatch, build_prefill
 from ladle.runner.input_batch import InputBatch
 from ladle.sample.logits_processors.builtin import (
@@ -29,6 +30,7 @@ from ladle.sample.logits_processors.interface import LogitsProcessor, ProcessorC
 from ladle.sample.metadata import SamplingMetadata
 from ladle.sample.penalties import PenaltyState
 from ladle.sample.sampler import LogprobsTensors, Sampler
+from ladle.structured_output.manager import StructuredOutputManager, apply_bitmask
 
 
 @dataclass(slots=True)
@@ -57,7 +59,7 @@ class ModelRunner:
     def __init__(self, model, device: torch.device, num_blocks: int, block_size: int,
                  max_num_seqs: int, max_model_len: int, seed: int, keep_logits: bool = False,
                  logits_processors: list[str] | None = None,
-                 think_token_ids: tuple[int | None, int | None] = (None, None)):
+                 reasoning: ReasoningConfig | None = None):
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -88,7 +90,7 @@ class ModelRunner:
         self.sampler = Sampler(
             cfg.vocab_size, device, self.generator,
             PenaltyState(max_num_seqs, cfg.vocab_size, device), changing,
-            ThinkingBudgetProcessor(pcfg, *think_token_ids), invariant,
+            ThinkingBudgetProcessor(pcfg, reasoning), invariant,
         )
         self.sampling_metadata: SamplingMetadata | None = None
         self.keep_logits = keep_logits
@@ -100,7 +102,8 @@ class ModelRunner:
         return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * elem
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, kv_blocks: dict[str, list[int]]) -> RunnerOutput:
+    def execute(self, sched: SchedulerOutput, kv_blocks: dict[str, list[int]],
+                structured: StructuredOutputManager | None = None) -> RunnerOutput:
         batch = self.input_batch
         update = batch.update(sched.scheduled, reset={r.req_id for r in sched.preempted})
         self.sampler.update_state(update)
@@ -129,6 +132,9 @@ class ModelRunner:
             slot_offsets=torch.from_numpy(pos % bs).to(self.device),
             **self._attention_layout(num_sched, num_computed, starts),
         )
+        # Grammar bitmasks are filled in a worker thread while the forward runs.
+        samples_output = (num_computed + num_sched >= batch.num_tokens[:R]).tolist()
+        mask_job = structured.submit_bitmask(reqs, samples_output) if structured else None
         hidden = self.model(
             torch.from_numpy(input_ids).to(self.device),
             torch.from_numpy(pos).to(self.device),
@@ -137,6 +143,8 @@ class ModelRunner:
         )
         logits = self.model.compute_logits(hidden[torch.from_numpy(ends - 1).to(self.device)])
         kept = logits.float().clone() if self.keep_logits else None
+        if mask_job is not None:
+            apply_bitmask(logits, *mask_job.result())
         prompt_lp = self._prompt_logprobs(hidden, reqs, num_sched, num_computed, starts)
         output_positions = torch.from_numpy(
             batch.num_tokens[:R] - batch.num_prompt_tokens[:R]

@@ -43,5 +43,7 @@ class SeededNoise:
         k1, k2 = self.row_keys(seeds, positions)
         tk = self.token_key[None, :] if token_ids is None else self.token_key[token_ids]
         h = _fmix32(((tk ^ k1[:, None]) + k2[:, None]) & _M32)
-        u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1)
+        # 23 bits keep u <= 1 - 2**-24, which float32 represents, so E is never 0 (at 24 bits
+        # the top value rounds to 1.0 and a masked token's 0 / 0 would win the race).
+        u = ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))  # uniform in (0, 1)
         return -torch.log(u)

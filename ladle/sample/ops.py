@@ -40,5 +40,6 @@ def restrict_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch
 
 
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """Exponential race: argmax(p / E) with E ~ Exp(1) picks index i with probability p_i."""
-    return (probs / noise).argmax(dim=-1)
+    """Exponential race: argmax(p / E) with E ~ Exp(1) picks index i with probability p_i.
+    E is kept away from 0 so a removed token (p = 0) can never score 0 / 0 = NaN."""
+    return (probs / noise.clamp_min_(1e-30)).argmax(dim=-1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ladle.reasoning import ReasoningConfig
 from ladle.sample.logits_processors.interface import (
     AddedRow,
     BatchUpdate,
@@ -162,35 +163,33 @@ class MinPProcessor(RowStateProcessor):
 
 class ThinkingBudgetProcessor(RowStateProcessor):
     """Ends the thinking phase once thinking_token_budget tokens were spent in it, by forcing
-    the end-of-thinking token. A row is thinking after a start token (in the prompt, when the
-    chat template opened the block, or in the output) until an end token."""
+    the end-of-thinking token. Whether a row starts in thinking follows ReasoningConfig (the
+    prompt's last think tag); a later <think> in the output restarts the count."""
 
-    def __init__(self, config: ProcessorConfig, think_start_id: int | None,
-                 think_end_id: int | None):
+    def __init__(self, config: ProcessorConfig, reasoning: ReasoningConfig | None):
         super().__init__(config)
-        self.start_id, self.end_id = think_start_id, think_end_id
+        self.reasoning = reasoning
 
     def is_argmax_invariant(self) -> bool:
         return False
 
     def new_state(self, a: AddedRow):
         budget = a.params.thinking_token_budget
-        if budget is None or self.end_id is None:
+        if budget is None or self.reasoning is None:
             return None
-        prompt = a.prompt_token_ids
-        last_start = max((i for i, t in enumerate(prompt) if t == self.start_id), default=-1)
-        last_end = max((i for i, t in enumerate(prompt) if t == self.end_id), default=-1)
+        thinking = not self.reasoning.is_reasoning_end(a.prompt_token_ids)
         # [budget, output list, tokens seen, thinking?, tokens spent thinking]
-        return [budget, a.output_token_ids, 0, last_start > last_end, 0]
+        return [budget, a.output_token_ids, 0, thinking, 0]
 
     def apply(self, logits):
         force = []
+        start, end = (self.reasoning.start_id, self.reasoning.end_id) if self.reasoning else (0, 0)
         for row, st in self.states.items():
             budget, out, seen, thinking, spent = st
             for t in out[seen:]:
-                if t == self.start_id:
+                if t == start:
                     thinking, spent = True, 0
-                elif t == self.end_id:
+                elif t == end:
                     thinking = False
                 elif thinking:
                     spent += 1
@@ -199,5 +198,5 @@ class ThinkingBudgetProcessor(RowStateProcessor):
                 force.append(row)
         if force:
             logits[force] = NEG_INF
-            logits[force, self.end_id] = 0.0
+            logits[force, end] = 0.0
         return logits

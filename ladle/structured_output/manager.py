@@ -1,0 +1,194 @@
+"""StructuredOutputManager: the engine side of structured outputs.
+
+- add_request picks a backend per request (auto: xgrammar when it can express the constraint,
+  else llguidance) and submits the compile to a thread pool; the request waits in
+  WAITING_FOR_GRAMMAR and other requests never wait for it. Compiles are cached by
+  (backend, kind, spec), so a repeated schema is nearly free.
+- submit_bitmask starts filling the step's bitmask in a worker thread, which the model runner
+  calls just before the forward pass and collects just after, so the CPU work overlaps it.
+- accept advances a request's matcher with its sampled token and says when it terminated.
+Rows in a prefill chunk, and rows still thinking (with a reasoning parser), are not masked."""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from ladle.reasoning import ReasoningConfig
+from ladle.sampling_params import StructuredOutputsParams
+from ladle.structured_output.backend import (
+    ConstraintKey,
+    StructuredOutputBackend,
+    StructuredOutputGrammar,
+)
+
+logger = logging.getLogger(__name__)
+BACKENDS = ("xgrammar", "guidance")
+
+
+def _backend_class(name: str) -> type[StructuredOutputBackend]:
+    if name == "xgrammar":
+        from ladle.structured_output.xgrammar_backend import XgrammarBackend
+
+        return XgrammarBackend
+    from ladle.structured_output.guidance_backend import GuidanceBackend
+
+    return GuidanceBackend
+
+
+def choose_backend(params: StructuredOutputsParams, configured: str) -> str:
+    """The backend for a request, or ValueError naming what is wrong with the constraint.
+    Needs no tokenizer, so the API process calls it to answer bad requests with a 400."""
+    key = ConstraintKey.from_params(params)
+    wanted = params.backend or configured
+    if wanted not in ("auto", *BACKENDS):
+        raise ValueError(f"structured_outputs.backend: {wanted!r}; accepted: auto, "
+                         + ", ".join(BACKENDS))
+    names = BACKENDS if wanted == "auto" else (wanted,)
+    reasons = {}
+    for name in names:
+        reason = _backend_class(name).check(key)
+        if reason is None:
+            return name
+        reasons[name] = reason
+    first = reasons[names[0]]
+    raise ValueError(f"structured_outputs.{key.kind}: invalid or unsupported: {first}")
+
+
+@dataclass
+class GrammarSlot:
+    """A request's grammar: pending while its compile runs, then a matcher."""
+
+    backend: StructuredOutputBackend
+    future: Future
+    matcher: StructuredOutputGrammar | None = None
+    error: str | None = None
+    reasoning_ended: bool = True  # False while the request is thinking
+
+    def poll(self) -> str:
+        """'pending', 'ready' or 'error'."""
+        if self.matcher is not None:
+            return "ready"
+        if self.error is not None:
+            return "error"
+        if not self.future.done():
+            return "pending"
+        try:
+            self.matcher = self.backend.new_grammar(self.future.result())
+            return "ready"
+        except Exception as e:
+            self.error = str(e)
+            return "error"
+
+    def is_ready(self) -> bool:
+        return self.poll() != "pending"
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], configured: str,
+                 reasoning: ReasoningConfig | None, max_num_reqs: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.configured = configured
+        self.reasoning = reasoning
+        self.backends: dict[str, StructuredOutputBackend] = {}
+        self.cache: dict[tuple[str, ConstraintKey], Future] = {}
+        self.compile_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+        self.fill_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask")
+        self.bitmask = torch.full((max_num_reqs, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+        # Counters for /metrics.
+        self.num_compiles = 0
+        self.num_cache_hits = 0
+        self.compile_seconds = 0.0
+        self.fill_seconds = 0.0
+
+    def _backend(self, name: str) -> StructuredOutputBackend:
+        if name not in self.backends:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs: this checkpoint has no tokenizer")
+            self.backends[name] = _backend_class(name)(self.tokenizer, self.vocab_size,
+                                                       self.eos_token_ids)
+        return self.backends[name]
+
+    def add_request(self, request) -> None:
+        params = request.sampling_params.structured_outputs
+        name = choose_backend(params, self.configured)
+        key = ConstraintKey.from_params(params)
+        backend = self._backend(name)
+        future = self.cache.get((name, key))
+        if future is None or (future.done() and future.exception() is not None):
+            future = self.compile_pool.submit(self._compile, backend, key)
+            self.cache[(name, key)] = future
+        else:
+            self.num_cache_hits += 1
+        slot = GrammarSlot(backend, future)
+        if self.reasoning is not None:
+            slot.reasoning_ended = self.reasoning.is_reasoning_end(request.prompt_token_ids)
+        request.grammar = slot
+
+    def _compile(self, backend: StructuredOutputBackend, key: ConstraintKey):
+        t = time.perf_counter()
+        try:
+            return backend.compile(key)
+        finally:
+            self.num_compiles += 1
+            self.compile_seconds += time.perf_counter() - t
+
+    # ---- per step ---------------------------------------------------------------------------
+    def submit_bitmask(self, requests: list, samples_output: list[bool]) -> Future | None:
+        """Start filling the bitmask rows of the constrained rows that sample an output token
+        this step. Returns a future of (rows, bitmask), or None when no row is constrained."""
+        jobs = [(row, req.grammar.matcher) for row, (req, s) in enumerate(
+            zip(requests, samples_output, strict=True))
+            if s and req.grammar is not None and req.grammar.reasoning_ended
+            and req.grammar.matcher is not None]
+        if not jobs:
+            return None
+        return self.fill_pool.submit(self._fill, jobs)
+
+    def _fill(self, jobs):
+        t = time.perf_counter()
+        for row, matcher in jobs:
+            matcher.fill_bitmask(self.bitmask, row)
+        self.fill_seconds += time.perf_counter() - t
+        rows = [row for row, _ in jobs]
+        return rows, self.bitmask[rows]
+
+    def accept(self, request, token: int) -> bool:
+        """Advance the request's matcher. Returns True when the constraint has terminated (the
+        request should finish with 'stop')."""
+        slot: GrammarSlot | None = request.grammar
+        if slot is None or slot.matcher is None:
+            return False
+        if not slot.reasoning_ended:
+            if self.reasoning is not None and token == self.reasoning.end_id:
+                slot.reasoning_ended = True  # the answer starts with the next token
+            return False
+        if not slot.matcher.accept_tokens([token]):
+            logger.error("request %s: sampled token %d rejected by its grammar", request.req_id,
+                         token)
+            return True
+        return slot.matcher.is_terminated()
+
+    def stats(self) -> dict:
+        return {
+            "grammar_compiles": self.num_compiles,
+            "grammar_cache_hits": self.num_cache_hits,
+            "grammar_compile_seconds": self.compile_seconds,
+            "grammar_bitmask_seconds": self.fill_seconds,
+        }
+
+
+def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """Set to -inf the logits of tokens whose bit is clear. bitmask: (len(rows), words)."""
+    V = logits.shape[1]
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.to(logits.device)[:, :, None] >> bits) & 1).bool()
+    allowed = allowed.reshape(len(rows), -1)[:, :V]
+    idx = torch.tensor(rows, device=logits.device)
+    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
