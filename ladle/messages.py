@@ -33,6 +33,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_token_ids: list[int]
     finish_reason: int | None = None  # FinishReason value, None while running
     stop_reason: int | str | None = None  # the stop token id that ended it
+    # The last new token is EOS or a stop_token_id that ended the request: its text is not
+    # output (unless include_stop_str_in_output). False when a grammar or a length ended it.
+    ended_by_stop_token: bool = False
     num_cached_tokens: int = 0
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None

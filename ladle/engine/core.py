@@ -159,6 +159,7 @@ class EngineCore:
             accepted_rows.append(row)
             accepted_tokens.append(token)
             status = self._check_stop(req, token)
+            by_token = status == RequestStatus.FINISHED_STOPPED
             if req.grammar is not None and self.structured.accept(req, token) and status is None:
                 status = RequestStatus.FINISHED_STOPPED  # the constraint is complete
             if status is not None:
@@ -168,6 +169,7 @@ class EngineCore:
                 new_token_ids=[token],
                 finish_reason=None if status is None else int(req.finish_reason),
                 stop_reason=req.stop_reason,
+                ended_by_stop_token=by_token,
                 num_cached_tokens=req.num_cached_tokens,
                 logprobs=_token_logprobs(out, lp_index.get(row), int(out.num_logprobs[row])),
                 prompt_logprobs=_prompt_logprobs(req),

@@ -33,14 +33,15 @@ class ConstraintKey:
     def from_params(cls, p: StructuredOutputsParams) -> ConstraintKey:
         kind = p.kind
         value = getattr(p, kind)
+        # Key order is kept: a schema's property order is the order the output follows.
         if kind == "json":
-            spec = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+            spec = value if isinstance(value, str) else json.dumps(value)
         elif kind == "json_object":
             spec = ""
         elif kind == "choice":
             spec = json.dumps(value)
         elif kind == "structural_tag":
-            spec = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+            spec = value if isinstance(value, str) else json.dumps(value)
         else:
             spec = value
         return cls(kind, spec, not p.disable_any_whitespace)

@@ -24,6 +24,17 @@ def _is_ebnf(text: str) -> bool:
     return "::=" in text
 
 
+def _json_object_ebnf() -> str:
+    """xgrammar's built-in JSON grammar (what vLLM uses for json_object) with its root limited
+    to an object, since json_object promises an object, not an array."""
+    rules = str(xgr.Grammar.builtin_json_grammar()).splitlines()
+    root = [r for r in rules if r.startswith("root ::= ")]
+    if len(root) != 1 or '("{"' not in root[0] or ") | (" not in root[0]:
+        raise ValueError("unexpected built-in JSON grammar layout")
+    obj = root[0][len("root ::= (") : root[0].index(") | (") + 1]
+    return "\n".join(["root ::= (" + obj + ")" if r is root[0] else r for r in rules])
+
+
 def _has_length_limited_string(node) -> bool:
     if isinstance(node, dict):
         if "minLength" in node or "maxLength" in node:
@@ -99,10 +110,11 @@ class XgrammarBackend(StructuredOutputBackend):
     def compile(self, key: ConstraintKey):
         c = self.compiler
         try:
-            if key.kind in ("json", "json_object"):
-                schema = key.spec if key.kind == "json" else '{"type": "object"}'
-                return c.compile_json_schema(schema, any_whitespace=key.any_whitespace,
+            if key.kind == "json":
+                return c.compile_json_schema(key.spec, any_whitespace=key.any_whitespace,
                                              max_whitespace_cnt=MAX_JSON_WHITESPACE)
+            if key.kind == "json_object":
+                return c.compile_grammar(_json_object_ebnf())
             if key.kind == "regex":
                 return c.compile_regex(key.spec)
             if key.kind == "choice":
