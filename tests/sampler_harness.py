@@ -26,9 +26,10 @@ CPU = torch.device("cpu")
 
 class Harness:
     def __init__(self, vocab: int, max_rows: int = 64, seed: int = 0, reasoning=None,
+                 max_len: int = 256,
                  custom=()):
         self.vocab = vocab
-        self.batch = InputBatch(max_rows, 256, 16)
+        self.batch = InputBatch(max_rows, max_len, 16)
         gen = torch.Generator().manual_seed(seed)
         cfg = ProcessorConfig(vocab, CPU, max_rows)
         changing = [AllowedTokenIdsProcessor(cfg), BadWordsProcessor(cfg),

@@ -34,6 +34,7 @@ class SamplingMetadata:
     # None for a full sort.
     candidate_k: int | None
     no_penalties: bool
+    penalties_used: tuple[bool, bool, bool]  # any row with (repetition, frequency, presence)
     presence: torch.Tensor  # (R,) float32
     frequency: torch.Tensor
     repetition: torch.Tensor
@@ -84,6 +85,8 @@ class SamplingMetadata:
             candidate_k=candidate_k,
             no_penalties=bool((presence == 0).all() and (frequency == 0).all()
                               and (repetition == 1).all()),
+            penalties_used=(bool((repetition != 1).any()), bool((frequency != 0).any()),
+                            bool((presence != 0).any())),
             presence=t(presence),
             frequency=t(frequency),
             repetition=t(repetition),

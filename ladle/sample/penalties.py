@@ -22,16 +22,22 @@ def is_penalized(params) -> bool:
 
 
 class PenaltyState:
+    """Row-indexed state on the device, all (max rows, V):
+    counts (float32, output-token counts: frequency), present (float32 0/1: presence) and seen
+    (bool, prompt or output: repetition). accept() updates the three with the step's tokens."""
+
     def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device):
         self.max_num_reqs, self.vocab_size, self.device = max_num_reqs, vocab_size, device
-        self.counts: torch.Tensor | None = None  # (max rows, V) int32 output-token counts
-        self.prompt_mask: torch.Tensor | None = None  # (max rows, V) bool
+        self.counts: torch.Tensor | None = None
+        self.present: torch.Tensor | None = None
+        self.seen: torch.Tensor | None = None
         self.active = torch.zeros(max_num_reqs, dtype=torch.bool)  # CPU: row is penalized
 
     def _allocate(self) -> None:
         shape = (self.max_num_reqs, self.vocab_size)
-        self.counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
-        self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        self.counts = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        self.present = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        self.seen = torch.zeros(shape, dtype=torch.bool, device=self.device)
 
     def update_state(self, update: BatchUpdate | None) -> None:
         if update is None:
@@ -47,33 +53,38 @@ class PenaltyState:
             dev = self.device
             # A re-added (preempted or unscheduled) request rebuilds its counts once here.
             out = torch.tensor(a.output_token_ids, dtype=torch.long, device=dev)
-            self.counts[a.row] = torch.bincount(out, minlength=self.vocab_size).to(torch.int32)
-            self.prompt_mask[a.row] = False
-            self.prompt_mask[a.row, torch.tensor(a.prompt_token_ids, dtype=torch.long,
-                                                 device=dev)] = True
+            self.counts[a.row] = torch.bincount(out, minlength=self.vocab_size).float()
+            self.present[a.row] = (self.counts[a.row] > 0).float()
+            self.seen[a.row] = self.present[a.row] > 0
+            self.seen[a.row, torch.tensor(a.prompt_token_ids, dtype=torch.long, device=dev)] = True
         for src, dst in update.moved:
             self.active[dst] = self.active[src]
             self.active[src] = False
             if self.counts is not None and self.active[dst]:
-                self.counts[dst] = self.counts[src]
-                self.prompt_mask[dst] = self.prompt_mask[src]
+                for t in (self.counts, self.present, self.seen):
+                    t[dst] = t[src]
 
     def accept(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Count the tokens just accepted (one per listed row)."""
         if self.counts is not None:
-            self.counts.index_put_((rows, token_ids), torch.ones_like(rows, dtype=torch.int32),
+            self.counts.index_put_((rows, token_ids), torch.ones_like(rows, dtype=torch.float32),
                                    accumulate=True)
+            self.present[rows, token_ids] = 1.0
+            self.seen[rows, token_ids] = True
 
     def apply(self, logits: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
-              repetition: torch.Tensor) -> torch.Tensor:
-        """logits (R, V); per-row penalties (R,) with neutral values on unpenalized rows."""
+              repetition: torch.Tensor, use: tuple[bool, bool, bool]) -> torch.Tensor:
+        """In place on logits (R, V); per-row penalties (R,) with neutral values on
+        unpenalized rows; `use` says which of (repetition, frequency, presence) any row has."""
         R = logits.shape[0]
-        counts = self.counts[:R]
-        seen_out = counts > 0
-        rep = repetition[:, None]
-        seen = seen_out | self.prompt_mask[:R]
-        scaled = torch.where(logits > 0, logits / rep, logits * rep)
-        logits = torch.where(seen, scaled, logits)
-        logits -= frequency[:, None] * counts
-        logits -= presence[:, None] * seen_out
+        use_rep, use_freq, use_pres = use
+        if use_rep:
+            rep = repetition[:, None]
+            factor = torch.where(logits > 0, 1.0 / rep, rep)
+            factor.masked_fill_(~self.seen[:R], 1.0)
+            logits.mul_(factor)
+        if use_freq:
+            logits.addcmul_(self.counts[:R], frequency[:, None], value=-1.0)
+        if use_pres:
+            logits.addcmul_(self.present[:R], presence[:, None], value=-1.0)
         return logits

@@ -77,8 +77,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
                  output_positions: torch.Tensor) -> SamplerOutput:
-        """logits: (R, V) in batch-row order; output_positions: (R,) index of the token being
-        sampled within each request's output (the counter of the seeded noise)."""
+        """logits: (R, V) in batch-row order, owned by the sampler from here on (stages work in
+        place); output_positions: (R,) index of the token being sampled within each request's
+        output (the counter of the seeded noise)."""
         raw = None
         if meta.any_raw_logprobs:
             raw = logits[meta.logprob_rows].float()
@@ -86,14 +87,15 @@ class Sampler:
         for p in self.argmax_changing:
             logits = p.apply(logits)
         if not meta.no_penalties:
-            logits = self.penalties.apply(logits, meta.presence, meta.frequency, meta.repetition)
+            logits = self.penalties.apply(logits, meta.presence, meta.frequency, meta.repetition,
+                                          meta.penalties_used)
         if self.thinking is not None:
             logits = self.thinking.apply(logits)
         greedy = None if meta.all_random else logits.argmax(dim=-1)
         if meta.all_greedy:
             sampled, processed = greedy, logits
         else:
-            logits = logits / meta.temperature[:, None]
+            logits.div_(meta.temperature[:, None])
             for p in self.argmax_invariant:
                 logits = p.apply(logits)
             sampled, processed = self._sample_random(logits, meta, output_positions)

@@ -131,12 +131,12 @@ class LogitBiasProcessor(RowStateProcessor):
 
 class MinPProcessor(RowStateProcessor):
     """Drops tokens whose probability is below min_p times the row's top probability. On
-    temperature-scaled logits that is: logit < max_logit + log(min_p); no softmax needed."""
+    temperature-scaled logits that is: logit < max_logit + log(min_p); no softmax needed.
+    Rows without min_p have log(0) = -inf as their margin, so one pass serves the batch."""
 
     def __init__(self, config: ProcessorConfig):
         super().__init__(config)
-        self.rows: torch.Tensor | None = None
-        self.log_min_p: torch.Tensor | None = None
+        self.log_min_p = torch.full((config.max_num_reqs,), NEG_INF, device=config.device)
 
     def is_argmax_invariant(self) -> bool:
         return True
@@ -146,18 +146,16 @@ class MinPProcessor(RowStateProcessor):
 
     def update_state(self, update: BatchUpdate | None) -> bool:
         if super().update_state(update):
-            rows = sorted(self.states)
-            dev = self.config.device
-            self.rows = torch.tensor(rows, dtype=torch.long, device=dev)
-            self.log_min_p = torch.tensor([self.states[r] for r in rows],
-                                          dtype=torch.float32, device=dev).log()
+            self.log_min_p.fill_(NEG_INF)
+            for r, min_p in self.states.items():
+                self.log_min_p[r] = float(torch.tensor(min_p).log())
         return False
 
     def apply(self, logits):
         if self.states:
-            sub = logits[self.rows]
-            cutoff = sub.max(dim=-1, keepdim=True).values + self.log_min_p[:, None]
-            logits[self.rows] = sub.masked_fill(sub < cutoff, NEG_INF)
+            R = logits.shape[0]
+            cutoff = logits.max(dim=-1, keepdim=True).values + self.log_min_p[:R, None]
+            logits.masked_fill_(logits < cutoff, NEG_INF)
         return logits
 
 

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Set up a virtual environment with everything ladle and its tests need, lint, run the tests.
+# torch is pinned to 2.13.0: on these machines that is the CPU build on local disk; an unpinned
+# torch would pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+.venv/bin/pip install -q --disable-pip-version-check torch==2.13.0 -e '.[test]'
+.venv/bin/ruff check ladle tests benchmarks
+.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
