@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Sequence
 
 from tqdm import tqdm
@@ -11,12 +10,10 @@ from tqdm import tqdm
 from ladle.config import EngineConfig
 from ladle.engine.core import EngineCore
 from ladle.frontend.output_processor import OutputProcessor
-from ladle.messages import EngineCoreRequest
+from ladle.frontend.processor import InputProcessor, Prompt
 from ladle.outputs import RequestOutput
 from ladle.sampling_params import SamplingParams
-from ladle.tokenizer import eos_token_ids, load_tokenizer
-
-Prompt = str | list[int] | dict
+from ladle.tokenizer import load_tokenizer
 
 
 class LLM:
@@ -26,7 +23,10 @@ class LLM:
         self.config = EngineConfig(model=model, **kwargs)
         self.engine = EngineCore(self.config)
         self.tokenizer = load_tokenizer(self.config.tokenizer or self.engine.model_path)
-        self.eos_token_ids = eos_token_ids(self.tokenizer, self.engine.model_path)
+        self.processor = InputProcessor(
+            self.tokenizer, self.engine.model_path, max_model_len=self.engine.max_model_len,
+            vocab_size=self.engine.vocab_size, max_logprobs=self.config.max_logprobs,
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -76,14 +76,13 @@ class LLM:
         each into a prompt."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            self.tokenizer.apply_chat_template(
-                conv, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False,
-                **(chat_template_kwargs or {}),
-            )
+            self.processor.render_chat(conv, tools=tools,
+                                       add_generation_prompt=add_generation_prompt,
+                                       chat_template_kwargs=chat_template_kwargs)
             for conv in convs
         ]
         # The template already wrote any BOS; tokenising must not add a second one.
-        prompts = [{"prompt": p, "prompt_token_ids": self._encode(p, add_special_tokens=False)}
+        prompts = [{"prompt": p, "prompt_token_ids": self.processor.encode(p, False)}
                    for p in prompts]
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -96,33 +95,18 @@ class LLM:
             return [list(prompts)]
         return list(prompts)
 
-    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
     def _add(self, prompt: Prompt, params: SamplingParams) -> str:
-        if isinstance(prompt, str):
-            text, token_ids = prompt, self._encode(prompt)
-        elif isinstance(prompt, dict):
-            text = prompt.get("prompt")
-            token_ids = prompt.get("prompt_token_ids") or self._encode(text)
-        else:
-            text, token_ids = None, list(prompt)
-        request_id = str(next(self._ids))
-        n = params.best_of or params.n
-        children = [params.child(i) if n > 1 else params for i in range(n)]
-        child_ids = [request_id if n == 1 else f"{request_id}-{i}" for i in range(n)]
-        self.output_processor.add_request(request_id, text, token_ids, child_ids, children)
-        now = time.monotonic()
+        req = self.processor.process(str(next(self._ids)), prompt, params)
+        self.output_processor.add_request(req.request_id, req.prompt, req.prompt_token_ids,
+                                          req.child_ids, req.child_params)
         try:
-            for cid, cp in zip(child_ids, children, strict=True):
-                self.engine.add_request(
-                    EngineCoreRequest(cid, token_ids, cp, self.eos_token_ids, now)
-                )
+            for engine_req in req.engine_requests:
+                self.engine.add_request(engine_req)
         except Exception:
-            for cid in self.output_processor.abort(request_id):
+            for cid in self.output_processor.abort(req.request_id):
                 self.engine.abort_request(cid)
             raise
-        return request_id
+        return req.request_id
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

@@ -1,0 +1,279 @@
+"""Serving benchmark: a concurrency sweep of streaming completion clients against `ladle serve`,
+reporting time to first token, inter-token latency and output tokens/s (median and p99), with a
+PNG plot; and, at the highest concurrency, serving throughput as a ratio of offline engine
+throughput (ladle.LLM in its own process) on the same requests.
+
+Prompts are random token ids (lengths drawn from --input-len), outputs are --output-len tokens
+(greedy, ignore_eos), so every level does the same work per request.
+
+    python benchmarks/serve.py [--url http://127.0.0.1:8000] [--concurrency 1 4 16 64]
+    ladle bench serve --plot serve.png
+
+Without --url it starts `ladle serve` itself (and stops it at the end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class RequestResult:
+    ttft: float = 0.0
+    itls: list[float] = field(default_factory=list)  # per token after the first
+    e2e: float = 0.0
+    num_tokens: int = 0
+    error: str | None = None
+
+
+def workload(n: int, input_len: tuple[int, int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 100000) for _ in range(rng.randint(*input_len))]
+            for _ in range(n)]
+
+
+async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int],
+                      output_len: int) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    res = RequestResult()
+    t0 = last = time.perf_counter()
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    res.error = chunk["error"]["message"]
+                    return res
+                n = sum(len(c.get("token_ids") or []) for c in chunk["choices"])
+                if not n:
+                    continue
+                now = time.perf_counter()
+                if res.num_tokens == 0:
+                    res.ttft = now - t0
+                    n_gaps = n - 1
+                else:
+                    n_gaps = n
+                if n_gaps:  # a chunk may carry several tokens: share the gap between them
+                    res.itls += [(now - last) / n_gaps] * n_gaps
+                res.num_tokens += n
+                last = now
+    except httpx.HTTPError as e:
+        res.error = f"{type(e).__name__}: {e}"
+    res.e2e = time.perf_counter() - t0
+    return res
+
+
+async def run_level(url: str, model: str, api_key: str | None, prompts: list[list[int]],
+                    output_len: int, concurrency: int) -> tuple[list[RequestResult], float]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    queue: asyncio.Queue = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    results: list[RequestResult] = []
+
+    async def client(http):
+        while not queue.empty():
+            results.append(await one_request(http, model, queue.get_nowait(), output_len))
+
+    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(600)) as http:
+        t = time.perf_counter()
+        await asyncio.gather(*[client(http) for _ in range(concurrency)])
+        wall = time.perf_counter() - t
+    return results, wall
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def summarize(results: list[RequestResult], wall: float) -> dict:
+    ok = [r for r in results if r.error is None]
+    itls = [x for r in ok for x in r.itls]
+    speeds = [(r.num_tokens - 1) / (r.e2e - r.ttft) for r in ok if r.num_tokens > 1]
+    return {
+        "requests": len(results), "errors": len(results) - len(ok),
+        "ttft_median_ms": 1000 * statistics.median([r.ttft for r in ok]),
+        "ttft_p99_ms": 1000 * pct([r.ttft for r in ok], 99),
+        "itl_median_ms": 1000 * statistics.median(itls),
+        "itl_p99_ms": 1000 * pct(itls, 99),
+        # Per request, after its first token; p99 is the slow tail (the 1st percentile).
+        "req_tok_s_median": statistics.median(speeds),
+        "req_tok_s_p99": pct(speeds, 1),
+        "throughput_tok_s": sum(r.num_tokens for r in ok) / wall,
+        "wall_s": wall,
+    }
+
+
+_OFFLINE = """
+import json, sys, time
+from ladle import LLM, SamplingParams
+cfg = json.loads(sys.argv[1])
+prompts = json.load(open(cfg.pop("prompts_file")))
+output_len = cfg.pop("output_len")
+llm = LLM(**cfg)
+params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4))  # warm-up
+t = time.perf_counter()
+out = llm.generate(prompts, params)
+dt = time.perf_counter() - t
+print(json.dumps({"throughput_tok_s": sum(len(o.outputs[0].token_ids) for o in out) / dt}))
+"""
+
+
+def offline_throughput(prompts: list[list[int]], output_len: int, engine_args: dict) -> float:
+    """ladle.LLM on the same requests, in a separate process (nothing else running)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+    cfg = {**engine_args, "prompts_file": f.name, "output_len": output_len}
+    out = subprocess.run([sys.executable, "-c", _OFFLINE, json.dumps(cfg)], check=True,
+                         capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["throughput_tok_s"]
+
+
+def start_server(model: str, port: int, max_model_len: int, max_num_seqs: int):
+    cmd = [sys.executable, "-m", "ladle.entrypoints.cli", "serve", model, "--port", str(port),
+           "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+           "--disable-access-log", "--uvicorn-log-level", "warning"]
+    log = tempfile.NamedTemporaryFile("w+", prefix="ladle-bench-serve-", suffix=".log",
+                                      delete=False)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"server exited with {proc.returncode}; see {log.name}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.terminate()
+    sys.exit(f"server did not become healthy; see {log.name}")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cs = [r["concurrency"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, key, title in ((axes[0], "ttft", "time to first token (ms)"),
+                           (axes[1], "itl", "inter-token latency (ms)")):
+        ax.plot(cs, [r[f"{key}_median_ms"] for r in rows], "o-", label="median")
+        ax.plot(cs, [r[f"{key}_p99_ms"] for r in rows], "s--", label="p99")
+        ax.set_title(title)
+    axes[2].plot(cs, [r["throughput_tok_s"] for r in rows], "o-", label="server, all clients")
+    axes[2].plot(cs, [r["req_tok_s_median"] for r in rows], "s--", label="per request, median")
+    axes[2].set_title("output tokens/s")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(cs, [str(c) for c in cs])
+        ax.set_xlabel("concurrent clients")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description="ladle serving benchmark (concurrency sweep)")
+    ap.add_argument("--url", default=None, help="a running server; default: start one")
+    ap.add_argument("--model", default="ladle-demo")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--min-requests", type=int, default=8)
+    ap.add_argument("--input-len", type=int, nargs=2, default=[64, 256], metavar=("MIN", "MAX"))
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=2048, help="for a server started here")
+    ap.add_argument("--max-num-seqs", type=int, default=128, help="for a server started here")
+    ap.add_argument("--no-offline", action="store_true", help="skip the offline comparison")
+    ap.add_argument("--plot", default="serve_bench.png")
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    levels = sorted(args.concurrency)
+    prompts = {c: workload(max(args.min_requests, c * args.requests_per_client),
+                           tuple(args.input_len), args.seed + c) for c in levels}
+    top = levels[-1]
+    engine_args = {"model": args.model, "max_model_len": args.max_model_len,
+                   "max_num_seqs": top}
+    offline = None
+    if not args.no_offline and args.url is None:
+        # Before the server starts, so the two never share the CPU.
+        offline = offline_throughput(prompts[top], args.output_len, engine_args)
+        print(f"offline ladle.LLM on the {len(prompts[top])} requests of the {top}-client "
+              f"level: {offline:.1f} output tok/s", flush=True)
+
+    proc = None
+    url = args.url
+    if url is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc, url = start_server(args.model, port, args.max_model_len, args.max_num_seqs)
+    try:
+        asyncio.run(run_level(url, args.model, args.api_key, workload(4, (16, 32), 99), 8, 4))
+        rows = []
+        print(f"{'clients':>7} {'reqs':>5} {'TTFT ms med/p99':>17} {'ITL ms med/p99':>16} "
+              f"{'req tok/s med/p99':>18} {'total tok/s':>11}")
+        for c in levels:
+            results, wall = asyncio.run(run_level(url, args.model, args.api_key, prompts[c],
+                                                  args.output_len, c))
+            row = {"concurrency": c, **summarize(results, wall)}
+            rows.append(row)
+            print(f"{c:>7} {row['requests']:>5} {row['ttft_median_ms']:>8.0f}/"
+                  f"{row['ttft_p99_ms']:<8.0f} {row['itl_median_ms']:>7.1f}/"
+                  f"{row['itl_p99_ms']:<8.1f} {row['req_tok_s_median']:>8.1f}/"
+                  f"{row['req_tok_s_p99']:<9.1f} {row['throughput_tok_s']:>11.1f}"
+                  + (f"  ({row['errors']} errors)" if row["errors"] else ""), flush=True)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    if offline:
+        ratio = rows[-1]["throughput_tok_s"] / offline
+        print(f"ratio serving ({top} clients) / offline ladle.LLM: {ratio:.2f}x "
+              f"({rows[-1]['throughput_tok_s']:.1f} / {offline:.1f} tok/s)")
+        rows[-1]["offline_tok_s"] = offline
+        rows[-1]["ratio_vs_offline"] = ratio
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    if args.plot:
+        try:
+            plot(rows, args.plot)
+        except ImportError:
+            print("matplotlib is not installed (pip install -e '.[bench]'): no plot")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""The API process: the FastAPI app (routes, OpenAI-shaped errors, Bearer auth on /v1/*) and
+`run_server`, which starts the engine process, serves until a signal or until the engine dies,
+and returns the exit code (non-zero when the engine died)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import logging
+import signal
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import ladle
+from ladle.config import EngineConfig
+from ladle.entrypoints.common import (
+    ServerState,
+    as_request_error,
+    error_body,
+    error_response,
+    request_error_response,
+)
+from ladle.entrypoints.serving_chat import create_chat_completion
+from ladle.entrypoints.serving_completion import create_completion
+from ladle.frontend.async_llm import AsyncLLM
+from ladle.frontend.detokenizer import token_to_str
+from ladle.frontend.engine_client import EngineDeadError
+from ladle.protocol.chat import ChatCompletionRequest
+from ladle.protocol.common import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    RequestError,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from ladle.protocol.completion import CompletionRequest
+
+logger = logging.getLogger("ladle.server")
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none", "tuple"}
+
+
+def build_app(server: ServerState) -> FastAPI:
+    app = FastAPI(title="ladle", version=ladle.__version__, docs_url=None, redoc_url=None)
+    app.state.server = server
+    _add_error_handlers(app)
+    app.add_middleware(_AuthAndRequestId, api_key=server.api_key)
+    engine = server.engine
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_healthy:
+            return error_response(f"the engine is not running: {engine.dead_error}", 503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": ladle.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=name, root=engine.model_path,
+                                         max_model_len=engine.max_model_len)
+                               for name in server.served_model_names])
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, raw: Request) -> Response:
+        return await create_completion(server, request, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
+        return await create_chat_completion(server, request, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        server.check_model(request.model)
+        processor = engine.processor
+        try:
+            if request.messages is not None:
+                text = processor.render_chat(
+                    request.messages, tools=request.tools,
+                    add_generation_prompt=request.add_generation_prompt,
+                    continue_final_message=request.continue_final_message,
+                    chat_template=request.chat_template,
+                    chat_template_kwargs=request.chat_template_kwargs)
+                add_special = bool(request.add_special_tokens)
+            else:
+                text = request.prompt
+                add_special = request.add_special_tokens is not False
+        except ValueError as e:
+            raise as_request_error(e) from e
+        ids = processor.encode(text, add_special_tokens=add_special)
+        strs = [token_to_str(engine.tokenizer, t) for t in ids] if request.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids,
+                                token_strs=strs)
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        server.check_model(request.model)
+        bad = [t for t in request.tokens if not 0 <= t < engine.processor.vocab_size]
+        if bad:
+            raise RequestError(f"tokens: token id(s) {bad[:5]} outside the vocabulary (0 to "
+                               f"{engine.processor.vocab_size - 1})", param="tokens")
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(request.tokens))
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestError)
+    async def on_request_error(_: Request, e: RequestError) -> JSONResponse:
+        return request_error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        # ("body", "messages", 0, "role") -> "messages.0.role"; union branches that pydantic
+        # adds to the location ("str", "list[int]", "function-after[...]") are left out.
+        loc = [str(x) for x in first.get("loc", ())[1:]
+               if isinstance(x, int) or (x.isidentifier() and x not in _TYPE_NAMES)]
+        param = ".".join(loc) or None
+        if first.get("type") == "json_invalid":
+            message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
+            param = None
+        elif first.get("type") == "missing" and not loc:
+            message = "the body must be a JSON object"
+        else:
+            message = f"{param}: {first.get('msg', 'invalid value')}" if param else str(
+                first.get("msg", "invalid request"))
+        if len(errors) > 1:
+            message += f" (and {len(errors) - 1} more error(s))"
+        return error_response(message, 400, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error_response(str(e.detail), e.status_code, headers=e.headers)
+
+    @app.exception_handler(EngineDeadError)
+    async def on_engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
+        return error_response(f"the engine failed: {e}", 500, code="engine_dead")
+
+    @app.exception_handler(Exception)
+    async def on_error(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("internal error")
+        return error_response(f"internal error: {type(e).__name__}: {e}", 500)
+
+
+class _AuthAndRequestId:
+    """ASGI middleware: Bearer auth on /v1/* when an API key is set, and X-Request-Id echoed
+    on the response. Plain ASGI (no BaseHTTPMiddleware) so streams pass through untouched."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or ())
+        if self.api_key is not None and scope["path"].startswith("/v1"):
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            expected = f"Bearer {self.api_key}"
+            if not hmac.compare_digest(auth.encode(), expected.encode()):
+                body = error_body("invalid or missing API key: send 'Authorization: Bearer "
+                                  "<key>'", 401, code="invalid_api_key")
+                response = JSONResponse(body, status_code=401,
+                                        headers={"WWW-Authenticate": "Bearer"})
+                return await response(scope, receive, send)
+        request_id = headers.get(b"x-request-id")
+        if request_id is None:
+            return await self.app(scope, receive, send)
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id)]
+            await send(message)
+
+        return await self.app(scope, receive, send_with_id)
+
+
+# ---- running ----------------------------------------------------------------------------------
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        num_kv_blocks=args.num_kv_blocks,
+        enable_prefix_caching=args.enable_prefix_caching,
+        seed=args.seed,
+        max_logprobs=args.max_logprobs,
+        logits_processors=list(args.logits_processors or []),
+        structured_outputs_backend=args.structured_outputs_backend,
+        reasoning_parser=args.reasoning_parser,
+    )
+
+
+async def run_server(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM (exit code 0) or until the engine process dies (1)."""
+    config = engine_config_from_args(args)
+    names = args.served_model_name or [args.model]
+    try:
+        engine = await AsyncLLM.start(config, model_name=names[0])
+    except EngineDeadError as e:
+        logger.error("%s", e)
+        return 1
+    server = ServerState(
+        engine=engine, served_model_names=names, api_key=args.api_key,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        structured_outputs_backend=args.structured_outputs_backend,
+    )
+    app = build_app(server)
+    uv = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        access_log=not args.disable_access_log, timeout_graceful_shutdown=5,
+        timeout_keep_alive=30,
+    ))
+
+    def stop_after_engine_death() -> None:
+        # In-flight requests were just failed; give their error bodies a moment to go out.
+        asyncio.get_running_loop().call_later(0.5, setattr, uv, "should_exit", True)
+
+    engine.on_dead(stop_after_engine_death)
+    logger.info("serving %s (%s) on http://%s:%d", names[0], engine.model_path, args.host,
+                args.port)
+    # uvicorn handles SIGINT/SIGTERM while it serves, then re-raises the signal under the
+    # handler that was there before; make that one a no-op so the engine is shut down here.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    try:
+        await uv.serve()
+    finally:
+        await engine.shutdown()
+    if engine.dead_error is not None:
+        logger.error("exiting: %s", engine.dead_error)
+        return 1
+    return 0

@@ -1,0 +1,177 @@
+"""What the endpoint handlers share: the server's state, OpenAI-shaped error bodies, SSE
+framing, merging the streams of a batch of prompts, and cancelling a non-streaming request
+when its client disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from ladle.frontend.async_llm import AsyncLLM
+from ladle.frontend.engine_client import EngineDeadError
+from ladle.protocol.common import ErrorInfo, ErrorResponse, RequestError
+from ladle.protocol.sampling import SamplingFields, _param_of
+
+logger = logging.getLogger("ladle.server")
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                422: "invalid_request_error", 500: "server_error", 503: "server_error"}
+
+
+@dataclass
+class ServerState:
+    """Everything a handler needs, made once at startup (app.state.server)."""
+
+    engine: AsyncLLM
+    served_model_names: list[str]
+    api_key: str | None = None
+    # Chat features wired later read these.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    structured_outputs_backend: str = "auto"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def check_model(self, model: str | None) -> str:
+        """The served name the response reports; RequestError 404 for an unknown model."""
+        if model is None:
+            return self.served_model_names[0]
+        if model not in self.served_model_names:
+            raise RequestError(f"model: the model `{model}` does not exist (served: "
+                               f"{', '.join(self.served_model_names)})", param="model",
+                               status_code=404, code="model_not_found")
+        return model
+
+
+def error_body(message: str, status_code: int, param: str | None = None,
+               code: str | int | None = None, type: str | None = None) -> dict:
+    info = ErrorInfo(message=message, type=type or _ERROR_TYPES.get(status_code, "server_error"),
+                     param=param, code=code if code is not None else status_code)
+    return ErrorResponse(error=info).model_dump()
+
+
+def error_response(message: str, status_code: int, param: str | None = None,
+                   code: str | int | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status_code, param, code), status_code=status_code,
+                        headers=headers)
+
+
+def request_error_response(e: RequestError) -> JSONResponse:
+    return JSONResponse(error_body(e.message, e.status_code, e.param, e.code, e.type),
+                        status_code=e.status_code)
+
+
+def as_request_error(e: ValueError) -> RequestError:
+    """A ValueError from input processing (its message starts with the field name)."""
+    if isinstance(e, RequestError):
+        return e
+    return RequestError(str(e), param=_param_of(str(e)))
+
+
+def base_request_id(raw: Request) -> str:
+    """The client's X-Request-Id when it sent one, else a random id."""
+    return raw.headers.get("x-request-id") or uuid.uuid4().hex
+
+
+def unique_id(request_id: str) -> str:
+    """The engine's id for a request: the response id plus a random part, since clients may
+    reuse an X-Request-Id."""
+    return f"{request_id}-{uuid.uuid4().hex[:8]}"
+
+
+def log_request_fields(request: SamplingFields, request_id: str) -> None:
+    """OpenAI fields with no effect on the output are accepted, and logged here."""
+    set_fields = [n for n in getattr(request, "NO_EFFECT_FIELDS", ())
+                  if getattr(request, n, None) is not None]
+    if set_fields:
+        logger.info("%s: accepted without effect: %s", request_id,
+                    ", ".join(f"{n}={getattr(request, n)!r}" for n in set_fields))
+
+
+# ---- SSE --------------------------------------------------------------------------------------
+def sse(chunk: BaseModel) -> str:
+    return f"data: {chunk.model_dump_json()}\n\n"
+
+
+def sse_error(e: BaseException) -> str:
+    """The frame that ends a failed stream (the openai client raises APIError on it)."""
+    if isinstance(e, RequestError):
+        body = error_body(e.message, e.status_code, e.param, e.code, e.type)
+    elif isinstance(e, EngineDeadError):
+        body = error_body(f"the engine failed: {e}", 500, code="engine_dead")
+    else:
+        body = error_body(f"internal error: {type(e).__name__}: {e}", 500)
+    return f"data: {json.dumps(body)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+# ---- running requests -------------------------------------------------------------------------
+async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """(stream index, item) from several async iterators as items arrive. Closing this closes
+    (and so aborts) the ones still running."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator) -> None:
+        try:
+            async for item in stream:
+                await queue.put((i, item, None))
+            await queue.put((i, done, None))
+        except Exception as e:
+            await queue.put((i, None, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is done:
+                remaining -= 1
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def until_disconnect(raw: Request, work: Awaitable[Response]) -> Response:
+    """Run a non-streaming handler, cancelling it (which aborts its requests in the engine) as
+    soon as the client disconnects."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_disconnect() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.cancelled() and task.done():
+        return task.result()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task  # let its cleanup (the engine abort) run
+    logger.info("client disconnected; request aborted")
+    return Response(status_code=499)

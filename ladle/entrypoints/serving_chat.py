@@ -1,0 +1,197 @@
+"""POST /v1/chat/completions: messages -> the chat template -> one processed request (n choices)
+-> a response or an SSE stream whose first chunk per choice carries the role."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ladle.entrypoints.common import (
+    SSE_DONE,
+    ServerState,
+    as_request_error,
+    base_request_id,
+    log_request_fields,
+    sse,
+    sse_error,
+    unique_id,
+    until_disconnect,
+)
+from ladle.entrypoints.logprobs import TokenNames, chat_logprobs, prompt_logprobs
+from ladle.frontend.output_processor import ChoiceDelta, TokenLogprob
+from ladle.frontend.processor import ProcessedRequest
+from ladle.protocol.chat import (
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    DeltaMessage,
+)
+from ladle.protocol.common import PromptTokensDetails, RequestError, UsageInfo
+from ladle.protocol.sampling import to_sampling_params
+
+
+def process_chat(server: ServerState, request: ChatCompletionRequest,
+                 request_id: str) -> ProcessedRequest:
+    engine = server.engine
+    processor = engine.processor
+    request.check_supported()
+    try:
+        prompt = processor.render_chat(
+            request.template_messages(),
+            tools=request.tools,  # only reaches here with tool_choice "none" for now
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template=request.chat_template,
+            chat_template_kwargs=request.template_kwargs(),
+        )
+        ids = processor.encode(prompt, add_special_tokens=request.add_special_tokens)
+        if request.truncate_prompt_tokens is not None and len(ids) > request.truncate_prompt_tokens:
+            ids, prompt = ids[-request.truncate_prompt_tokens:], None
+        try:  # before max_tokens is fitted to what is left
+            processor.check_prompt(ids)
+        except ValueError as e:  # the prompt is the rendered conversation
+            raise RequestError("messages" + str(e).removeprefix("prompt"), param="messages") from e
+        params = to_sampling_params(
+            request, num_prompt_tokens=len(ids), max_model_len=engine.max_model_len,
+            defaults=processor.generation_defaults, max_logprobs=processor.max_logprobs)
+        return processor.process(unique_id(request_id),
+                                 {"prompt": prompt, "prompt_token_ids": ids}, params,
+                                 priority=request.priority, cache_salt=request.cache_salt)
+    except ValueError as e:
+        raise as_request_error(e) from e
+
+
+async def create_chat_completion(server: ServerState, request: ChatCompletionRequest,
+                                 raw: Request) -> Response:
+    model = server.check_model(request.model)
+    request_id = f"chatcmpl-{base_request_id(raw)}"
+    log_request_fields(request, request_id)
+    processed = process_chat(server, request, request_id)
+    writer = _Writer(server, request, processed, request_id, model)
+    if request.stream:
+        return StreamingResponse(writer.stream(), media_type="text/event-stream")
+    return await until_disconnect(raw, writer.full())
+
+
+class _Writer:
+    def __init__(self, server: ServerState, request: ChatCompletionRequest,
+                 processed: ProcessedRequest, request_id: str, model: str):
+        self.engine = server.engine
+        self.request = request
+        self.processed = processed
+        self.request_id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.num_top = processed.params.logprobs  # None: no logprobs asked for
+        self.names = TokenNames(self.engine.tokenizer, request.return_tokens_as_token_ids)
+        # echo: the reply starts with the last message's content when it is the assistant's.
+        last = request.messages[-1]
+        self.echo_text = ""
+        if request.echo and last.role == "assistant":
+            self.echo_text = request.template_messages()[-1].get("content") or ""
+
+    def _usage(self, num_completion: int, num_cached: int) -> UsageInfo:
+        num_prompt = len(self.processed.prompt_token_ids)
+        return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                         total_tokens=num_prompt + num_completion,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached))
+
+    # ---- non-streaming ----------------------------------------------------------------------
+    async def full(self) -> Response:
+        n = len(self.processed.child_ids)
+        texts: list[list[str]] = [[self.echo_text] for _ in range(n)]
+        token_ids: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
+        finish: list[tuple] = [(None, None)] * n
+        state = None
+        async for update in self.engine.generate(self.processed):
+            state = update.state
+            for d in update.deltas:
+                _check_error(d)
+                texts[d.index].append(d.text)
+                token_ids[d.index] += d.token_ids
+                logprobs[d.index] += d.logprobs or []
+                if d.finish_reason is not None:
+                    finish[d.index] = (d.finish_reason, d.stop_reason)
+        choices = [
+            ChatCompletionResponseChoice(
+                index=i,
+                message=ChatCompletionMessage(content="".join(texts[i])),
+                logprobs=(None if self.num_top is None
+                          else chat_logprobs(self.names, logprobs[i], self.num_top)),
+                finish_reason=finish[i][0],
+                stop_reason=finish[i][1],
+                token_ids=token_ids[i] if self.request.return_token_ids else None,
+            )
+            for i in range(n)
+        ]
+        response = ChatCompletionResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=choices,
+            usage=self._usage(sum(map(len, token_ids)), state.num_cached_tokens),
+            prompt_logprobs=(None if self.processed.params.prompt_logprobs is None else
+                             [None if d is None else {k: v.model_dump() for k, v in d.items()}
+                              for d in prompt_logprobs(self.names, state.prompt_logprobs) or []]),
+            prompt_token_ids=(self.processed.prompt_token_ids if self.request.return_token_ids
+                              else None),
+        )
+        return JSONResponse(response.model_dump())
+
+    # ---- streaming --------------------------------------------------------------------------
+    def _chunk(self, choice: ChatCompletionResponseStreamChoice) -> ChatCompletionStreamResponse:
+        return ChatCompletionStreamResponse(id=self.request_id, created=self.created,
+                                            model=self.model, choices=[choice])
+
+    async def stream(self):
+        request = self.request
+        opts = request.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+        n = len(self.processed.child_ids)
+        num_tokens = [0] * n
+        num_cached = 0
+        try:
+            # The first chunk of each choice: the role (and any echoed text).
+            for i in range(n):
+                chunk = self._chunk(ChatCompletionResponseStreamChoice(
+                    index=i, delta=DeltaMessage(role="assistant", content=self.echo_text)))
+                if request.return_token_ids and i == 0:
+                    chunk.prompt_token_ids = self.processed.prompt_token_ids
+                if continuous:
+                    chunk.usage = self._usage(0, 0)
+                yield sse(chunk)
+            async for update in self.engine.generate(self.processed):
+                num_cached = update.state.num_cached_tokens
+                for d in update.deltas:
+                    _check_error(d)
+                    num_tokens[d.index] += len(d.token_ids)
+                    if not (d.text or d.finish_reason or (self.num_top is not None and d.logprobs)):
+                        continue  # tokens whose text is held back (a possible stop string)
+                    choice = ChatCompletionResponseStreamChoice(
+                        index=d.index, delta=DeltaMessage(content=d.text or None),
+                        finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+                    if self.num_top is not None:
+                        choice.logprobs = chat_logprobs(self.names, d.logprobs or [], self.num_top)
+                    if request.return_token_ids:
+                        choice.token_ids = d.token_ids
+                    chunk = self._chunk(choice)
+                    if continuous:
+                        chunk.usage = self._usage(sum(num_tokens), num_cached)
+                    yield sse(chunk)
+            if include_usage:
+                yield sse(ChatCompletionStreamResponse(
+                    id=self.request_id, created=self.created, model=self.model, choices=[],
+                    usage=self._usage(sum(num_tokens), num_cached)))
+        except Exception as e:
+            yield sse_error(e)
+        yield SSE_DONE
+
+
+def _check_error(d: ChoiceDelta) -> None:
+    """The engine rejected the request (it checks again what the API process checked)."""
+    if d.error is not None:
+        raise RequestError(d.error)

@@ -1,0 +1,168 @@
+"""AsyncLLM: the server's engine, in the API process. It owns the tokenizer, the InputProcessor,
+the OutputProcessor and the EngineClient. One background task reads the engine's outputs,
+detokenizes them (stop strings abort the request in the engine at once) and wakes the requests
+that changed; each request's async iterator then takes whatever accumulated since it last looked,
+so a slow client gets bigger deltas instead of a growing queue."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from ladle.config import EngineConfig
+from ladle.frontend.engine_client import EngineClient, EngineDeadError
+from ladle.frontend.metrics import IterationStats, ServerMetrics
+from ladle.frontend.output_processor import ChoiceDelta, OutputProcessor, RequestState
+from ladle.frontend.processor import InputProcessor, ProcessedRequest
+from ladle.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What a request produced since the caller last looked."""
+
+    state: RequestState  # prompt, cached-token count, prompt logprobs
+    deltas: list[ChoiceDelta]  # one per choice that changed
+    finished: bool  # every choice has finished
+
+
+class _Stream:
+    __slots__ = ("state", "event", "error")
+
+    def __init__(self, state: RequestState):
+        self.state = state
+        self.event = asyncio.Event()
+        self.error: BaseException | None = None
+
+
+class AsyncLLM:
+    def __init__(self, client: EngineClient, processor: InputProcessor,
+                 output_processor: OutputProcessor, metrics: ServerMetrics):
+        self.client = client
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.output_processor = output_processor
+        self.metrics = metrics
+        self.streams: dict[str, _Stream] = {}
+        self.dead_error: EngineDeadError | None = None
+        self._on_dead: list[Callable[[], None]] = []
+        self._output_task: asyncio.Task | None = None
+
+    @classmethod
+    async def start(cls, config: EngineConfig, model_name: str | None = None) -> AsyncLLM:
+        """Start the engine process, wait until its model is loaded, and start reading."""
+        client = EngineClient(config)
+        try:
+            ready = await client.start()
+            tokenizer = load_tokenizer(config.tokenizer or ready.model_path)
+        except BaseException:
+            await client.shutdown()
+            raise
+        processor = InputProcessor(tokenizer, ready.model_path,
+                                   max_model_len=ready.max_model_len,
+                                   vocab_size=ready.vocab_size, max_logprobs=config.max_logprobs)
+        llm = cls(client, processor, OutputProcessor(tokenizer),
+                  ServerMetrics(model_name or config.model))
+        llm._output_task = asyncio.create_task(llm._output_loop())
+        return llm
+
+    @property
+    def max_model_len(self) -> int:
+        return self.processor.max_model_len
+
+    @property
+    def model_path(self) -> str:
+        return self.client.ready.model_path
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.dead_error is None
+
+    def on_dead(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once when the engine process dies."""
+        self._on_dead.append(callback)
+
+    async def shutdown(self) -> None:
+        if self._output_task is not None:
+            self._output_task.cancel()
+        await self.client.shutdown()
+
+    # ---- requests ---------------------------------------------------------------------------
+    async def generate(self, req: ProcessedRequest) -> AsyncIterator[RequestUpdate]:
+        """Run one processed request; yields updates until every choice has finished. Leaving
+        the loop early (client disconnect, cancellation) aborts the request in the engine.
+        Raises EngineDeadError if the engine dies meanwhile."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        state = self.output_processor.add_request(
+            req.request_id, req.prompt, req.prompt_token_ids, req.child_ids, req.child_params,
+            arrival_time=req.engine_requests[0].arrival_time)
+        stream = _Stream(state)
+        self.streams[req.request_id] = stream
+        finished = False
+        try:
+            self.client.add_requests(req.engine_requests)
+            while not finished:
+                await stream.event.wait()
+                stream.event.clear()
+                if stream.error is not None:
+                    raise stream.error
+                finished = state.finished
+                deltas = state.take_deltas()
+                if deltas or finished:
+                    yield RequestUpdate(state, deltas, finished)
+        finally:
+            self.streams.pop(req.request_id, None)
+            if not finished:
+                self.abort(req.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (all its choices) and free its KV blocks in the engine."""
+        child_ids = self.output_processor.abort(request_id)
+        if child_ids:
+            self.metrics.record_aborted(len(child_ids))
+            try:
+                self.client.abort_requests(child_ids)
+            except Exception:  # the engine is gone; nothing holds the blocks any more
+                logger.debug("abort of %s not sent", request_id, exc_info=True)
+
+    # ---- the output loop --------------------------------------------------------------------
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                outputs = await self.client.get_outputs()
+                if outputs.stats is not None:
+                    self.metrics.engine_stats = outputs.stats
+                if outputs.outputs:
+                    stats = IterationStats()
+                    changed, to_abort = self.output_processor.process(outputs.outputs, stats)
+                    if to_abort:
+                        self.client.abort_requests(to_abort)
+                    self.metrics.record(stats)
+                    for state in changed:
+                        stream = self.streams.get(state.request_id)
+                        if stream is not None:
+                            stream.event.set()
+                # Let the woken requests write their chunks before the next batch.
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            raise
+        except EngineDeadError as e:
+            logger.error("%s; failing %d request(s) in flight", e, len(self.streams))
+            self._die(e)
+        except Exception as e:
+            logger.exception("the output loop failed")
+            self._die(EngineDeadError(f"the output loop failed: {type(e).__name__}: {e}"))
+
+    def _die(self, error: EngineDeadError) -> None:
+        self.dead_error = error
+        self.output_processor.fail_all(str(error))
+        for stream in self.streams.values():
+            stream.error = error
+            stream.event.set()
+        for callback in self._on_dead:
+            callback()

@@ -1,0 +1,134 @@
+"""Serving metrics: per-step stats gathered by the output loop (IterationStats) and their
+Prometheus form (ServerMetrics), with the engine's gauges as the engine process last sent them.
+Names follow vLLM's, under the `ladle:` prefix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from ladle.frontend.output_processor import ChildState, RequestState
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+                0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+@dataclass
+class IterationStats:
+    """What one batch of engine outputs did, for metrics. Times are time.monotonic()."""
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    ttfts: list[float] = field(default_factory=list)  # per request: arrival to first token
+    itls: list[float] = field(default_factory=list)  # per choice: gap between two tokens
+    finished: list[tuple[str, float]] = field(default_factory=list)  # (finish reason, e2e)
+
+    def record_tokens(self, state: RequestState, child: ChildState, num_new: int,
+                      now: float) -> None:
+        """Called before the tokens are applied, so an empty child means its first tokens."""
+        if not child.token_ids:
+            self.num_prompt_tokens += len(state.prompt_token_ids)
+            if state.first_token_time is None:
+                self.ttfts.append(now - state.arrival_time)
+        else:
+            self.itls.extend([(now - child.last_token_time) / num_new] * num_new)
+        self.num_generation_tokens += num_new
+
+    def record_finished(self, state: RequestState, child: ChildState, now: float) -> None:
+        self.finished.append((child.finish_reason or "abort", now - state.arrival_time))
+
+
+class ServerMetrics:
+    """Prometheus metrics of one server; its own registry, so several can live in a process."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        self.labels = labels
+        names = ["model_name"]
+
+        def counter(name, doc, extra=()):
+            return Counter(name, doc, [*names, *extra], registry=self.registry)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, names, buckets=buckets, registry=self.registry).labels(
+                **labels)
+
+        self.request_success = counter("ladle:request_success", "Finished requests (choices), "
+                                       "by finish reason.", ["finished_reason"])
+        self.prompt_tokens = counter("ladle:prompt_tokens", "Prefilled prompt tokens.").labels(
+            **labels)
+        self.generation_tokens = counter("ladle:generation_tokens",
+                                         "Generated tokens.").labels(**labels)
+        self.ttft = histogram("ladle:time_to_first_token_seconds",
+                              "Arrival to first output token.", _TTFT_BUCKETS)
+        self.itl = histogram("ladle:inter_token_latency_seconds",
+                             "Time between two output tokens of a choice.", _ITL_BUCKETS)
+        self.e2e = histogram("ladle:e2e_request_latency_seconds",
+                             "Arrival to the last output token.", _E2E_BUCKETS)
+        self.engine_stats: dict = {}
+        self.registry.register(_EngineStatsCollector(self))
+
+    def record(self, stats: IterationStats) -> None:
+        if stats.num_prompt_tokens:
+            self.prompt_tokens.inc(stats.num_prompt_tokens)
+        if stats.num_generation_tokens:
+            self.generation_tokens.inc(stats.num_generation_tokens)
+        for t in stats.ttfts:
+            self.ttft.observe(t)
+        for t in stats.itls:
+            self.itl.observe(t)
+        for reason, e2e in stats.finished:
+            self.request_success.labels(finished_reason=reason, **self.labels).inc()
+            self.e2e.observe(e2e)
+
+    def record_aborted(self, num_choices: int) -> None:
+        """Requests the client left (disconnects): counted, not timed."""
+        self.request_success.labels(finished_reason="abort", **self.labels).inc(num_choices)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineStatsCollector:
+    """Exposes the engine process's last EngineCore.stats() at scrape time."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        s = self.metrics.engine_stats
+        lv = [self.metrics.labels["model_name"]]
+        gauges = (
+            ("ladle:num_requests_running", "Requests in the running batch.", "num_running"),
+            ("ladle:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+            ("ladle:kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests "
+             "(1 = full).", "kv_cache_usage"),
+            ("ladle:num_used_kv_blocks", "KV-cache blocks held by requests.", "num_used_blocks"),
+            ("ladle:num_kv_blocks", "KV-cache blocks in total.", "num_blocks"),
+        )
+        for name, doc, key in gauges:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(lv, float(s.get(key, 0)))
+            yield g
+        queries, hits = s.get("prefix_cache_queries", 0), s.get("prefix_cache_hits", 0)
+        for name, doc, value in (
+            ("ladle:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries),
+            ("ladle:prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits),
+        ):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(lv, float(value))
+            yield c
+        g = GaugeMetricFamily("ladle:prefix_cache_hit_rate",
+                              "Prefix-cache hits / queries since start, in tokens.",
+                              labels=["model_name"])
+        g.add_metric(lv, hits / queries if queries else 0.0)
+        yield g
