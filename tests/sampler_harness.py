@@ -7,17 +7,8 @@ import torch
 
 from ladle.engine.request import Request
 from ladle.runner.input_batch import InputBatch
-from ladle.sample.logits_processors.builtin import (
-    AllowedTokenIdsProcessor,
-    BadWordsProcessor,
-    LogitBiasProcessor,
-    MinPProcessor,
-    MinTokensProcessor,
-    ThinkingBudgetProcessor,
-)
 from ladle.sample.logits_processors.interface import ProcessorConfig
 from ladle.sample.metadata import SamplingMetadata
-from ladle.sample.penalties import PenaltyState
 from ladle.sample.sampler import Sampler
 from ladle.sampling_params import SamplingParams
 
@@ -32,14 +23,8 @@ class Harness:
         self.batch = InputBatch(max_rows, max_len, 16)
         gen = torch.Generator().manual_seed(seed)
         cfg = ProcessorConfig(vocab, CPU, max_rows)
-        changing = [AllowedTokenIdsProcessor(cfg), BadWordsProcessor(cfg),
-                    MinTokensProcessor(cfg), LogitBiasProcessor(cfg)]
-        invariant = [MinPProcessor(cfg)]
-        for cls in custom:
-            p = cls(cfg)
-            (invariant if p.is_argmax_invariant() else changing).append(p)
-        self.sampler = Sampler(vocab, CPU, gen, PenaltyState(max_rows, vocab, CPU), changing,
-                               ThinkingBudgetProcessor(cfg, reasoning), invariant)
+        self.sampler = Sampler.build(vocab, CPU, max_rows, gen, reasoning,
+                                     [cls(cfg) for cls in custom])
         self.requests: list[Request] = []
 
     def set_requests(self, specs: list[tuple[SamplingParams, list[int], list[int]]],

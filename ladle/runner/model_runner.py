@@ -17,18 +17,9 @@ from ladle.engine.scheduler import SchedulerOutput
 from ladle.reasoning import ReasoningConfig
 from ladle.runner.attention import AttentionMetadata, DecodeBatch, build_prefill
 from ladle.runner.input_batch import InputBatch
-from ladle.sample.logits_processors.builtin import (
-    AllowedTokenIdsProcessor,
-    BadWordsProcessor,
-    LogitBiasProcessor,
-    MinPProcessor,
-    MinTokensProcessor,
-    ThinkingBudgetProcessor,
-)
 from ladle.sample.logits_processors.custom import load_custom_processors
-from ladle.sample.logits_processors.interface import LogitsProcessor, ProcessorConfig
+from ladle.sample.logits_processors.interface import ProcessorConfig
 from ladle.sample.metadata import SamplingMetadata
-from ladle.sample.penalties import PenaltyState
 from ladle.sample.sampler import LogprobsTensors, Sampler
 from ladle.structured_output.manager import StructuredOutputManager, apply_bitmask
 
@@ -80,18 +71,8 @@ class ModelRunner:
         self.generator.manual_seed(seed)
         pcfg = ProcessorConfig(cfg.vocab_size, device, max_num_seqs)
         self.custom_processors = load_custom_processors(logits_processors or [], pcfg)
-        changing: list[LogitsProcessor] = [
-            AllowedTokenIdsProcessor(pcfg), BadWordsProcessor(pcfg), MinTokensProcessor(pcfg),
-            LogitBiasProcessor(pcfg),
-        ]
-        invariant: list[LogitsProcessor] = [MinPProcessor(pcfg)]
-        for p in self.custom_processors:
-            (invariant if p.is_argmax_invariant() else changing).append(p)
-        self.sampler = Sampler(
-            cfg.vocab_size, device, self.generator,
-            PenaltyState(max_num_seqs, cfg.vocab_size, device), changing,
-            ThinkingBudgetProcessor(pcfg, reasoning), invariant,
-        )
+        self.sampler = Sampler.build(cfg.vocab_size, device, max_num_seqs, self.generator,
+                                     reasoning, self.custom_processors)
         self.sampling_metadata: SamplingMetadata | None = None
         self.keep_logits = keep_logits
 

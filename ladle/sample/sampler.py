@@ -27,7 +27,20 @@ from dataclasses import dataclass
 
 import torch
 
-from ladle.sample.logits_processors.interface import BatchUpdate, LogitsProcessor
+from ladle.reasoning import ReasoningConfig
+from ladle.sample.logits_processors.builtin import (
+    AllowedTokenIdsProcessor,
+    BadWordsProcessor,
+    LogitBiasProcessor,
+    MinPProcessor,
+    MinTokensProcessor,
+    ThinkingBudgetProcessor,
+)
+from ladle.sample.logits_processors.interface import (
+    BatchUpdate,
+    LogitsProcessor,
+    ProcessorConfig,
+)
 from ladle.sample.metadata import SamplingMetadata
 from ladle.sample.noise import SeededNoise
 from ladle.sample.ops import NEG_INF, race, restrict_top_k_top_p
@@ -60,6 +73,23 @@ class Sampler:
         self.argmax_changing = argmax_changing
         self.thinking = thinking
         self.argmax_invariant = argmax_invariant
+
+    @classmethod
+    def build(cls, vocab_size: int, device: torch.device, max_num_reqs: int,
+              generator: torch.Generator, reasoning: ReasoningConfig | None = None,
+              custom: list[LogitsProcessor] = ()) -> Sampler:
+        """The sampler with the built-in processors in pipeline order, plus custom ones placed
+        by is_argmax_invariant()."""
+        pcfg = ProcessorConfig(vocab_size, device, max_num_reqs)
+        changing: list[LogitsProcessor] = [
+            AllowedTokenIdsProcessor(pcfg), BadWordsProcessor(pcfg), MinTokensProcessor(pcfg),
+            LogitBiasProcessor(pcfg),
+        ]
+        invariant: list[LogitsProcessor] = [MinPProcessor(pcfg)]
+        for p in custom:
+            (invariant if p.is_argmax_invariant() else changing).append(p)
+        return cls(vocab_size, device, generator, PenaltyState(max_num_reqs, vocab_size, device),
+                   changing, ThinkingBudgetProcessor(pcfg, reasoning), invariant)
 
     @property
     def processors(self) -> list[LogitsProcessor]:
