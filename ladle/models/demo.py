@@ -160,7 +160,7 @@ def demo_state_dict(config: dict[str, Any], seed: int = DEMO_SEED) -> dict[str, 
 # picks a closing quote about once in thousands of tokens, so free-form JSON (and any constraint
 # with open-ended strings) would never end. A trained model concentrates on a small working
 # vocabulary and readily closes what it opened; the demo imitates that: it speaks from an active
-# vocabulary (the most frequent ~2,000 BPE tokens plus the JSON punctuation tokens), the other
+# vocabulary (the most frequent 20,000 BPE tokens plus the JSON punctuation tokens), the other
 # tokens sit INACTIVE_LOGIT lower (still reachable when a constraint allows nothing else), tokens
 # that close strings, lists and objects get a bonus and tokens that open them a malus, so nested
 # structures end rather than grow. Its text is still meaningless.
