@@ -44,6 +44,7 @@ class SamplingMetadata:
     logprobs_raw: torch.Tensor  # (rows wanting logprobs,) bool: from the raw logits
     logprobs_as_logits: torch.Tensor  # (rows wanting logprobs,) bool: values, not log_softmax
     any_raw_logprobs: bool
+    any_logit_mode: bool  # some row wants raw_logits / processed_logits values
     any_processed_logprobs: bool
 
     @classmethod
@@ -96,5 +97,6 @@ class SamplingMetadata:
             logprobs_raw=t(raw),
             logprobs_as_logits=t(np.isin(modes, LOGIT_MODES)),
             any_raw_logprobs=bool(raw.any()),
+            any_logit_mode=bool(np.isin(modes, LOGIT_MODES).any()),
             any_processed_logprobs=bool((~raw).any()),
         )

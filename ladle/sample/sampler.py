@@ -112,7 +112,11 @@ class Sampler:
         output (the counter of the seeded noise)."""
         raw = None
         if meta.any_raw_logprobs:
-            raw = logits[meta.logprob_rows].float()
+            if meta.logprob_rows.shape[0] == meta.num_rows:
+                raw = logits.float()
+                raw = raw.clone() if raw is logits else raw  # later stages work in place
+            else:
+                raw = logits[meta.logprob_rows].float()
         logits = logits.float()
         for p in self.argmax_changing:
             logits = p.apply(logits)
@@ -165,17 +169,20 @@ class Sampler:
     @staticmethod
     def _logprobs(raw, processed, sampled, meta: SamplingMetadata) -> LogprobsTensors:
         rows = meta.logprob_rows
+        all_rows = rows.shape[0] == meta.num_rows  # rows are 0..R-1 then: no gather needed
+        if processed is not None and meta.any_processed_logprobs:
+            processed = processed if all_rows else processed[rows]
         if raw is not None and processed is not None and meta.any_processed_logprobs:
-            src = torch.where(meta.logprobs_raw[:, None], raw, processed[rows])
-        elif raw is not None:
-            src = raw
+            src = torch.where(meta.logprobs_raw[:, None], raw, processed)
         else:
-            src = processed[rows]
-        as_logprobs = torch.log_softmax(src, dim=-1)
-        src = torch.where(meta.logprobs_as_logits[:, None], src, as_logprobs)
+            src = raw if raw is not None else processed
+        if meta.any_logit_mode:
+            src = torch.where(meta.logprobs_as_logits[:, None], src, torch.log_softmax(src, -1))
+        else:
+            src = torch.log_softmax(src, dim=-1)
         k = max(meta.max_num_logprobs, 0)
-        values, token_ids = src.topk(k, dim=-1) if k else (src[:, :0], sampled[rows, None][:, :0])
-        chosen = sampled[rows]
+        chosen = sampled if all_rows else sampled[rows]
+        values, token_ids = src.topk(k, dim=-1) if k else (src[:, :0], chosen[:, None][:, :0])
         sampled_values = src.gather(1, chosen[:, None])[:, 0]
         ranks = (src > sampled_values[:, None]).sum(dim=-1) + 1
         return LogprobsTensors(token_ids, values, sampled_values, ranks)
