@@ -63,7 +63,7 @@ def main():
     ap.add_argument("--model", default="ladle-demo")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     args = ap.parse_args()
-    llm = LLM(model_path(args.model), max_num_seqs=max(args.concurrency),
+    llm = LLM(model_path(args.model), max_num_seqs=max(args.concurrency), max_model_len=2048,
               kv_cache_memory="2GiB")
     mgr = llm.engine.structured
     # Compile times: a new schema (cold), then the same schema again (cache).

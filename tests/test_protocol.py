@@ -31,6 +31,7 @@ from ladle.protocol.completion import (
     CompletionResponseChoice,
 )
 from ladle.protocol.sampling import to_sampling_params
+from ladle.sampling_params import StructuredOutputsParams
 from ladle.tokenizer import generation_defaults, load_tokenizer
 
 MAX_LEN = 1024
@@ -113,6 +114,27 @@ def test_field_mapping():
     assert convert(chat(logprobs=True)).logprobs == 0
     assert convert(chat()).logprobs is None
     assert convert(chat(response_format={"type": "text"})).structured_outputs is None
+    assert convert(chat(thinking_token_budget=8)).thinking_token_budget == 8
+
+
+@pytest.mark.parametrize("fields, expected", [
+    (dict(response_format={"type": "json_object"}), dict(json_object=True)),
+    (dict(response_format={"type": "json_schema", "json_schema": {
+        "name": "n", "strict": True, "schema": {"type": "integer"}}}), dict(json={"type": "integer"})),
+    (dict(guided_json='{"type": "integer"}'), dict(json={"type": "integer"})),
+    (dict(guided_regex="a+", guided_decoding_backend="llguidance"),
+     dict(regex="a+", backend="guidance")),
+    (dict(guided_choice=["x", "y"]), dict(choice=["x", "y"])),
+    (dict(guided_grammar='root ::= "a"'), dict(grammar='root ::= "a"')),
+    (dict(structured_outputs={"regex": "b", "disable_any_whitespace": True}),
+     dict(regex="b", disable_any_whitespace=True)),
+    (dict(response_format={"type": "json_object"},
+          structured_outputs={"disable_any_whitespace": True}),
+     dict(json_object=True, disable_any_whitespace=True)),
+])
+def test_structured_outputs_mapping(fields, expected):
+    so = convert(chat(**fields)).structured_outputs
+    assert so == StructuredOutputsParams(**expected)
 
 
 @pytest.mark.parametrize("request_, param", [
@@ -129,11 +151,18 @@ def test_field_mapping():
     (completion(min_tokens=20, max_tokens=10), "min_tokens"),
     (completion(logit_bias={"x": 1}), "logit_bias"),
     (completion(use_beam_search=True), "use_beam_search"),
-    (completion(guided_regex="a+"), "guided_regex"),
+    (completion(guided_regex="("), "guided_regex"),
+    (completion(guided_json={"type": "nope"}), "guided_json"),
+    (completion(guided_grammar="root ::= ("), "guided_grammar"),
+    (completion(guided_regex="a", guided_choice=["a"]), "guided_choice"),
+    (completion(guided_regex="a", guided_whitespace_pattern=" "), "guided_whitespace_pattern"),
+    (completion(guided_regex="a", guided_decoding_backend="outlines"), "guided_decoding_backend"),
+    (completion(structured_outputs={"regex": "a", "choice": ["a"]}), "structured_outputs"),
+    (completion(structured_outputs={"pattern": "a"}), "structured_outputs"),
+    (chat(response_format={"type": "json_schema"}), "response_format.json_schema.schema"),
+    (chat(response_format={"type": "json_object"}, guided_regex="a"), "guided_regex"),
     (chat(top_logprobs=2), "top_logprobs"),
     (chat(logprobs=True, top_logprobs=30), "top_logprobs"),
-    (chat(response_format={"type": "json_object"}), "response_format"),
-    (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     (chat(functions=[{"name": "f"}]), "functions"),
     (chat(modalities=["text", "audio"]), "modalities"),
     (chat(store=True), "store"),

@@ -389,8 +389,9 @@ BAD_INPUTS = [
      "stream_options"),
     (C, {"model": MODEL, "prompt": "x", "stream": True, "prompt_logprobs": 1}, 400,
      "prompt_logprobs"),
-    (CH, {"model": MODEL, "messages": MSG, "response_format": {"type": "json_object"}}, 400,
-     "response_format"),
+    (CH, {"model": MODEL, "messages": MSG, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}}, 400,
+     "response_format.json_schema.schema"),
     (CH, {"model": MODEL, "messages": MSG,
           "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     (C, {"model": MODEL, "prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),

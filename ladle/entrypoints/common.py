@@ -36,7 +36,8 @@ class ServerState:
     engine: AsyncLLM
     served_model_names: list[str]
     api_key: str | None = None
-    # Chat features wired later read these.
+    # Chat: tool calls (tool_choice "auto" needs both), reasoning, and the structured-output
+    # backend the API process checks constraints with.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None

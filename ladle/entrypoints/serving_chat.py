@@ -1,5 +1,7 @@
-"""POST /v1/chat/completions: messages -> the chat template -> one processed request (n choices)
--> a response or an SSE stream whose first chunk per choice carries the role."""
+"""POST /v1/chat/completions: messages (and tools) -> the chat template -> one processed request
+(n choices) -> a response or an SSE stream whose first chunk per choice carries the role. With a
+reasoning parser or tools, each choice's text goes through a ChoiceParser (entrypoints/tools.py)
+into reasoning, content and tool calls, the same way for both."""
 
 from __future__ import annotations
 
@@ -20,8 +22,11 @@ from ladle.entrypoints.common import (
     until_disconnect,
 )
 from ladle.entrypoints.logprobs import TokenNames, chat_logprobs, prompt_logprobs
+from ladle.entrypoints.tools import ChoiceParser, ToolPlan, plan_tools
 from ladle.frontend.output_processor import ChoiceDelta, TokenLogprob
 from ladle.frontend.processor import ProcessedRequest
+from ladle.parsers.types import DeltaMessage as ParsedDelta
+from ladle.parsers.types import merge_deltas
 from ladle.protocol.chat import (
     ChatCompletionMessage,
     ChatCompletionRequest,
@@ -29,21 +34,31 @@ from ladle.protocol.chat import (
     ChatCompletionResponseChoice,
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
 )
 from ladle.protocol.common import PromptTokensDetails, RequestError, UsageInfo
 from ladle.protocol.sampling import to_sampling_params
 
 
 def process_chat(server: ServerState, request: ChatCompletionRequest,
-                 request_id: str) -> ProcessedRequest:
+                 request_id: str) -> tuple[ProcessedRequest, ToolPlan]:
     engine = server.engine
     processor = engine.processor
     request.check_supported()
+    if request.thinking_token_budget is not None and server.reasoning_parser is None:
+        raise RequestError("thinking_token_budget: needs a reasoning parser (start the server "
+                           "with --reasoning-parser)", param="thinking_token_budget")
     try:
+        plan = plan_tools(request, enable_auto_tool_choice=server.enable_auto_tool_choice,
+                          tool_call_parser=server.tool_call_parser,
+                          backend=server.structured_outputs_backend)
         prompt = processor.render_chat(
             request.template_messages(),
-            tools=request.tools,  # only reaches here with tool_choice "none" for now
+            tools=request.tools,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             chat_template=request.chat_template,
@@ -58,10 +73,13 @@ def process_chat(server: ServerState, request: ChatCompletionRequest,
             raise RequestError("messages" + str(e).removeprefix("prompt"), param="messages") from e
         params = to_sampling_params(
             request, num_prompt_tokens=len(ids), max_model_len=engine.max_model_len,
-            defaults=processor.generation_defaults, max_logprobs=processor.max_logprobs)
-        return processor.process(unique_id(request_id),
-                                 {"prompt": prompt, "prompt_token_ids": ids}, params,
-                                 priority=request.priority, cache_salt=request.cache_salt)
+            defaults=processor.generation_defaults, max_logprobs=processor.max_logprobs,
+            structured_outputs_backend=server.structured_outputs_backend,
+            structured_outputs=plan.constraint)
+        processed = processor.process(unique_id(request_id),
+                                      {"prompt": prompt, "prompt_token_ids": ids}, params,
+                                      priority=request.priority, cache_salt=request.cache_salt)
+        return processed, plan
     except ValueError as e:
         raise as_request_error(e) from e
 
@@ -71,8 +89,8 @@ async def create_chat_completion(server: ServerState, request: ChatCompletionReq
     model = server.check_model(request.model)
     request_id = f"chatcmpl-{base_request_id(raw)}"
     log_request_fields(request, request_id)
-    processed = process_chat(server, request, request_id)
-    writer = _Writer(server, request, processed, request_id, model)
+    processed, plan = process_chat(server, request, request_id)
+    writer = _Writer(server, request, processed, plan, request_id, model)
     if request.stream:
         return StreamingResponse(writer.stream(), media_type="text/event-stream")
     return await until_disconnect(raw, writer.full())
@@ -80,8 +98,12 @@ async def create_chat_completion(server: ServerState, request: ChatCompletionReq
 
 class _Writer:
     def __init__(self, server: ServerState, request: ChatCompletionRequest,
-                 processed: ProcessedRequest, request_id: str, model: str):
+                 processed: ProcessedRequest, plan: ToolPlan, request_id: str, model: str):
         self.engine = server.engine
+        self.server = server
+        self.plan = plan
+        # Plain text unless a reasoning parser or tool calls are in play.
+        self.is_parsed = server.reasoning_parser is not None or plan.mode != "none"
         self.request = request
         self.processed = processed
         self.request_id = request_id
@@ -101,10 +123,27 @@ class _Writer:
                          total_tokens=num_prompt + num_completion,
                          prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached))
 
+    def _parser(self) -> ChoiceParser:
+        server = self.server
+        thinking = False
+        if server.reasoning_parser is not None:
+            # What the engine decides from the prompt (ladle.reasoning.ReasoningConfig).
+            tokenizer = self.engine.tokenizer
+            start, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+            thinking = True
+            for t in reversed(self.processed.prompt_token_ids):
+                if t in (start, end):
+                    thinking = t == start
+                    break
+        return ChoiceParser(self.plan, server.reasoning_parser, server.tool_call_parser,
+                            prompt_text=self.processed.prompt or "", is_thinking_at_start=thinking)
+
     # ---- non-streaming ----------------------------------------------------------------------
     async def full(self) -> Response:
         n = len(self.processed.child_ids)
         texts: list[list[str]] = [[self.echo_text] for _ in range(n)]
+        parsers = [self._parser() for _ in range(n)]
+        parsed: list[list[ParsedDelta]] = [[] for _ in range(n)]
         token_ids: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
         finish: list[tuple] = [(None, None)] * n
@@ -114,22 +153,34 @@ class _Writer:
             for d in update.deltas:
                 _check_error(d)
                 texts[d.index].append(d.text)
+                parsed[d.index].append(parsers[d.index].feed(d.text, d.finish_reason is not None))
                 token_ids[d.index] += d.token_ids
                 logprobs[d.index] += d.logprobs or []
                 if d.finish_reason is not None:
                     finish[d.index] = (d.finish_reason, d.stop_reason)
-        choices = [
-            ChatCompletionResponseChoice(
+        choices = []
+        for i in range(n):
+            finish_reason = finish[i][0]
+            if not self.is_parsed:
+                message = ChatCompletionMessage(content="".join(texts[i]))
+            else:
+                merged = merge_deltas(parsed[i])
+                message = ChatCompletionMessage(
+                    content=self.echo_text + (merged.content or "") or None,
+                    reasoning_content=merged.reasoning, reasoning=merged.reasoning,
+                    tool_calls=[ToolCall(id=c.id, function=FunctionCall(
+                        name=c.name, arguments=c.arguments)) for c in merged.tool_calls])
+                if merged.tool_calls:
+                    finish_reason = "tool_calls"
+            choices.append(ChatCompletionResponseChoice(
                 index=i,
-                message=ChatCompletionMessage(content="".join(texts[i])),
+                message=message,
                 logprobs=(None if self.num_top is None
                           else chat_logprobs(self.names, logprobs[i], self.num_top)),
-                finish_reason=finish[i][0],
+                finish_reason=finish_reason,
                 stop_reason=finish[i][1],
                 token_ids=token_ids[i] if self.request.return_token_ids else None,
-            )
-            for i in range(n)
-        ]
+            ))
         response = ChatCompletionResponse(
             id=self.request_id, created=self.created, model=self.model, choices=choices,
             usage=self._usage(sum(map(len, token_ids)), state.num_cached_tokens),
@@ -154,6 +205,7 @@ class _Writer:
         n = len(self.processed.child_ids)
         num_tokens = [0] * n
         num_cached = 0
+        parsers = [self._parser() for _ in range(n)]
         try:
             # The first chunk of each choice: the role (and any echoed text).
             for i in range(n):
@@ -169,11 +221,17 @@ class _Writer:
                 for d in update.deltas:
                     _check_error(d)
                     num_tokens[d.index] += len(d.token_ids)
-                    if not (d.text or d.finish_reason or (self.num_top is not None and d.logprobs)):
-                        continue  # tokens whose text is held back (a possible stop string)
+                    parser = parsers[d.index]
+                    parsed = parser.feed(d.text, d.finish_reason is not None)
+                    if not (not parsed.is_empty or d.finish_reason
+                            or (self.num_top is not None and d.logprobs)):
+                        continue  # text held back (a possible stop string or tag)
+                    finish_reason = d.finish_reason
+                    if finish_reason is not None and self.is_parsed and parser.num_calls:
+                        finish_reason = "tool_calls"
                     choice = ChatCompletionResponseStreamChoice(
-                        index=d.index, delta=DeltaMessage(content=d.text or None),
-                        finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+                        index=d.index, delta=_delta_message(parsed),
+                        finish_reason=finish_reason, stop_reason=d.stop_reason)
                     if self.num_top is not None:
                         choice.logprobs = chat_logprobs(self.names, d.logprobs or [], self.num_top)
                     if request.return_token_ids:
@@ -189,6 +247,14 @@ class _Writer:
         except Exception as e:
             yield sse_error(e)
         yield SSE_DONE
+
+
+def _delta_message(parsed: ParsedDelta) -> DeltaMessage:
+    calls = [DeltaToolCall(index=c.index, id=c.id, type="function" if c.id else None,
+                           function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
+             for c in parsed.tool_calls]
+    return DeltaMessage(content=parsed.content, reasoning_content=parsed.reasoning,
+                        reasoning=parsed.reasoning, tool_calls=calls or None)
 
 
 def _check_error(d: ChoiceDelta) -> None:

@@ -50,7 +50,8 @@ def process_completion(server: ServerState, request: CompletionRequest,
             processor.check_prompt(ids)  # before max_tokens is fitted to what is left
             params = to_sampling_params(
                 request, num_prompt_tokens=len(ids), max_model_len=engine.max_model_len,
-                defaults=processor.generation_defaults, max_logprobs=processor.max_logprobs)
+                defaults=processor.generation_defaults, max_logprobs=processor.max_logprobs,
+                structured_outputs_backend=server.structured_outputs_backend)
             if request.echo and params.logprobs is not None and params.prompt_logprobs is None:
                 params.prompt_logprobs = params.logprobs  # echoed tokens carry logprobs too
             processed.append(processor.process(

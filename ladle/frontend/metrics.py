@@ -123,6 +123,14 @@ class _EngineStatsCollector:
         for name, doc, value in (
             ("ladle:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries),
             ("ladle:prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits),
+            ("ladle:grammar_compiles", "Structured-output grammars compiled.",
+             s.get("grammar_compiles", 0)),
+            ("ladle:grammar_cache_hits", "Structured-output requests that reused a compiled "
+             "grammar.", s.get("grammar_cache_hits", 0)),
+            ("ladle:grammar_compile_seconds", "Time spent compiling grammars.",
+             s.get("grammar_compile_seconds", 0.0)),
+            ("ladle:grammar_bitmask_seconds", "Time spent filling grammar bitmasks.",
+             s.get("grammar_bitmask_seconds", 0.0)),
         ):
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(lv, float(value))

@@ -36,8 +36,13 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = None
     """Deprecated by OpenAI in favour of max_completion_tokens; either works."""
     tools: list[dict[str, Any]] | None = None
+    """Functions the model may call ({"type": "function", "function": {name, description,
+    parameters}}); the chat template receives them."""
     tool_choice: str | dict[str, Any] | None = None
+    """none, auto (the default with tools; needs --enable-auto-tool-choice), required (at least
+    one call, constrained), or {"type": "function", "function": {"name": ...}} (that call)."""
     parallel_tool_calls: bool | None = True
+    """False: at most one call."""
     # OpenAI fields ladle cannot honour: rejected when set to something that needs them.
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -83,9 +88,6 @@ class ChatCompletionRequest(SamplingFields):
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs: requires logprobs to be true", param="top_logprobs")
-        if self.tools and self.tool_choice != "none":
-            raise unsupported("tools", "tool calling is not supported yet (tool_choice 'none' "
-                              "renders the tools into the prompt without calls)")
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
             raise RequestError("tool_choice: requires tools", param="tool_choice")
         for name in ("functions", "function_call", "audio", "prediction", "web_search_options"):
@@ -177,6 +179,8 @@ class ChatCompletionMessage(BaseModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
     reasoning_content: str | None = None
     """Text the reasoning parser found before the answer (vLLM extra)."""
+    reasoning: str | None = None
+    """The same text under vLLM's newer name."""
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -206,6 +210,8 @@ class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    """New reasoning text (vLLM extra); also sent as `reasoning`."""
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -4,6 +4,7 @@ model's generation_config, then OpenAI's), and fields ladle cannot honour are re
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -16,7 +17,8 @@ from ladle.protocol.common import (
     StreamOptions,
     unsupported,
 )
-from ladle.sampling_params import SamplingParams
+from ladle.sampling_params import SamplingParams, StructuredOutputsParams
+from ladle.structured_output.manager import choose_backend
 
 _INT64 = dict(ge=-(2**63), le=2**63 - 1)
 # Sampling fields whose default comes from generation_config.json, then this fallback.
@@ -76,7 +78,12 @@ class SamplingFields(OpenAIBaseModel):
     vllm_xargs: dict[str, Any] | None = None
     """Free-form arguments for custom logits processors (SamplingParams.extra_args)."""
 
-    # Structured outputs: the fields exist; the conversion rejects them until they are wired.
+    thinking_token_budget: int | None = None
+    """With the server's reasoning parser: end thinking (force </think>) after this many
+    tokens."""
+
+    # Structured outputs: at most one of response_format (json_object, json_schema),
+    # structured_outputs (vLLM's) and the older guided_* fields.
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
@@ -118,11 +125,16 @@ def to_sampling_params(
     max_model_len: int,
     defaults: dict[str, Any] | None = None,
     max_logprobs: int = 20,
+    structured_outputs_backend: str = "auto",
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams. defaults: the model's generation_config sampling values
-    (ladle.tokenizer.generation_defaults). Raises RequestError naming the field."""
+    (ladle.tokenizer.generation_defaults). structured_outputs, when given, replaces the request's
+own constraint (chat's tool_choice builds one). Raises RequestError naming the field."""
     request.check_supported()
     defaults = defaults or {}
+    if structured_outputs is None:
+        structured_outputs = structured_outputs_params(request, structured_outputs_backend)
 
     def pick(name: str):
         value = getattr(request, name)
@@ -175,7 +187,8 @@ def to_sampling_params(
             prompt_logprobs=request.prompt_logprobs,
             skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
-            structured_outputs=structured_outputs_params(request),
+            thinking_token_budget=request.thinking_token_budget,
+            structured_outputs=structured_outputs,
             extra_args=request.vllm_xargs,
         )
     except ValueError as e:
@@ -187,20 +200,93 @@ def to_sampling_params(
         raise RequestError(message, param=renamed) from e
 
 
-def structured_outputs_params(request: SamplingFields):
-    """response_format / structured_outputs / guided_* -> StructuredOutputsParams. Only plain
-    text is wired so far; the rest is rejected with a 400 until the structured-output backend
-    is connected here."""
+# Where each structured-output field of a request goes in StructuredOutputsParams.
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+_SO_FIELDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag",
+              "disable_any_whitespace", "backend")
+_SO_KINDS = _SO_FIELDS[:6]
+
+
+def structured_outputs_params(request: SamplingFields, backend: str = "auto"
+                              ) -> StructuredOutputsParams | None:
+    """response_format / structured_outputs / guided_* -> StructuredOutputsParams, checked with
+    the backend chooser so a bad schema, regex or grammar is a 400 naming the field. At most one
+    constraint per request. `backend` is the server's --structured-outputs-backend."""
+    found: list[tuple[str, dict[str, Any]]] = []  # (request field, StructuredOutputsParams kwargs)
     fmt = request.response_format
-    if fmt is not None and fmt.type != "text":
-        raise unsupported("response_format", f"type {fmt.type!r} is not supported yet "
-                          "(only 'text')")
-    if request.structured_outputs:
-        raise unsupported("structured_outputs", "is not supported yet")
-    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+    if fmt is not None and fmt.type == "json_object":
+        found.append(("response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise RequestError("response_format.json_schema.schema: required when type is "
+                               "'json_schema'", param="response_format.json_schema.schema")
+        found.append(("response_format.json_schema.schema", {"json": fmt.json_schema.schema_}))
+    elif fmt is not None and fmt.type == "structural_tag":
+        raise unsupported("response_format", "type 'structural_tag' is not supported; use "
+                          "structured_outputs.structural_tag")
+    so = request.structured_outputs
+    if so is not None:
+        unknown = sorted(set(so) - set(_SO_FIELDS))
+        if unknown:
+            raise RequestError(f"structured_outputs: unknown field(s) {unknown}; accepted: "
+                               + ", ".join(_SO_FIELDS), param="structured_outputs")
+        kinds = {k: v for k, v in so.items() if k in _SO_KINDS and v not in (None, False)}
+        if len(kinds) > 1:
+            raise RequestError(f"structured_outputs: give one constraint, got {sorted(kinds)}",
+                               param="structured_outputs")
+        if kinds:
+            (kind, _), = kinds.items()
+            found.append((f"structured_outputs.{kind}", dict(so)))
+    for name, kind in _GUIDED_FIELDS.items():
         if getattr(request, name) is not None:
-            raise unsupported(name, "is not supported yet")
-    return None
+            found.append((name, {kind: getattr(request, name)}))
+    if request.guided_whitespace_pattern is not None:
+        raise unsupported("guided_whitespace_pattern", "is not supported (JSON whitespace is "
+                          "fixed; structured_outputs.disable_any_whitespace removes it)")
+    if len(found) > 1:
+        names = [f for f, _ in found]
+        raise RequestError(f"{names[1]}: only one structured-output constraint per request; got "
+                           + ", ".join(names), param=names[1])
+    if not found:
+        if request.guided_decoding_backend is not None:
+            raise RequestError("guided_decoding_backend: needs a guided_* constraint",
+                               param="guided_decoding_backend")
+        return None
+    param, kwargs = found[0]
+    # Options given without a constraint in structured_outputs apply to the one found elsewhere.
+    options = {k: v for k, v in (so or {}).items() if k not in _SO_KINDS}
+    kwargs = {**options, **kwargs}
+    backend_param = "structured_outputs.backend"
+    if request.guided_decoding_backend is not None and kwargs.get("backend") is None:
+        kwargs["backend"], backend_param = request.guided_decoding_backend, "guided_decoding_backend"
+    if kwargs.get("backend") == "llguidance":  # vLLM's name for it
+        kwargs["backend"] = "guidance"
+    if kwargs.get("backend") not in (None, "auto", "xgrammar", "guidance"):
+        raise RequestError(f"{backend_param}: {kwargs['backend']!r} is unknown; accepted: auto, "
+                           "xgrammar, guidance (llguidance)", param=backend_param)
+    return checked_structured_outputs(param, kwargs, backend)
+
+
+def checked_structured_outputs(param: str, kwargs: dict[str, Any], backend: str = "auto"
+                               ) -> StructuredOutputsParams:
+    """StructuredOutputsParams(**kwargs), or a RequestError on `param` naming the problem (an
+    invalid schema, regex or grammar, or one no backend can express)."""
+    if isinstance(kwargs.get("json"), str):
+        try:
+            kwargs = {**kwargs, "json": json.loads(kwargs["json"])}
+        except ValueError as e:
+            raise RequestError(f"{param}: not valid JSON: {e}", param=param) from e
+    try:
+        params = StructuredOutputsParams(**kwargs)
+        choose_backend(params, backend)
+    except (TypeError, ValueError) as e:
+        message = str(e)
+        prefix = _param_of(message)
+        if prefix and prefix.startswith("structured_outputs"):
+            message = message[len(prefix) + 1:].lstrip()
+        raise RequestError(f"{param}: {message}", param=param) from e
+    return params
 
 
 def _param_of(message: str) -> str | None:
