@@ -130,6 +130,8 @@ class EngineCore:
                                    finish_reason=int(FinishReason.ERROR), error=r.error)
                   for r in sched.failed]
         if sched.is_empty:
+            if self.scheduler.waiting:  # only grammars still compiling: wait, do not spin
+                self.structured.wait_for_compiles(timeout=0.005)
             return failed
         blocks = {r.req_id: self.kv_cache.get_blocks(r.req_id) for r in sched.scheduled}
         out = self.runner.execute(sched, blocks, self.structured)

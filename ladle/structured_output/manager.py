@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -130,6 +130,13 @@ class StructuredOutputManager:
         if self.reasoning is not None:
             slot.reasoning_ended = self.reasoning.is_reasoning_end(request.prompt_token_ids)
         request.grammar = slot
+
+    def wait_for_compiles(self, timeout: float) -> None:
+        """Block until a running compile finishes or `timeout` seconds pass (the engine calls
+        this when nothing else can run, instead of spinning)."""
+        pending = [f for f in self.cache.values() if not f.done()]
+        if pending:
+            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def _compile(self, backend: StructuredOutputBackend, key: ConstraintKey):
         t = time.perf_counter()
