@@ -54,7 +54,7 @@ class StructuredOutputsParams:
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1  # completions returned per prompt
-    best_of: int | None = None  # completions generated; the n with highest logprob are returned
+    best_of: int | None = None  # accepted only equal to n (ranking extra candidates is not built)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
@@ -100,7 +100,8 @@ class SamplingParams:
     def verify(self) -> None:
         _check(self.n >= 1, "n", self.n, "an integer >= 1")
         if self.best_of is not None:
-            _check(self.best_of >= self.n, "best_of", self.best_of, f"an integer >= n ({self.n})")
+            _check(self.best_of == self.n, "best_of", self.best_of,
+                   f"None or equal to n ({self.n}); ranking extra candidates is not supported")
         _check(self.temperature >= 0, "temperature", self.temperature, "a float >= 0")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "a float in (0, 1]")
         _check(self.top_k >= 0, "top_k", self.top_k, "-1 or 0 (off) or an integer >= 1")

@@ -278,6 +278,7 @@ def test_sampling_frequencies_match_softmax(case, seeded):
     (dict(top_p=1.5), "top_p", "(0, 1]"),
     (dict(top_k=-2), "top_k", "-1 or 0"),
     (dict(n=0), "n", ">= 1"),
+    (dict(n=2, best_of=3), "best_of", "equal to n"),
     (dict(min_tokens=20, max_tokens=10), "min_tokens", "<= max_tokens"),
     (dict(allowed_token_ids=[]), "allowed_token_ids", "non-empty"),
     (dict(min_p=1.5), "min_p", "[0, 1]"),

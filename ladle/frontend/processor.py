@@ -123,8 +123,8 @@ class InputProcessor:
         self.check_prompt(token_ids)
         params.verify_for_model(self.vocab_size, self.max_logprobs)
         if params.bad_words and params.bad_words_token_ids is None:
-            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
-        n = params.best_of or params.n
+            params.update_from_tokenizer(self.tokenizer)
+        n = params.n
         children = [params.child(i) for i in range(n)] if n > 1 else [params]
         child_ids = [f"{request_id}-{i}" for i in range(n)] if n > 1 else [request_id]
         now = time.monotonic() if arrival_time is None else arrival_time
@@ -133,15 +133,3 @@ class InputProcessor:
             for cid, cp in zip(child_ids, children, strict=True)
         ]
         return ProcessedRequest(request_id, text, token_ids, params, child_ids, reqs)
-
-    def bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
-        """Each bad word as token ids, both at the start of a word and after a space (the two
-        ways a BPE vocabulary writes it); the sampler bans the last token of a sequence when the
-        ones before it were just generated."""
-        seqs: list[list[int]] = []
-        for word in bad_words:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                ids = self.encode(text, add_special_tokens=False)
-                if ids and ids not in seqs:
-                    seqs.append(ids)
-        return seqs
