@@ -176,13 +176,16 @@ class Sampler:
             src = torch.where(meta.logprobs_raw[:, None], raw, processed)
         else:
             src = raw if raw is not None else processed
+        # Top-k and ranks are the same on logits as on log_softmax(logits) (a per-row shift),
+        # so no (rows, V) log_softmax is materialised: only the per-row logsumexp.
+        shift = torch.logsumexp(src, dim=-1)  # (N,)
         if meta.any_logit_mode:
-            src = torch.where(meta.logprobs_as_logits[:, None], src, torch.log_softmax(src, -1))
-        else:
-            src = torch.log_softmax(src, dim=-1)
+            shift = shift.masked_fill(meta.logprobs_as_logits, 0.0)
         k = max(meta.max_num_logprobs, 0)
         chosen = sampled if all_rows else sampled[rows]
         values, token_ids = src.topk(k, dim=-1) if k else (src[:, :0], chosen[:, None][:, :0])
-        sampled_values = src.gather(1, chosen[:, None])[:, 0]
-        ranks = (src > sampled_values[:, None]).sum(dim=-1) + 1
+        values = values - shift[:, None]
+        chosen_logits = src.gather(1, chosen[:, None])[:, 0]
+        ranks = (src > chosen_logits[:, None]).sum(dim=-1) + 1
+        sampled_values = chosen_logits - shift
         return LogprobsTensors(token_ids, values, sampled_values, ranks)
