@@ -38,6 +38,9 @@ class PenaltyState:
         self.counts = torch.zeros(shape, dtype=torch.float32, device=self.device)
         self.present = torch.zeros(shape, dtype=torch.float32, device=self.device)
         self.seen = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        # Scratch for the repetition factors: a fresh (rows, V) float tensor each step would
+        # page-fault its whole size on CPU.
+        self.factor = torch.empty(shape, dtype=torch.float32, device=self.device)
 
     def update_state(self, update: BatchUpdate | None) -> None:
         if update is None:
@@ -80,7 +83,8 @@ class PenaltyState:
         use_rep, use_freq, use_pres = use
         if use_rep:
             rep = repetition[:, None]
-            factor = torch.where(logits > 0, 1.0 / rep, rep)
+            factor = self.factor[:R]
+            torch.where(logits > 0, 1.0 / rep, rep, out=factor)
             factor.masked_fill_(~self.seen[:R], 1.0)
             logits.mul_(factor)
         if use_freq:
