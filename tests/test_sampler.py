@@ -299,3 +299,32 @@ def test_model_dependent_validation():
         SamplingParams(logprobs=21).verify_for_model(32, 20)
     with pytest.raises(ValueError, match="allowed_token_ids: token id"):
         SamplingParams(allowed_token_ids=[1, 99]).verify_for_model(32, 20)
+
+
+def test_adapter_wraps_per_request_callables():
+    """The slow path for old-style processors: f(output_ids, logits_row) per request."""
+    from ladle.sample.logits_processors.custom import AdapterLogitsProcessor
+
+    seen_outputs = []
+
+    class EvenOnly(AdapterLogitsProcessor):
+        def new_req_logits_processor(self, params):
+            if not (params.extra_args or {}).get("even_only"):
+                return None
+
+            def fn(output_ids, row):
+                seen_outputs.append(list(output_ids))
+                row[1::2] = NEG
+                return row
+            return fn
+
+    h = Harness(V, custom=[EvenOnly])
+    h.set_requests([(P(temperature=0, extra_args={"even_only": True}), [1], [4, 6]),
+                    (P(temperature=0), [1], [])])
+    logits = logits_for(2, seed=4)
+    got = h.processed_logits(logits)
+    r0 = logits[0].clone()
+    r0[1::2] = NEG
+    torch.testing.assert_close(got[0], r0)
+    torch.testing.assert_close(got[1], logits[1])  # a row that did not ask is untouched
+    assert seen_outputs[-1] == [4, 6]  # the callable sees the request's live output ids
