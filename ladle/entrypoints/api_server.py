@@ -27,7 +27,7 @@ from ladle.entrypoints.common import (
 )
 from ladle.entrypoints.serving_chat import create_chat_completion
 from ladle.entrypoints.serving_completion import create_completion
-from ladle.frontend.async_llm import AsyncLLM
+from ladle.frontend.async_llm import AsyncLLM, OverloadedError
 from ladle.frontend.detokenizer import token_to_str
 from ladle.frontend.engine_client import EngineDeadError
 from ladle.protocol.chat import ChatCompletionRequest
@@ -51,6 +51,7 @@ def build_app(server: ServerState) -> FastAPI:
     app.state.server = server
     _add_error_handlers(app)
     app.add_middleware(_AuthAndRequestId, api_key=server.api_key)
+    app.add_middleware(_BodyLimit, max_bytes=server.max_request_body_bytes)
     engine = server.engine
 
     @app.get("/health")
@@ -85,6 +86,10 @@ def build_app(server: ServerState) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
         server.check_model(request.model)
+        server.check_chat_template(request.chat_template)
+        return await server.run_blocking(_tokenize, request)
+
+    def _tokenize(request: TokenizeRequest) -> TokenizeResponse:
         processor = engine.processor
         try:
             if request.messages is not None:
@@ -126,6 +131,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def on_validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         errors = e.errors()
         first = errors[0] if errors else {}
+        original = first.get("ctx", {}).get("error")
+        if isinstance(original, RequestError):  # raised by a validator with its own param
+            return request_error_response(original)
         # ("body", "messages", 0, "role") -> "messages.0.role"; union branches that pydantic
         # adds to the location ("str", "list[int]", "function-after[...]") are left out.
         loc = [str(x) for x in first.get("loc", ())[1:]
@@ -146,6 +154,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return error_response(str(e.detail), e.status_code, headers=e.headers)
+
+    @app.exception_handler(OverloadedError)
+    async def on_overloaded(_: Request, e: OverloadedError) -> JSONResponse:
+        return error_response(str(e), 503, code="overloaded",
+                              headers={"Retry-After": str(e.retry_after_s)})
 
     @app.exception_handler(EngineDeadError)
     async def on_engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
@@ -190,6 +203,57 @@ class _AuthAndRequestId:
         return await self.app(scope, receive, send_with_id)
 
 
+class _BodyLimit:
+    """ASGI middleware: a request body larger than max_bytes gets 413 before any handler (or
+    JSON parser) sees it. A declared Content-Length is checked at once; a chunked body is read
+    up to the limit and then replayed to the app."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or ())
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.isdigit() or int(length) > self.max_bytes:
+                return await self._reject(scope, receive, send)
+            return await self.app(scope, receive, send)
+        if b"chunked" not in headers.get(b"transfer-encoding", b""):
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away before sending its body
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._reject(scope, receive, send)
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+    async def _reject(self, scope, receive, send):
+        body = error_body(f"the request body is larger than the server's limit of "
+                          f"{self.max_bytes} bytes (--max-request-body-bytes)", 413,
+                          code="request_too_large")
+        await JSONResponse(body, status_code=413, headers={"Connection": "close"})(
+            scope, receive, send)
+
+
 # ---- running ----------------------------------------------------------------------------------
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
@@ -206,10 +270,48 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         max_logprobs=args.max_logprobs,
+        max_n=args.max_n,
+        scheduling_policy=args.scheduling_policy,
         logits_processors=list(args.logits_processors or []),
         structured_outputs_backend=args.structured_outputs_backend,
         reasoning_parser=args.reasoning_parser,
     )
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, with a drain on SIGTERM/SIGINT: stop accepting connections, let in-flight
+    requests finish for `shutdown_timeout` seconds, then end the rest with an OpenAI-shaped 503
+    (an SSE error event for streams) so every client gets an answer. A second signal exits at
+    once."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, shutdown_timeout: float):
+        super().__init__(config)
+        self.engine = engine
+        self.shutdown_timeout = shutdown_timeout
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.should_exit:
+            self.force_exit = True
+            return super().handle_exit(sig, frame)
+        super().handle_exit(sig, frame)  # uvicorn stops accepting and waits for the requests
+        error = RequestError("the server is shutting down; retry on another instance",
+                             status_code=503, type="server_error", code="server_shutting_down")
+        self.engine.refusing = error
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.loop.call_later, self.shutdown_timeout,
+                                           self._end_in_flight, error)
+        logger.info("shutting down: waiting up to %.0f s for %d request(s) in flight",
+                    self.shutdown_timeout, self.engine.num_in_flight)
+
+    def _end_in_flight(self, error: RequestError) -> None:
+        n = self.engine.fail_in_flight(error)
+        if n:
+            logger.warning("shutdown grace period over: ended %d request(s) with an error", n)
 
 
 async def run_server(args: argparse.Namespace) -> int:
@@ -226,13 +328,17 @@ async def run_server(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         structured_outputs_backend=args.structured_outputs_backend,
+        max_request_body_bytes=args.max_request_body_bytes,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
+    engine.max_in_flight = config.max_num_seqs + args.max_waiting_requests
     app = build_app(server)
-    uv = uvicorn.Server(uvicorn.Config(
+    uv = _DrainingServer(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-        access_log=not args.disable_access_log, timeout_graceful_shutdown=5,
-        timeout_keep_alive=30,
-    ))
+        access_log=not args.disable_access_log,
+        # uvicorn cancels what is still running after this; the drain ends it first, cleanly.
+        timeout_graceful_shutdown=args.shutdown_timeout + 5, timeout_keep_alive=30,
+    ), engine, args.shutdown_timeout)
 
     def stop_after_engine_death() -> None:
         # In-flight requests were just failed; give their error bodies a moment to go out.

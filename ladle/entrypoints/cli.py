@@ -49,10 +49,36 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-parser", default=None, help="e.g. qwen3, deepseek_r1")
     p.add_argument("--enable-auto-tool-choice", action="store_true")
     p.add_argument("--tool-call-parser", default=None, help="e.g. hermes")
+    # Limits and overload (README: "Limits and errors").
+    p.add_argument("--max-n", type=int, default=_DEFAULTS.max_n,
+                   help="most choices per request (n, best_of); OpenAI's limit is 128")
+    p.add_argument("--scheduling-policy", default=_DEFAULTS.scheduling_policy,
+                   choices=["fcfs", "priority"],
+                   help="priority: requests' `priority` field orders the queue (lower first); "
+                        "fcfs: a non-zero priority is a 400")
+    p.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="requests that may wait beyond the --max-num-seqs running ones; past it "
+                        "a request gets 503 with Retry-After")
+    p.add_argument("--max-request-body-bytes", type=_size, default=4 * 2**20,
+                   help="largest request body (bytes, or 4MiB, 512KB); larger gets 413")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests bring their own chat_template (off: a 400)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--disable-access-log", action="store_true",
                    help="no log line per HTTP request")
+
+
+def _size(text: str) -> int:
+    """A byte size for a flag: 4194304, 4MiB, 512KB."""
+    from ladle.config import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _run_script(name: str, argv: list[str]) -> None:

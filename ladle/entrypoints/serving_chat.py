@@ -49,6 +49,7 @@ def process_chat(server: ServerState, request: ChatCompletionRequest,
     engine = server.engine
     processor = engine.processor
     request.check_supported()
+    server.check_chat_template(request.chat_template)
     if request.thinking_token_budget is not None and server.reasoning_parser is None:
         raise RequestError("thinking_token_budget: needs a reasoning parser (start the server "
                            "with --reasoning-parser)", param="thinking_token_budget")
@@ -73,7 +74,7 @@ def process_chat(server: ServerState, request: ChatCompletionRequest,
             raise RequestError("messages" + str(e).removeprefix("prompt"), param="messages") from e
         params = to_sampling_params(
             request, num_prompt_tokens=len(ids), max_model_len=engine.max_model_len,
-            defaults=processor.generation_defaults, max_logprobs=processor.max_logprobs,
+            defaults=processor.generation_defaults, limits=processor.limits,
             structured_outputs_backend=server.structured_outputs_backend,
             structured_outputs=plan.constraint)
         processed = processor.process(unique_id(request_id),
@@ -89,7 +90,8 @@ async def create_chat_completion(server: ServerState, request: ChatCompletionReq
     model = server.check_model(request.model)
     request_id = f"chatcmpl-{base_request_id(raw)}"
     log_request_fields(request, request_id)
-    processed, plan = process_chat(server, request, request_id)
+    server.engine.check_capacity(request.n)
+    processed, plan = await server.run_blocking(process_chat, server, request, request_id)
     writer = _Writer(server, request, processed, plan, request_id, model)
     if request.stream:
         return StreamingResponse(writer.stream(), media_type="text/event-stream")
