@@ -231,7 +231,8 @@ class SamplingParams:
         """Params of choice `index` of an n > 1 request: one output, seed + index."""
         from dataclasses import replace
 
-        seed = None if self.seed is None else self.seed + index
+        # seed + index, wrapped within int64 so the largest seed still has n children
+        seed = None if self.seed is None else (self.seed + index + 2**63) % 2**64 - 2**63
         return replace(self, n=1, best_of=None, seed=seed)
 
 

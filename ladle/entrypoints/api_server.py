@@ -51,7 +51,7 @@ def build_app(server: ServerState) -> FastAPI:
     app.state.server = server
     _add_error_handlers(app)
     app.add_middleware(_AuthAndRequestId, api_key=server.api_key)
-    app.add_middleware(_BodyLimit, max_bytes=server.max_request_body_bytes)
+    app.add_middleware(_BodyChecks, max_bytes=server.max_request_body_bytes)
     engine = server.engine
 
     @app.get("/health")
@@ -203,10 +203,11 @@ class _AuthAndRequestId:
         return await self.app(scope, receive, send_with_id)
 
 
-class _BodyLimit:
-    """ASGI middleware: a request body larger than max_bytes gets 413 before any handler (or
-    JSON parser) sees it. A declared Content-Length is checked at once; a chunked body is read
-    up to the limit and then replayed to the app."""
+class _BodyChecks:
+    """ASGI middleware for request bodies, before any handler (or JSON parser) sees them: a
+    body larger than max_bytes gets 413 (a declared Content-Length is checked at once; a
+    chunked body is read up to the limit, then replayed to the app), and a POST whose
+    Content-Type is not JSON gets 415."""
 
     def __init__(self, app, max_bytes: int):
         self.app = app
@@ -216,6 +217,13 @@ class _BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or ())
+        kind = headers.get(b"content-type", b"application/json").split(b";")[0].strip().lower()
+        if scope["method"] == "POST" and kind != b"application/json" and not kind.endswith(
+                b"+json"):
+            body = error_body(f"Content-Type {kind.decode('latin-1')!r} is not supported; send "
+                              "the body as JSON with 'Content-Type: application/json'", 415,
+                              code="unsupported_media_type")
+            return await JSONResponse(body, status_code=415)(scope, receive, send)
         length = headers.get(b"content-length")
         if length is not None:
             if not length.isdigit() or int(length) > self.max_bytes:

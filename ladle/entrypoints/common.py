@@ -28,6 +28,7 @@ T = TypeVar("T")
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                415: "invalid_request_error",
                 422: "invalid_request_error", 500: "server_error", 503: "server_error"}
 
 

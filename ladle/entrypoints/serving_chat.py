@@ -90,8 +90,8 @@ async def create_chat_completion(server: ServerState, request: ChatCompletionReq
     model = server.check_model(request.model)
     request_id = f"chatcmpl-{base_request_id(raw)}"
     log_request_fields(request, request_id)
-    server.engine.check_capacity(request.n)
-    processed, plan = await server.run_blocking(process_chat, server, request, request_id)
+    with server.engine.admitting(request.n):
+        processed, plan = await server.run_blocking(process_chat, server, request, request_id)
     writer = _Writer(server, request, processed, plan, request_id, model)
     if request.stream:
         return StreamingResponse(writer.stream(), media_type="text/event-stream")

@@ -68,8 +68,8 @@ async def create_completion(server: ServerState, request: CompletionRequest,
     request_id = f"cmpl-{base_request_id(raw)}"
     log_request_fields(request, request_id)
     request.check_supported()
-    server.engine.check_capacity(request.n * len(request.prompts()))
-    processed = await server.run_blocking(process_completion, server, request, request_id)
+    with server.engine.admitting(request.n, len(request.prompts())):
+        processed = await server.run_blocking(process_completion, server, request, request_id)
     writer = _Writer(server, request, processed, request_id, model)
     if request.stream:
         return StreamingResponse(writer.stream(), media_type="text/event-stream")

@@ -7,6 +7,7 @@ so a slow client gets bigger deltas instead of a growing queue."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ class AsyncLLM:
         # Choices that may be in the engine at once: the running ones (max_num_seqs) plus the
         # waiting ones the server allows (--max-waiting-requests). None: no bound.
         self.max_in_flight: int | None = None
+        self._num_admitting = 0  # choices of requests being preprocessed (see admitting())
         # Set while the server drains on SIGTERM: the error new requests get.
         self.refusing: BaseException | None = None
 
@@ -110,16 +112,26 @@ class AsyncLLM:
         """Engine requests (choices) added and not finished."""
         return len(self.output_processor.child_of)
 
-    def check_capacity(self, num_choices: int) -> None:
-        """Raise OverloadedError (a 503 with Retry-After at the edge) when `num_choices` more
-        would put more requests in the engine than it runs plus --max-waiting-requests."""
+    @contextlib.contextmanager
+    def admitting(self, n: int, num_prompts: int = 1):
+        """Admission control around a request's preprocessing: raises OverloadedError (a 503
+        with Retry-After at the edge) when its n choices per prompt would put more requests in
+        the engine than it runs plus --max-waiting-requests. Requests being preprocessed count as
+        in flight, so a burst cannot slip past the bound while it tokenizes. (An n above --max-n
+        is a 400 from preprocessing; it is not an overload.)"""
         if self.refusing is not None:
             raise self.refusing
-        if self.max_in_flight is not None and (
-                self.num_in_flight + num_choices > self.max_in_flight):
+        num_choices = min(n, self.processor.limits.max_n) * num_prompts
+        busy = self.num_in_flight + self._num_admitting
+        if self.max_in_flight is not None and busy + num_choices > self.max_in_flight:
             raise OverloadedError(
-                f"the server is at capacity ({self.num_in_flight} requests in flight, at most "
+                f"the server is at capacity ({busy} requests in flight, at most "
                 f"{self.max_in_flight}: --max-num-seqs plus --max-waiting-requests); retry later")
+        self._num_admitting += num_choices
+        try:
+            yield
+        finally:
+            self._num_admitting -= num_choices
 
     def fail_in_flight(self, error: BaseException) -> int:
         """End every request in flight with `error` (server shutdown); returns how many."""
