@@ -17,7 +17,7 @@ import httpx
 import pytest
 from test_server import MODEL, RemoteServer
 
-MAX_MODEL_LEN = 256
+MAX_MODEL_LEN = 64  # small, so fuzzed requests that generate to the end stay short
 OK_COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
 C, CH = "/v1/completions", "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]
@@ -194,11 +194,15 @@ def test_256_streams_with_a_quarter_disconnecting(server):
 
 
 # ---- a small server for overload and shutdown --------------------------------------------------
+SMALL_MAX_MODEL_LEN = 1024
+GRACE_S = 2
+
+
 @pytest.fixture(scope="module")
 def small_server():
-    s = RemoteServer("--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32",
+    s = RemoteServer("--max-model-len", str(SMALL_MAX_MODEL_LEN), "--dtype", "float32",
                      "--disable-access-log", "--max-num-seqs", "4", "--max-waiting-requests",
-                     "4", "--shutdown-timeout", "4")
+                     "4", "--shutdown-timeout", str(GRACE_S))
     yield s
     s.stop()
 
@@ -237,10 +241,10 @@ def test_sigterm_drains_then_ends_the_rest_and_exits_0(small_server):
 
     async def long_plain(client):
         return await client.post(small_server.url + C, json=completion(
-            max_tokens=MAX_MODEL_LEN - 8, ignore_eos=True))
+            max_tokens=SMALL_MAX_MODEL_LEN - 8, ignore_eos=True))
 
     async def long_stream(client):
-        body = completion(max_tokens=MAX_MODEL_LEN - 8, ignore_eos=True, stream=True)
+        body = completion(max_tokens=SMALL_MAX_MODEL_LEN - 8, ignore_eos=True, stream=True)
         lines = []
         async with client.stream("POST", small_server.url + C, json=body) as r:
             async for line in r.aiter_lines():
@@ -270,7 +274,7 @@ def test_sigterm_drains_then_ends_the_rest_and_exits_0(small_server):
     for r in results[4:]:
         assert r.status_code == 503, r.text
         assert r.json()["error"]["code"] == "server_shutting_down"
-    assert took < 4 + 3, f"draining took {took:.1f} s"
+    assert took < GRACE_S + 3, f"draining took {took:.1f} s"
     assert small_server.proc.wait(10) == 0, small_server.log()
     deadline = time.monotonic() + 5
     while os.path.exists(f"/proc/{engine_pid}") and time.monotonic() < deadline:
@@ -279,30 +283,31 @@ def test_sigterm_drains_then_ends_the_rest_and_exits_0(small_server):
 
 
 # ---- fuzzing from the server's own OpenAPI schema ----------------------------------------------
-import schemathesis  # noqa: E402
-from hypothesis import HealthCheck, Phase, settings  # noqa: E402
+def test_fuzzed_requests_never_get_a_5xx(server):
+    """Bodies generated from /openapi.json by schemathesis (hypothesis strategies, valid and
+    invalid shapes), a bounded number per operation: no 5xx, every 4xx OpenAI-shaped, no hang;
+    the server is healthy and idle afterwards. (Driven by hand: schemathesis' pytest plugin does
+    not run under this pytest.)"""
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
 
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    seen: dict[str, int] = {}
+    for result in schema.get_all_operations():
+        operation = result.ok()
 
-@pytest.fixture(scope="module")
-def openapi_schema(server):
-    return schemathesis.openapi.from_url(server.url + "/openapi.json")
+        @settings(max_examples=25, deadline=None, derandomize=True, database=None,
+                  phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+        @given(case=operation.as_strategy())
+        def check(case):
+            response = case.call(timeout=60)
+            seen[case.path] = seen.get(case.path, 0) + 1
+            assert response.status_code < 500, (case.path, case.body, response.text[:300])
+            if response.status_code >= 400 and case.path != "/health":
+                assert "error" in response.json(), response.text[:300]
 
-
-fuzzed = schemathesis.pytest.from_fixture("openapi_schema")
-
-
-@fuzzed.parametrize()
-@settings(max_examples=25, deadline=None, derandomize=True, phases=[Phase.generate],
-          suppress_health_check=list(HealthCheck))
-def test_fuzzed_requests_never_get_a_5xx(server, case):
-    """Bodies generated from /openapi.json (valid and invalid shapes): no 5xx, no hang."""
-    response = case.call(timeout=60)
-    assert response.status_code < 500, (case.path, case.body, response.text[:300])
-    if response.status_code >= 400 and case.path != "/health":
-        assert "error" in response.json(), response.text[:300]
-
-
-def test_server_is_healthy_after_fuzzing(server):
+        check()
+    assert {"/v1/completions", "/v1/chat/completions", "/tokenize"} <= set(seen), seen
     assert httpx.get(server.url + "/health", timeout=5).status_code == 200
     ok = httpx.post(server.url + C, json=OK_COMPLETION, timeout=30)
     assert ok.status_code == 200
