@@ -53,6 +53,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--disable-access-log", action="store_true",
                    help="no log line per HTTP request")
+    p.add_argument("--disable-playground", action="store_true",
+                   help="do not serve the web playground at /")
 
 
 def _run_script(name: str, argv: list[str]) -> None:

@@ -43,6 +43,10 @@ class ServerState:
     reasoning_parser: str | None = None
     structured_outputs_backend: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
+    # The Responses API's stored responses (serving_responses.ResponseStore; build_app makes it)
+    # and the web playground at / (--disable-playground turns it off).
+    response_store: Any = None
+    enable_playground: bool = True
 
     def check_model(self, model: str | None) -> str:
         """The served name the response reports; RequestError 404 for an unknown model."""
