@@ -254,6 +254,7 @@ def _chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, An
 
 
 def check_request(request: ResponsesRequest) -> None:
+    request.check_bounds()
     for name in ("conversation", "prompt", "top_logprobs"):
         if getattr(request, name) is not None:
             raise unsupported(name)
@@ -267,10 +268,6 @@ def check_request(request: ResponsesRequest) -> None:
         raise RequestError("background: needs store to be true", param="background")
     if request.background and request.stream:
         raise unsupported("background", "cannot be combined with stream in ladle")
-    for key, value in (request.metadata or {}).items():
-        if len(key) > 64 or len(value) > 512:
-            raise RequestError("metadata: keys are at most 64 characters and values at most "
-                               "512", param="metadata")
     unknown = set(request.stream_options or {}) - {"include_obfuscation"}
     if unknown:
         raise RequestError(f"stream_options: unknown field(s) {sorted(unknown)}; accepted: "

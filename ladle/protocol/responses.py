@@ -10,7 +10,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field
 
-from ladle.protocol.common import OpenAIBaseModel
+from ladle.protocol.common import OpenAIBaseModel, RequestError
 
 MAX_INPUT_ITEMS = 1024
 """Items in `input` (messages, function calls and their outputs)."""
@@ -89,11 +89,11 @@ class SamplingExtras(OpenAIBaseModel):
 
 class ResponsesRequest(SamplingExtras):
     model: str | None = Field(default=None, max_length=MAX_ID_CHARS)
-    input: (Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
-            | Annotated[list[dict[str, Any]], Field(max_length=MAX_INPUT_ITEMS)])
+    input: str | list[dict[str, Any]]
     """Text (one user message), or a list of items: messages (roles user, system, developer,
     assistant; content text or input_text / output_text parts), function_call and
-    function_call_output items, and reasoning items."""
+    function_call_output items, and reasoning items. At most MAX_TEXT_CHARS characters or
+    MAX_INPUT_ITEMS items (checked by check_bounds: a union cannot name its bound)."""
     instructions: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
     """A system message placed first; not carried over by previous_response_id."""
     max_output_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
@@ -134,13 +134,28 @@ class ResponsesRequest(SamplingExtras):
     safety_identifier: str | None = Field(default=None, max_length=MAX_ID_CHARS)
     max_tool_calls: int | None = Field(default=None, ge=1, le=2**31 - 1)
     """Limits calls to built-in tools, of which ladle has none."""
-    stop: (Annotated[str, Field(max_length=MAX_STOP_CHARS)]
-           | Annotated[list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]],
-                       Field(max_length=MAX_STOP)] | None) = None
-    """vLLM extra: strings that end the output."""
+    stop: str | list[str] | None = None
+    """vLLM extra: strings that end the output (at most MAX_STOP, of MAX_STOP_CHARS each)."""
 
     NO_EFFECT_FIELDS: ClassVar[tuple[str, ...]] = (
         "user", "service_tier", "prompt_cache_key", "safety_identifier", "max_tool_calls")
+
+    def check_bounds(self) -> None:
+        """The bounds of the fields that are a string or a list (RequestError naming them)."""
+        if isinstance(self.input, str) and len(self.input) > MAX_TEXT_CHARS:
+            raise RequestError(f"input: {len(self.input)} characters; at most "
+                               f"{MAX_TEXT_CHARS}", param="input")
+        if isinstance(self.input, list) and len(self.input) > MAX_INPUT_ITEMS:
+            raise RequestError(f"input: {len(self.input)} items; at most {MAX_INPUT_ITEMS}",
+                               param="input")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stop):
+            raise RequestError(f"stop: at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} "
+                               "characters", param="stop")
+        for key, value in (self.metadata or {}).items():
+            if len(key) > 64 or len(value) > 512:
+                raise RequestError("metadata: keys are at most 64 characters and values at "
+                                   "most 512", param="metadata")
 
 
 # ---- the response -----------------------------------------------------------------------------
