@@ -32,6 +32,7 @@ from ladle.entrypoints.serving_responses import (
 )
 from ladle.frontend.engine_client import EngineDeadError
 from ladle.protocol.anthropic import (
+    MAX_BLOCKS,
     CountTokensRequest,
     Message,
     MessagesRequest,
@@ -103,10 +104,20 @@ def _text(value: Any, path: str) -> str:
     return value
 
 
-def _blocks_text(content: str | list[Any], path: str) -> str:
-    """Text blocks (or a string) as one string."""
+def _blocks(content: str | list[Any], path: str) -> str | list[Any]:
     if isinstance(content, str):
         return _text(content, path)
+    if not isinstance(content, list):
+        raise RequestError(f"{path}: must be a string or a list of blocks", param=path)
+    if len(content) > MAX_BLOCKS:
+        raise RequestError(f"{path}: {len(content)} blocks; at most {MAX_BLOCKS}", param=path)
+    return content
+
+
+def _blocks_text(content: str | list[Any], path: str) -> str:
+    """Text blocks (or a string) as one string."""
+    if isinstance(_blocks(content, path), str):
+        return content
     texts = []
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
@@ -126,7 +137,7 @@ def chat_messages(request: CountTokensRequest) -> list[dict[str, Any]]:
     known_calls: set[str] = set()
     for i, message in enumerate(request.messages):
         path = f"messages.{i}.content"
-        blocks = message.content
+        blocks = _blocks(message.content, path)
         if isinstance(blocks, str) or message.role == "system":
             out.append({"role": message.role, "content": _blocks_text(blocks, path)})
             continue
@@ -351,8 +362,9 @@ async def create_message(server: ServerState, raw: Request) -> Response:
         model = server.check_model(request.model)
         message_id = f"msg_{uuid.uuid4().hex}"
         log_request_fields(request, message_id)
+        fields = to_chat_message_request(request)
         try:
-            chat = chat_request(to_chat_message_request(request), "messages")
+            chat = chat_request(fields, "messages")
             turn = ChatTurn(server, chat, f"{message_id}-{base_request_id(raw)}")
         except RequestError as e:
             raise renamed_error(e, _CHAT_NAMES) from e
@@ -415,8 +427,9 @@ async def count_tokens(server: ServerState, raw: Request) -> Response:
     try:
         request = await _parse(raw, CountTokensRequest)
         server.check_model(request.model)
+        fields = to_chat(request)
         try:
-            chat = chat_request(to_chat(request), "messages")
+            chat = chat_request(fields, "messages")
             processor = server.engine.processor
             prompt = processor.render_chat(chat.template_messages(), tools=chat.tools,
                                            chat_template_kwargs=chat.template_kwargs())

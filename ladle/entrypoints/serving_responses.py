@@ -591,8 +591,8 @@ async def create_response(server: ServerState, request: ResponsesRequest,
                                f"{previous.response.status}; only a finished response can be "
                                "continued", param="previous_response_id")
         history = previous.conversation
+    fields, conversation = to_chat(request, history)
     try:
-        fields, conversation = to_chat(request, history)
         turn = ChatTurn(server, chat_request(fields, "input"),
                         f"{response_id}-{base_request_id(raw)}")
     except RequestError as e:

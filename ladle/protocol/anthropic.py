@@ -15,7 +15,6 @@ from ladle.protocol.responses import (
     MAX_INPUT_ITEMS,
     MAX_STOP,
     MAX_STOP_CHARS,
-    MAX_TEXT_CHARS,
     MAX_TOOLS,
     SamplingExtras,
 )
@@ -23,14 +22,12 @@ from ladle.protocol.responses import (
 MAX_BLOCKS = 1024
 """Content blocks in one message (and in `system`)."""
 
-_Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
-_Blocks = Annotated[list[dict[str, Any]], Field(max_length=MAX_BLOCKS)]
-
-
 class InputMessage(OpenAIBaseModel):
     role: Literal["user", "assistant", "system"]
-    content: _Text | _Blocks
-    """Text, or blocks: text, tool_use (assistant), tool_result (user), thinking (assistant)."""
+    content: str | list[dict[str, Any]]
+    """Text, or blocks: text, tool_use (assistant), tool_result (user), thinking (assistant).
+    At most MAX_TEXT_CHARS characters or MAX_BLOCKS blocks (checked where they are
+    translated: a union cannot name its bound)."""
 
 
 class ThinkingConfig(OpenAIBaseModel):
@@ -61,7 +58,8 @@ class CountTokensRequest(SamplingExtras):
 
     model: str | None = Field(default=None, max_length=MAX_ID_CHARS)
     messages: list[InputMessage] = Field(min_length=1, max_length=MAX_INPUT_ITEMS)
-    system: _Text | _Blocks | None = None
+    system: str | list[dict[str, Any]] | None = None
+    """Text or text blocks (bounded as message content)."""
     tools: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_TOOLS)
     """Custom tools ({"name", "description", "input_schema"}); server tools are rejected."""
     tool_choice: ToolChoice | None = None
