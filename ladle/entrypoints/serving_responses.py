@@ -494,6 +494,7 @@ class _ResponseRun:
         self.response = record.response
         self.conversation = record.conversation  # the input; the output is added at the end
         self.is_stored = is_stored
+        self.has_been_stored = False
         self.num_events = 0
 
     def _numbered(self, event: dict[str, Any]) -> dict[str, Any]:
@@ -502,7 +503,11 @@ class _ResponseRun:
         return event
 
     def _save(self) -> None:
-        if self.is_stored and self.store.get(self.response.id) in (None, self.record):
+        """Store the record (again: its bytes change), unless it was evicted or deleted since
+        it was first stored."""
+        rid = self.response.id
+        if self.is_stored and (not self.has_been_stored or self.store.get(rid) is self.record):
+            self.has_been_stored = True
             self.store.put(self.record)
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
@@ -579,6 +584,10 @@ async def create_response(server: ServerState, request: ResponsesRequest,
     if request.reasoning is not None and request.reasoning.summary is not None:
         logger.info("%s: accepted without effect: reasoning.summary (the reasoning item holds "
                     "the full reasoning text)", response_id)
+    effort = request.reasoning.effort if request.reasoning is not None else None
+    if effort not in (None, "none", "minimal") and server.reasoning_parser is None:
+        logger.info("%s: reasoning.effort %r turns thinking on, but without --reasoning-parser "
+                    "the reasoning stays in the output text", response_id, effort)
     history: list[dict[str, Any]] = []
     if request.previous_response_id is not None:
         previous = server.response_store.get(request.previous_response_id)
@@ -613,7 +622,7 @@ async def create_response(server: ServerState, request: ResponsesRequest,
     record = StoredResponse(response, conversation)
     run = _ResponseRun(server, turn, record, is_stored=request.store)
     if request.background:
-        server.response_store.put(record)
+        run._save()
         record.task = asyncio.create_task(run.background())
         return JSONResponse(response.model_dump())
     if request.stream:
