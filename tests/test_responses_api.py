@@ -17,7 +17,7 @@ import openai
 import pytest
 from test_server import API_KEY, MODEL, RemoteServer
 
-from ladle.entrypoints.serving_responses import ResponseStore, StoredResponse
+from ladle.entrypoints.serving_responses import ResponseStore, StoredResponse, input_messages
 from ladle.protocol.responses import MAX_INPUT_ITEMS, ResponseObject
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -256,3 +256,31 @@ def test_store_bounds_evict_oldest():
     store.put(_record("a", "a longer text than before"))
     assert list(store.records) == ["a", "b"]
     assert store.num_bytes == sum(r.num_bytes for r in store.records.values())
+
+
+def test_input_items_become_chat_messages():
+    items = [{"role": "developer", "content": "Be brief."},
+             {"type": "message", "role": "user",
+              "content": [{"type": "input_text", "text": "Weather "},
+                          {"type": "input_text", "text": "in Oslo?"}]},
+             {"type": "reasoning", "id": "rs_1", "summary": [],
+              "content": [{"type": "reasoning_text", "text": "Call the tool."}]},
+             {"type": "message", "role": "assistant",
+              "content": [{"type": "output_text", "text": "Checking."}]},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+              "arguments": '{"city": "Oslo", "days": 1}'},
+             {"type": "function_call", "call_id": "call_2", "name": "get_weather",
+              "arguments": '{"city": "Rome", "days": 2}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "Snow"},
+             {"type": "function_call_output", "call_id": "call_2",
+              "output": [{"type": "input_text", "text": "Sun"}]}]
+    calls = [{"id": f"call_{i}", "type": "function",
+              "function": {"name": "get_weather", "arguments": items[3 + i]["arguments"]}}
+             for i in (1, 2)]
+    assert input_messages(items, []) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "Checking.", "reasoning_content": "Call the tool.",
+         "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Snow"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "Sun"}]
