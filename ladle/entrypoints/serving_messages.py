@@ -362,6 +362,9 @@ async def create_message(server: ServerState, raw: Request) -> Response:
         model = server.check_model(request.model)
         message_id = f"msg_{uuid.uuid4().hex}"
         log_request_fields(request, message_id)
+        if request.thinking is not None and request.thinking.display == "summarized":
+            logger.info("%s: accepted without effect: thinking.display (the thinking blocks "
+                        "hold the full thinking text)", message_id)
         fields = to_chat_message_request(request)
         try:
             chat = chat_request(fields, "messages")

@@ -581,9 +581,13 @@ async def create_response(server: ServerState, request: ResponsesRequest,
     model = server.check_model(request.model)
     response_id = _new_id("resp")
     log_request_fields(request, response_id)
-    if request.reasoning is not None and request.reasoning.summary is not None:
+    if request.reasoning is not None and (request.reasoning.summary
+                                          or request.reasoning.generate_summary):
         logger.info("%s: accepted without effect: reasoning.summary (the reasoning item holds "
                     "the full reasoning text)", response_id)
+    if (request.stream_options or {}).get("include_obfuscation") is not None:
+        logger.info("%s: accepted without effect: stream_options.include_obfuscation (nothing "
+                    "is padded)", response_id)
     effort = request.reasoning.effort if request.reasoning is not None else None
     if effort not in (None, "none", "minimal") and server.reasoning_parser is None:
         logger.info("%s: reasoning.effort %r turns thinking on, but without --reasoning-parser "
