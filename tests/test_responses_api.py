@@ -200,6 +200,22 @@ def test_background_cancel(server, client):
         client.responses.cancel(plain.id)
 
 
+def test_stream_disconnect_aborts_and_marks_cancelled(server):
+    body = {"model": MODEL, "input": "A long story.", "max_output_tokens": 1500,
+            "stream": True, "reasoning": NO_THINKING}
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, headers=AUTH,
+                      timeout=60) as r:
+        lines = r.iter_lines()
+        first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+        for line in lines:  # until some text streamed
+            if '"response.output_text.delta"' in line:
+                break
+    assert first["type"] == "response.created" and first["sequence_number"] == 0
+    server.wait_idle(within=5)
+    got = httpx.get(server.url + f"/v1/responses/{first['response']['id']}", headers=AUTH)
+    assert got.json()["status"] == "cancelled"
+
+
 def test_store_false_delete_and_404(server, client):
     r = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False)
     assert r.store is False
