@@ -9,11 +9,13 @@ import asyncio
 import hmac
 import logging
 import signal
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import ladle
@@ -27,9 +29,18 @@ from ladle.entrypoints.common import (
 )
 from ladle.entrypoints.serving_chat import create_chat_completion
 from ladle.entrypoints.serving_completion import create_completion
+from ladle.entrypoints.serving_messages import count_tokens, create_message
+from ladle.entrypoints.serving_responses import (
+    ResponseStore,
+    cancel_response,
+    create_response,
+    delete_response,
+    get_response,
+)
 from ladle.frontend.async_llm import AsyncLLM, OverloadedError
 from ladle.frontend.detokenizer import token_to_str
 from ladle.frontend.engine_client import EngineDeadError
+from ladle.protocol.anthropic import anthropic_error_body
 from ladle.protocol.chat import ChatCompletionRequest
 from ladle.protocol.common import (
     DetokenizeRequest,
@@ -41,8 +52,10 @@ from ladle.protocol.common import (
     TokenizeResponse,
 )
 from ladle.protocol.completion import CompletionRequest
+from ladle.protocol.responses import ResponsesRequest
 
 logger = logging.getLogger("ladle.server")
+PLAYGROUND_DIR = Path(__file__).parent / "playground"
 _TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none", "tuple"}
 
 
@@ -82,6 +95,42 @@ def build_app(server: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(server, request, raw)
+
+    # The Responses API (OpenAI) and the Messages API (Anthropic; its own error shape).
+    if server.response_store is None:
+        server.response_store = ResponseStore()
+
+    @app.post("/v1/responses")
+    async def responses(request: ResponsesRequest, raw: Request) -> Response:
+        return await create_response(server, request, raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def responses_get(response_id: str) -> Response:
+        return get_response(server, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def responses_delete(response_id: str) -> Response:
+        return delete_response(server, response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def responses_cancel(response_id: str) -> Response:
+        return await cancel_response(server, response_id)
+
+    @app.post("/v1/messages")
+    async def messages(raw: Request) -> Response:
+        return await create_message(server, raw)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(raw: Request) -> Response:
+        return await count_tokens(server, raw)
+
+    # The web playground: one static page that talks to /v1/chat/completions.
+    if server.enable_playground:
+        @app.get("/", include_in_schema=False)
+        async def playground() -> FileResponse:
+            return FileResponse(PLAYGROUND_DIR / "index.html")
+
+        app.mount("/playground", StaticFiles(directory=PLAYGROUND_DIR), name="playground")
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
@@ -185,9 +234,15 @@ class _AuthAndRequestId:
         if self.api_key is not None and scope["path"].startswith("/v1"):
             auth = headers.get(b"authorization", b"").decode("latin-1")
             expected = f"Bearer {self.api_key}"
-            if not hmac.compare_digest(auth.encode(), expected.encode()):
-                body = error_body("invalid or missing API key: send 'Authorization: Bearer "
-                                  "<key>'", 401, code="invalid_api_key")
+            # Anthropic's clients send the key as x-api-key.
+            x_api_key = headers.get(b"x-api-key", b"").decode("latin-1")
+            if not (hmac.compare_digest(auth.encode(), expected.encode())
+                    or hmac.compare_digest(x_api_key.encode(), self.api_key.encode())):
+                message = ("invalid or missing API key: send 'Authorization: Bearer <key>' or "
+                           "'x-api-key: <key>'")
+                body = (anthropic_error_body(message, 401)
+                        if scope["path"].startswith("/v1/messages")
+                        else error_body(message, 401, code="invalid_api_key"))
                 response = JSONResponse(body, status_code=401,
                                         headers={"WWW-Authenticate": "Bearer"})
                 return await response(scope, receive, send)
@@ -338,6 +393,7 @@ async def run_server(args: argparse.Namespace) -> int:
         structured_outputs_backend=args.structured_outputs_backend,
         max_request_body_bytes=args.max_request_body_bytes,
         trust_request_chat_template=args.trust_request_chat_template,
+        enable_playground=not args.disable_playground,
     )
     engine.max_in_flight = config.max_num_seqs + args.max_waiting_requests
     app = build_app(server)

@@ -69,6 +69,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--disable-access-log", action="store_true",
                    help="no log line per HTTP request")
+    p.add_argument("--disable-playground", action="store_true",
+                   help="do not serve the web playground at /")
 
 
 def _size(text: str) -> int:

@@ -65,6 +65,10 @@ class ServerState:
             raise RequestError("chat_template: a per-request chat template needs the server "
                                "flag --trust-request-chat-template; accepted: leave it out",
                                param="chat_template")
+    # The Responses API's stored responses (serving_responses.ResponseStore; build_app makes it)
+    # and the web playground at / (--disable-playground turns it off).
+    response_store: Any = None
+    enable_playground: bool = True
 
     def check_model(self, model: str | None) -> str:
         """The served name the response reports; RequestError 404 for an unknown model."""

@@ -85,6 +85,23 @@ def process_chat(server: ServerState, request: ChatCompletionRequest,
         raise as_request_error(e) from e
 
 
+def choice_parser(server: ServerState, processed: ProcessedRequest, plan: ToolPlan
+                  ) -> ChoiceParser:
+    """The parser of one choice's text (also used by the Responses and Messages APIs)."""
+    thinking = False
+    if server.reasoning_parser is not None:
+        # What the engine decides from the prompt (ladle.reasoning.ReasoningConfig).
+        tokenizer = server.engine.tokenizer
+        start, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+        thinking = True
+        for t in reversed(processed.prompt_token_ids):
+            if t in (start, end):
+                thinking = t == start
+                break
+    return ChoiceParser(plan, server.reasoning_parser, server.tool_call_parser,
+                        prompt_text=processed.prompt or "", is_thinking_at_start=thinking)
+
+
 async def create_chat_completion(server: ServerState, request: ChatCompletionRequest,
                                  raw: Request) -> Response:
     model = server.check_model(request.model)
@@ -126,19 +143,7 @@ class _Writer:
                          prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached))
 
     def _parser(self) -> ChoiceParser:
-        server = self.server
-        thinking = False
-        if server.reasoning_parser is not None:
-            # What the engine decides from the prompt (ladle.reasoning.ReasoningConfig).
-            tokenizer = self.engine.tokenizer
-            start, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
-            thinking = True
-            for t in reversed(self.processed.prompt_token_ids):
-                if t in (start, end):
-                    thinking = t == start
-                    break
-        return ChoiceParser(self.plan, server.reasoning_parser, server.tool_call_parser,
-                            prompt_text=self.processed.prompt or "", is_thinking_at_start=thinking)
+        return choice_parser(self.server, self.processed, self.plan)
 
     # ---- non-streaming ----------------------------------------------------------------------
     async def full(self) -> Response:
