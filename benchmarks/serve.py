@@ -120,7 +120,8 @@ def heavy_request(i: int) -> dict:
                                 "json_schema": {"name": f"form{i}", "schema": schema}}}
 
 
-async def interference(url: str, model: str, api_key: str | None, output_len: int) -> dict:
+async def interference(url: str, model: str, api_key: str | None, output_len: int,
+                       kinds: str = "both") -> dict:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     prompts = workload(8, (64, 128), 7)
     alone, _ = await run_level(url, model, api_key, prompts, output_len, 8)
@@ -130,6 +131,8 @@ async def interference(url: str, model: str, api_key: str | None, output_len: in
         async with httpx.AsyncClient(base_url=url, headers=headers,
                                      timeout=httpx.Timeout(600)) as http:
             async def one(i):
+                if kinds != "both" and (i % 2 == 0) != (kinds == "prompts"):
+                    i += 1  # only the kind asked for
                 await asyncio.sleep(0.5 + 0.1 * i)  # once the streams are running
                 r = await http.post("/v1/chat/completions", json={"model": model,
                                                                   **heavy_request(i)})
@@ -264,6 +267,8 @@ def main():
     ap.add_argument("--interference", action="store_true",
                     help="only the interference case: 8 streams with and without 16 heavy "
                          "arrivals (100k-character prompts, 300-property schemas)")
+    ap.add_argument("--arrivals", choices=["both", "prompts", "schemas"], default="both",
+                    help="with --interference: which heavy arrivals to send")
     args = ap.parse_args()
     if args.interference:
         return run_interference(args)
@@ -332,7 +337,8 @@ def run_interference(args) -> None:
         proc, url = start_server(args.model, port, args.max_model_len, args.max_num_seqs)
     try:
         asyncio.run(run_level(url, args.model, args.api_key, workload(4, (16, 32), 99), 8, 4))
-        row = asyncio.run(interference(url, args.model, args.api_key, args.output_len))
+        row = asyncio.run(interference(url, args.model, args.api_key, args.output_len,
+                                       args.arrivals))
     finally:
         if proc is not None:
             proc.terminate()
