@@ -72,7 +72,10 @@ class BadWordsProcessor(RowStateProcessor):
 
 
 class MinTokensProcessor(RowStateProcessor):
-    """EOS and stop_token_ids get -inf until the row has min_tokens output tokens."""
+    """EOS and stop_token_ids get -inf until the row has min_tokens output tokens, unless they
+    are all the row has left: a hard constraint applied before this one (a grammar that can only
+    end, allowed_token_ids, bad_words) wins over min_tokens, so no row is ever left with every
+    token at -inf (which would sample an arbitrary token the constraint forbids)."""
 
     def is_argmax_invariant(self) -> bool:
         return False
@@ -91,7 +94,17 @@ class MinTokensProcessor(RowStateProcessor):
                 rows += [row] * len(stops)
                 toks += stops
         if rows:
-            logits[rows, toks] = NEG_INF
+            dev = logits.device
+            r = torch.tensor(rows, device=dev)
+            t = torch.tensor(toks, device=dev)
+            kept = logits[r, t]
+            logits[r, t] = NEG_INF
+            # Rows left with no finite logit get their stop tokens back (as they were: a stop
+            # token the constraint forbids stays forbidden). Only the masked rows are scanned.
+            masked = sorted(set(rows))
+            empty = torch.zeros(logits.shape[0], dtype=torch.bool, device=dev)
+            empty[masked] = torch.isneginf(logits[masked].amax(dim=-1))
+            logits[r, t] = torch.where(empty[r], kept, NEG_INF)
         return logits
 
 
