@@ -98,6 +98,10 @@ class StructuredOutputBackend(ABC):
     def new_grammar(self, compiled) -> StructuredOutputGrammar:
         """A fresh matcher for one request over a compiled constraint (fast)."""
 
+    @abstractmethod
+    def compiled_size(self, compiled) -> int:
+        """Bytes a compiled constraint holds in memory (what the compile cache counts)."""
+
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
         """(rows, ceil(V / 32)) int32, all tokens allowed."""
         return torch.full((num_rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)

@@ -82,7 +82,9 @@ class XgrammarBackend(StructuredOutputBackend):
         super().__init__(tokenizer, vocab_size, eos_token_ids)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=eos_token_ids)
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+        # xgrammar's own cache is off: it never evicts by default, and the manager's cache
+        # (bounded in bytes) already keeps compiled grammars.
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
     @staticmethod
     def check(key: ConstraintKey) -> str | None:
@@ -130,6 +132,9 @@ class XgrammarBackend(StructuredOutputBackend):
 
     def new_grammar(self, compiled) -> XgrammarGrammar:
         return XgrammarGrammar(xgr.GrammarMatcher(compiled))
+
+    def compiled_size(self, compiled: xgr.CompiledGrammar) -> int:
+        return compiled.memory_size_bytes
 
 
 def _reason(e: Exception) -> str:
