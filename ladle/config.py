@@ -27,7 +27,8 @@ class EngineConfig:
     max_logprobs: int = 20
     logits_processors: list[str] = field(default_factory=list)  # "module:Class"
     structured_outputs_backend: str = "auto"  # auto | xgrammar | guidance
-    # A request whose grammar is not compiled this many seconds after it arrived fails alone.
+    # Seconds a grammar compile may run (from its start, or from the request's arrival if it
+    # joins a running compile) before the request waiting for it fails, alone.
     structured_outputs_compile_timeout: float = 30.0
     # Compiled grammars kept for reuse, in bytes (least recently used evicted first); 0 = none.
     structured_outputs_cache_bytes: int = 512 * 2**20

@@ -48,7 +48,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "xgrammar", "guidance"])
     p.add_argument("--structured-outputs-compile-timeout", type=float,
                    default=_DEFAULTS.structured_outputs_compile_timeout,
-                   help="seconds a request waits for its grammar to compile before it fails")
+                   help="seconds a grammar compile may run before its request fails")
     p.add_argument("--structured-outputs-cache-bytes", type=int,
                    default=_DEFAULTS.structured_outputs_cache_bytes,
                    help="bytes of compiled grammars kept for reuse (LRU; 0 = no cache)")

@@ -5,6 +5,7 @@ slot back) and the cache of compiled grammars (bounded in bytes, least recently 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -16,6 +17,7 @@ class CompileJob:
     """One compile, shared by every request waiting for the same constraint."""
 
     future: Future = field(default_factory=Future)
+    started_at: float | None = None  # time.monotonic() when a worker took it up
     num_waiters: int = 0  # requests waiting for it that have not timed out or been aborted
     size_bytes: int | None = None  # as the backend measures it; None until compiled
 
@@ -34,14 +36,14 @@ class CompilePool:
         self.num_workers = num_workers
         self.max_abandoned = max_abandoned
         self._lock = threading.Lock()
-        self._queue: deque[tuple[Future, Callable[[], object]]] = deque()
+        self._queue: deque[tuple[CompileJob, Callable[[], object]]] = deque()
         self._running: set[Future] = set()  # holding a slot
         self._abandoned: set[Future] = set()
 
     def submit(self, job: CompileJob, fn: Callable[[], object]) -> None:
         """Run fn() for the job; its result or exception lands in job.future."""
         with self._lock:
-            self._queue.append((job.future, fn))
+            self._queue.append((job, fn))
             self._start_queued()
 
     def drop(self, job: CompileJob) -> str:
@@ -67,10 +69,11 @@ class CompilePool:
 
     def _start_queued(self) -> None:  # with the lock held
         while self._queue and len(self._running) < self.num_workers:
-            future, fn = self._queue.popleft()
-            if future.set_running_or_notify_cancel():  # False: cancelled while queued
-                self._running.add(future)
-                threading.Thread(target=self._run, args=(future, fn), daemon=True,
+            job, fn = self._queue.popleft()
+            if job.future.set_running_or_notify_cancel():  # False: cancelled while queued
+                job.started_at = time.monotonic()
+                self._running.add(job.future)
+                threading.Thread(target=self._run, args=(job.future, fn), daemon=True,
                                  name="grammar-compile").start()
 
     def _run(self, future: Future, fn: Callable[[], object]) -> None:
@@ -120,13 +123,15 @@ class GrammarCache:
             if self._jobs.get(key) is not job:
                 return  # dropped meanwhile
             job.size_bytes = size_bytes
-            self.num_bytes += size_bytes
             self._jobs.move_to_end(key)  # its requests are about to use it
+            # Evict before publishing the total: stats read num_bytes without the lock.
+            total = self.num_bytes + size_bytes
             for k in [k for k, j in self._jobs.items() if j.size_bytes is not None]:
-                if self.num_bytes <= self.max_bytes:
+                if total <= self.max_bytes:
                     break
-                self.num_bytes -= self._jobs.pop(k).size_bytes
+                total -= self._jobs.pop(k).size_bytes
                 self.num_evictions += 1
+            self.num_bytes = total
 
     def discard(self, key, job: CompileJob) -> None:
         """Forget a job that failed or was cancelled (a later request compiles afresh)."""

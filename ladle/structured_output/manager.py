@@ -81,7 +81,8 @@ class GrammarSlot:
     backend: StructuredOutputBackend
     key: tuple[str, ConstraintKey]  # (backend name, constraint): the cache key
     job: CompileJob
-    deadline: float  # time.monotonic() by which the grammar must be ready
+    timeout: float  # seconds the compile may run once started and this request waits
+    added_at: float  # time.monotonic() when the request started waiting
     give_up: Callable[[GrammarSlot, bool], None]  # the manager's: stop waiting (timed out?)
     matcher: StructuredOutputGrammar | None = None
     error: str | None = None
@@ -96,7 +97,10 @@ class GrammarSlot:
             return "error"
         future = self.job.future
         if not future.done():
-            if time.monotonic() < self.deadline:
+            # The clock runs from when the compile started (not while it waits in the queue
+            # behind others) or when this request arrived, whichever is later.
+            started = self.job.started_at
+            if started is None or time.monotonic() < max(started, self.added_at) + self.timeout:
                 return "pending"
             self.give_up(self, True)  # sets the error
             return "error"
@@ -152,7 +156,7 @@ class StructuredOutputManager:
         if not cached:
             self.compile_pool.submit(job, lambda: self._compile(backend, key, job))
         job.num_waiters += 1
-        slot = GrammarSlot(backend, key, job, time.monotonic() + self.compile_timeout,
+        slot = GrammarSlot(backend, key, job, self.compile_timeout, time.monotonic(),
                            self._give_up)
         if self.reasoning is not None:
             slot.reasoning_ended = self.reasoning.is_reasoning_end(request.prompt_token_ids)
