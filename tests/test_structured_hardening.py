@@ -255,3 +255,31 @@ def test_compile_cache_keeps_to_its_byte_bound(llm):
     hit(499), hit(498)
     assert hit(499)
     assert not hit(1)
+
+
+def test_flags_reach_the_config_and_metrics_show_the_cache(llm):
+    import argparse
+
+    from ladle.config import EngineConfig
+    from ladle.entrypoints.api_server import engine_config_from_args
+    from ladle.entrypoints.cli import add_serve_args
+    from ladle.frontend.metrics import ServerMetrics
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    config = engine_config_from_args(parser.parse_args([
+        "--structured-outputs-compile-timeout", "7.5", "--structured-outputs-cache-bytes", "1000"]))
+    assert config.structured_outputs_compile_timeout == 7.5
+    assert config.structured_outputs_cache_bytes == 1000
+    for field, bad in (("structured_outputs_compile_timeout", 0),
+                       ("structured_outputs_compile_timeout", float("inf")),
+                       ("structured_outputs_cache_bytes", -1)):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(**{field: bad})
+    metrics = ServerMetrics("ladle-demo")
+    metrics.engine_stats = llm.engine.stats()
+    text = metrics.render().decode()
+    for name in ("grammar_cache_hits_total", "grammar_cache_misses_total",
+                 "grammar_cache_evictions_total", "grammar_compile_timeouts_total",
+                 "grammar_cache_bytes", "grammar_compiles_abandoned"):
+        assert f'ladle:{name}{{model_name="ladle-demo"}}' in text

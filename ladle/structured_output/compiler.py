@@ -4,12 +4,15 @@ slot back) and the cache of compiled grammars (bounded in bytes, least recently 
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
+
+EXIT_WAIT_S = 5.0  # how long exit waits for compiles still running
 
 
 @dataclass(eq=False)
@@ -30,7 +33,7 @@ class CompilePool:
     native code with no cancel hook. It is then abandoned: it runs to its end on its own thread
     but gives its slot to the next compile, so hung compiles cannot hold every slot. At most
     `max_abandoned` run so at once (past that a stuck compile keeps its slot), which bounds the
-    threads at num_workers + max_abandoned. Daemon threads: a hung compile never delays exit."""
+    threads at num_workers + max_abandoned. Daemon threads: a hung compile never blocks exit."""
 
     def __init__(self, num_workers: int, max_abandoned: int):
         self.num_workers = num_workers
@@ -39,6 +42,7 @@ class CompilePool:
         self._queue: deque[tuple[CompileJob, Callable[[], object]]] = deque()
         self._running: set[Future] = set()  # holding a slot
         self._abandoned: set[Future] = set()
+        atexit.register(self.shutdown, EXIT_WAIT_S)
 
     def submit(self, job: CompileJob, fn: Callable[[], object]) -> None:
         """Run fn() for the job; its result or exception lands in job.future."""
@@ -62,6 +66,18 @@ class CompilePool:
                 self._start_queued()
                 return "abandoned"
         return "running"
+
+    def shutdown(self, wait_s: float) -> None:
+        """Cancel the queued compiles and give the running ones up to wait_s to end. Run at
+        exit: a compile that returns while the interpreter is finalizing kills its thread
+        through native frames, which aborts the process (CPython before 3.14)."""
+        with self._lock:
+            for job, _ in self._queue:
+                job.future.cancel()
+            self._queue.clear()
+            running = list(self._running | self._abandoned)
+        if running:
+            wait(running, timeout=wait_s)
 
     @property
     def num_abandoned(self) -> int:

@@ -118,9 +118,8 @@ class GrammarSlot:
 
 class StructuredOutputManager:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], configured: str,
-                 reasoning: ReasoningConfig | None, max_num_reqs: int,
-                 compile_timeout: float = 30.0, cache_bytes: int = 512 * 2**20,
-                 num_compile_workers: int = NUM_COMPILE_WORKERS):
+                 reasoning: ReasoningConfig | None, max_num_reqs: int, compile_timeout: float,
+                 cache_bytes: int, num_compile_workers: int = NUM_COMPILE_WORKERS):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
