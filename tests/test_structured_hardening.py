@@ -12,6 +12,8 @@ import time
 
 import jsonschema
 import pytest
+import torch
+from sampler_harness import Harness
 
 from ladle import LLM, SamplingParams, StructuredOutputsParams
 from ladle.messages import EngineCoreRequest
@@ -86,6 +88,21 @@ def test_min_tokens_yields_to_a_finished_choice(llm):
     for o in outs:
         assert o.outputs[0].text in CHOICES, o.outputs[0].text
         assert o.outputs[0].finish_reason == "stop"
+
+
+def test_min_tokens_never_empties_a_row():
+    """The same precedence at the sampler, for allowed_token_ids: min_tokens bans the stop
+    tokens only while something else is allowed."""
+    V = 32
+    h = Harness(V)
+    p = dict(temperature=0, min_tokens=3, stop_token_ids=[5], logprobs=V,
+             logprobs_mode="processed_logits", max_tokens=10)
+    h.set_requests([(SamplingParams(**p, allowed_token_ids=[0, 5]), [1], [2]),
+                    (SamplingParams(**p, allowed_token_ids=[0, 5, 7]), [1], [2])], eos=(0,))
+    logits = torch.randn(2, V)
+    got = h.processed_logits(logits)
+    assert torch.isfinite(got[0]).tolist() == [t in (0, 5) for t in range(V)]  # kept: all left
+    assert torch.isfinite(got[1]).tolist() == [t == 7 for t in range(V)]  # banned as usual
 
 
 def test_hot_sampling_output_validates_or_is_cut_by_length(llm):

@@ -84,27 +84,33 @@ class MinTokensProcessor(RowStateProcessor):
         p = a.params
         stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(a.eos_token_ids))
         if p.min_tokens > 0 and stops:
-            return p.min_tokens, stops, a.output_token_ids
+            # Only a row with a hard constraint can be left with nothing but stop tokens.
+            constrained = bool(p.structured_outputs or p.allowed_token_ids or p.bad_words)
+            return p.min_tokens, stops, a.output_token_ids, constrained
         return None
 
     def apply(self, logits):
-        rows, toks = [], []
-        for row, (min_tokens, stops, out) in self.states.items():
+        rows, toks, scan = [], [], []
+        for row, (min_tokens, stops, out, constrained) in self.states.items():
             if len(out) < min_tokens:
                 rows += [row] * len(stops)
                 toks += stops
-        if rows:
-            dev = logits.device
-            r = torch.tensor(rows, device=dev)
-            t = torch.tensor(toks, device=dev)
-            kept = logits[r, t]
-            logits[r, t] = NEG_INF
-            # Rows left with no finite logit get their stop tokens back (as they were: a stop
-            # token the constraint forbids stays forbidden). Only the masked rows are scanned.
-            masked = sorted(set(rows))
-            empty = torch.zeros(logits.shape[0], dtype=torch.bool, device=dev)
-            empty[masked] = torch.isneginf(logits[masked].amax(dim=-1))
-            logits[r, t] = torch.where(empty[r], kept, NEG_INF)
+                if constrained:
+                    scan.append(row)
+        if not rows:
+            return logits
+        if not scan:
+            logits[rows, toks] = NEG_INF
+            return logits
+        dev = logits.device
+        r, t = torch.tensor(rows, device=dev), torch.tensor(toks, device=dev)
+        kept = logits[r, t]
+        logits[r, t] = NEG_INF
+        # Rows left with no finite logit get their stop tokens back as they were (a stop token
+        # the constraint forbids stays forbidden).
+        empty = torch.zeros(logits.shape[0], dtype=torch.bool, device=dev)
+        empty[scan] = torch.isneginf(logits[scan].amax(dim=-1))
+        logits[r, t] = torch.where(empty[r], kept, NEG_INF)
         return logits
 
 
