@@ -12,7 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
-EXIT_WAIT_S = 5.0  # how long exit waits for compiles still running
+EXIT_WAIT_S = 2.0  # how long exit waits for compiles still running (most take milliseconds)
 
 
 @dataclass(eq=False)
