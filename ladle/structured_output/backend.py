@@ -78,10 +78,12 @@ class StructuredOutputGrammar(ABC):
 class StructuredOutputBackend(ABC):
     name: str
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int],
+                 cache_bytes: int = 0):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.cache_bytes = cache_bytes  # the bound for a cache of the backend's own, if any
 
     @staticmethod
     @abstractmethod

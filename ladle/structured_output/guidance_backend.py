@@ -79,8 +79,8 @@ class GuidanceGrammar(StructuredOutputGrammar):
 class GuidanceBackend(StructuredOutputBackend):
     name = "guidance"
 
-    def __init__(self, tokenizer, vocab_size, eos_token_ids):
-        super().__init__(tokenizer, vocab_size, eos_token_ids)
+    def __init__(self, tokenizer, vocab_size, eos_token_ids, cache_bytes=0):
+        super().__init__(tokenizer, vocab_size, eos_token_ids, cache_bytes)
         self.lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
                                                   eos_token=eos_token_ids[0] if eos_token_ids
                                                   else None)

@@ -143,7 +143,7 @@ class StructuredOutputManager:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs: this checkpoint has no tokenizer")
             self.backends[name] = _backend_class(name)(self.tokenizer, self.vocab_size,
-                                                       self.eos_token_ids)
+                                                       self.eos_token_ids, self.cache.max_bytes)
         return self.backends[name]
 
     def add_request(self, request) -> None:
