@@ -33,6 +33,11 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # fcfs | priority (requests' `priority` field counts)
     logits_processors: list[str] = field(default_factory=list)  # "module:Class"
     structured_outputs_backend: str = "auto"  # auto | xgrammar | guidance
+    # Seconds a grammar compile may run (from its start, or from the request's arrival if it
+    # joins a running compile) before the request waiting for it fails, alone.
+    structured_outputs_compile_timeout: float = 30.0
+    # Compiled grammars kept for reuse, in bytes (least recently used evicted first); 0 = none.
+    structured_outputs_cache_bytes: int = 512 * 2**20
     reasoning_parser: str | None = None
 
     def __post_init__(self):
@@ -53,6 +58,14 @@ class EngineConfig:
                 f"structured_outputs_backend: {self.structured_outputs_backend!r}; "
                 "accepted: auto, xgrammar, guidance"
             )
+        timeout = self.structured_outputs_compile_timeout
+        if not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
+            raise ValueError(f"structured_outputs_compile_timeout: must be a positive number of "
+                             f"seconds, got {timeout!r}")
+        if not isinstance(self.structured_outputs_cache_bytes, int) or \
+                self.structured_outputs_cache_bytes < 0:
+            raise ValueError(f"structured_outputs_cache_bytes: must be an integer >= 0, got "
+                             f"{self.structured_outputs_cache_bytes!r}")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -265,7 +265,7 @@ def test_applied_mask_equals_backend_matcher_mask(llm, backend):
         want = xgr.allocate_token_bitmask(1, be.vocab_size)
         ref.fill_next_token_bitmask(want, 0)
     else:
-        ref = compiled.deep_copy()
+        ref = compiled.matcher.deep_copy()
         assert ref.consume_tokens(prefix)
         want = llguidance.torch.allocate_token_bitmask(1, be.vocab_size)
         llguidance.torch.fill_next_token_bitmask(ref, want, 0)

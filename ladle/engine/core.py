@@ -20,7 +20,7 @@ from ladle.models.loader import load_model, read_hf_config, resolve_dtype, resol
 from ladle.reasoning import ReasoningConfig
 from ladle.runner.model_runner import ModelRunner, RunnerOutput
 from ladle.sampling_params import RequestLimits
-from ladle.structured_output.manager import StructuredOutputManager
+from ladle.structured_output.manager import GrammarRejectedError, StructuredOutputManager
 from ladle.tokenizer import eos_token_ids, has_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,8 @@ class EngineCore:
         eos = _eos_ids(self.tokenizer, self.model_path)
         self.structured = StructuredOutputManager(
             self.tokenizer, self.vocab_size, eos, config.structured_outputs_backend,
-            self.reasoning, config.max_num_seqs)
+            self.reasoning, config.max_num_seqs, config.structured_outputs_compile_timeout,
+            config.structured_outputs_cache_bytes)
         self.hf_config = hf_config
         self.num_steps = 0
         self.num_failed_runs = 0  # batches that raised (then split to find the request at fault)
@@ -124,6 +125,7 @@ class EngineCore:
         req = self.scheduler.requests.get(req_id)
         if req is not None:
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            self.structured.abort(req)  # a compile only it waited for is cancelled
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -200,8 +202,12 @@ class EngineCore:
             accepted_tokens.append(token)
             status = self._check_stop(req, token)
             by_token = status == RequestStatus.FINISHED_STOPPED
-            if req.grammar is not None and self.structured.accept(req, token) and status is None:
-                status = RequestStatus.FINISHED_STOPPED  # the constraint is complete
+            if req.grammar is not None:
+                try:
+                    if self.structured.accept(req, token) and status is None:
+                        status = RequestStatus.FINISHED_STOPPED  # the constraint is complete
+                except GrammarRejectedError as e:  # never "stop" with output breaking it
+                    req.error, status = str(e), RequestStatus.FINISHED_ERROR
             if status is not None:
                 self.scheduler.finish(req, status)
             outputs.append(EngineCoreOutput(
@@ -213,6 +219,7 @@ class EngineCore:
                 num_cached_tokens=req.num_cached_tokens,
                 logprobs=_token_logprobs(out, lp_index.get(row), int(out.num_logprobs[row])),
                 prompt_logprobs=_prompt_logprobs(req),
+                error=req.error,
             ))
         if accepted_rows:
             try:

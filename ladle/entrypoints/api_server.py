@@ -337,6 +337,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduling_policy=args.scheduling_policy,
         logits_processors=list(args.logits_processors or []),
         structured_outputs_backend=args.structured_outputs_backend,
+        structured_outputs_compile_timeout=args.structured_outputs_compile_timeout,
+        structured_outputs_cache_bytes=args.structured_outputs_cache_bytes,
         reasoning_parser=args.reasoning_parser,
     )
 

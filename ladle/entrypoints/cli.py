@@ -46,6 +46,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="custom logits processors, as module:Class")
     p.add_argument("--structured-outputs-backend", default=_DEFAULTS.structured_outputs_backend,
                    choices=["auto", "xgrammar", "guidance"])
+    p.add_argument("--structured-outputs-compile-timeout", type=float,
+                   default=_DEFAULTS.structured_outputs_compile_timeout,
+                   help="seconds a grammar compile may run before its request fails")
+    p.add_argument("--structured-outputs-cache-bytes", type=int,
+                   default=_DEFAULTS.structured_outputs_cache_bytes,
+                   help="bytes of compiled grammars kept for reuse (LRU; 0 = no cache)")
     p.add_argument("--reasoning-parser", default=None, help="e.g. qwen3, deepseek_r1")
     p.add_argument("--enable-auto-tool-choice", action="store_true")
     p.add_argument("--tool-call-parser", default=None, help="e.g. hermes")

@@ -139,6 +139,25 @@ class _EngineStatsCollector:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(lv, float(value))
             yield c
+        # Structured-output compiles: cache behaviour, timeouts, compiles nobody waits for.
+        for name, doc, key, family in (
+            ("ladle:grammar_cache_misses", "Structured-output requests that started a compile.",
+             "grammar_cache_misses", CounterMetricFamily),
+            ("ladle:grammar_cache_evictions", "Compiled grammars evicted from the cache to keep "
+             "it within --structured-outputs-cache-bytes.", "grammar_cache_evictions",
+             CounterMetricFamily),
+            ("ladle:grammar_compile_timeouts", "Requests failed because their grammar did not "
+             "compile within --structured-outputs-compile-timeout.", "grammar_compile_timeouts",
+             CounterMetricFamily),
+            ("ladle:grammar_cache_bytes", "Bytes of compiled grammars in the cache.",
+             "grammar_cache_bytes", GaugeMetricFamily),
+            ("ladle:grammar_compiles_abandoned", "Compiles still running that no request waits "
+             "for (timed out or aborted); they hold no worker slot.",
+             "grammar_compiles_abandoned", GaugeMetricFamily),
+        ):
+            m = family(name, doc, labels=["model_name"])
+            m.add_metric(lv, float(s.get(key, 0)))
+            yield m
         g = GaugeMetricFamily("ladle:prefix_cache_hit_rate",
                               "Prefix-cache hits / queries since start, in tokens.",
                               labels=["model_name"])

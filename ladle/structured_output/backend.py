@@ -78,10 +78,12 @@ class StructuredOutputGrammar(ABC):
 class StructuredOutputBackend(ABC):
     name: str
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int],
+                 cache_bytes: int = 0):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.cache_bytes = cache_bytes  # the bound for a cache of the backend's own, if any
 
     @staticmethod
     @abstractmethod
@@ -97,6 +99,10 @@ class StructuredOutputBackend(ABC):
     @abstractmethod
     def new_grammar(self, compiled) -> StructuredOutputGrammar:
         """A fresh matcher for one request over a compiled constraint (fast)."""
+
+    @abstractmethod
+    def compiled_size(self, compiled) -> int:
+        """Bytes a compiled constraint holds in memory (what the compile cache counts)."""
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
         """(rows, ceil(V / 32)) int32, all tokens allowed."""

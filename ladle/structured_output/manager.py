@@ -1,19 +1,25 @@
 """StructuredOutputManager: the engine side of structured outputs.
 
 - add_request picks a backend per request (auto: xgrammar when it can express the constraint,
-  else llguidance) and submits the compile to a thread pool; the request waits in
+  else llguidance) and submits the compile to the compile pool; the request waits in
   WAITING_FOR_GRAMMAR and other requests never wait for it. Compiles are cached by
-  (backend, kind, spec), so a repeated schema is nearly free.
+  (backend, kind, spec) within a byte bound, so a repeated schema is nearly free. A request
+  whose grammar is not ready within the compile timeout fails alone; a compile nobody waits
+  for is cancelled, or if already running, gives its worker slot back (compiler.py).
 - submit_bitmask starts filling the step's bitmask in a worker thread, which the model runner
   calls just before the forward pass and collects just after, so the CPU work overlaps it.
-- accept advances a request's matcher with its sampled token and says when it terminated.
+- accept advances a request's matcher with its sampled token and says when it terminated; a
+  token the grammar rejects raises GrammarRejectedError (the request fails, never "stops").
 Rows in a prefill chunk, and rows still thinking (with a reasoning parser), are not masked."""
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -25,9 +31,18 @@ from ladle.structured_output.backend import (
     StructuredOutputBackend,
     StructuredOutputGrammar,
 )
+from ladle.structured_output.compiler import CompileJob, CompilePool, GrammarCache
 
 logger = logging.getLogger(__name__)
 BACKENDS = ("xgrammar", "guidance")
+# Compiles that may run at once: a few slow constraints must not hold every slot (a compile
+# that timed out gives its slot back, see CompilePool), and more than the cores cannot help.
+NUM_COMPILE_WORKERS = max(4, min(8, os.cpu_count() or 1))
+
+
+class GrammarRejectedError(ValueError):
+    """A sampled token the request's grammar does not allow: the output so far breaks the
+    constraint, so the request must fail rather than finish."""
 
 
 def _backend_class(name: str) -> type[StructuredOutputBackend]:
@@ -59,14 +74,19 @@ def choose_backend(params: StructuredOutputsParams, configured: str) -> str:
     raise ValueError(f"structured_outputs.{key.kind}: invalid or unsupported: {first}")
 
 
-@dataclass
+@dataclass(eq=False)
 class GrammarSlot:
-    """A request's grammar: pending while its compile runs, then a matcher."""
+    """A request's grammar: pending while its compile runs, then a matcher (or an error)."""
 
     backend: StructuredOutputBackend
-    future: Future
+    key: tuple[str, ConstraintKey]  # (backend name, constraint): the cache key
+    job: CompileJob
+    timeout: float  # seconds the compile may run once started and this request waits
+    added_at: float  # time.monotonic() when the request started waiting
+    give_up: Callable[[GrammarSlot, bool], None]  # the manager's: stop waiting (timed out?)
     matcher: StructuredOutputGrammar | None = None
     error: str | None = None
+    waiting: bool = True  # counted in job.num_waiters
     reasoning_ended: bool = True  # False while the request is thinking
 
     def poll(self) -> str:
@@ -75,13 +95,21 @@ class GrammarSlot:
             return "ready"
         if self.error is not None:
             return "error"
-        if not self.future.done():
-            return "pending"
+        future = self.job.future
+        if not future.done():
+            # The clock runs from when the compile started (not while it waits in the queue
+            # behind others) or when this request arrived, whichever is later.
+            started = self.job.started_at
+            if started is None or time.monotonic() < max(started, self.added_at) + self.timeout:
+                return "pending"
+            self.give_up(self, True)  # sets the error
+            return "error"
+        self.waiting = False
         try:
-            self.matcher = self.backend.new_grammar(self.future.result())
+            self.matcher = self.backend.new_grammar(future.result())
             return "ready"
-        except Exception as e:
-            self.error = str(e)
+        except (Exception, CancelledError) as e:
+            self.error = str(e) or type(e).__name__
             return "error"
 
     def is_ready(self) -> bool:
@@ -90,20 +118,23 @@ class GrammarSlot:
 
 class StructuredOutputManager:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], configured: str,
-                 reasoning: ReasoningConfig | None, max_num_reqs: int):
+                 reasoning: ReasoningConfig | None, max_num_reqs: int, compile_timeout: float,
+                 cache_bytes: int, num_compile_workers: int = NUM_COMPILE_WORKERS):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.configured = configured
         self.reasoning = reasoning
+        self.compile_timeout = compile_timeout
         self.backends: dict[str, StructuredOutputBackend] = {}
-        self.cache: dict[tuple[str, ConstraintKey], Future] = {}
-        self.compile_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+        self.cache = GrammarCache(cache_bytes)
+        self.compile_pool = CompilePool(num_compile_workers, max_abandoned=num_compile_workers)
         self.fill_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask")
         self.bitmask = torch.full((max_num_reqs, (vocab_size + 31) // 32), -1, dtype=torch.int32)
-        # Counters for /metrics.
+        # Counters for /metrics (the cache keeps its own hit / miss / eviction counts).
+        self._stats_lock = threading.Lock()  # compiles finish on their own threads
         self.num_compiles = 0
-        self.num_cache_hits = 0
+        self.num_timeouts = 0
         self.compile_seconds = 0.0
         self.fill_seconds = 0.0
 
@@ -112,39 +143,72 @@ class StructuredOutputManager:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs: this checkpoint has no tokenizer")
             self.backends[name] = _backend_class(name)(self.tokenizer, self.vocab_size,
-                                                       self.eos_token_ids)
+                                                       self.eos_token_ids, self.cache.max_bytes)
         return self.backends[name]
 
     def add_request(self, request) -> None:
         params = request.sampling_params.structured_outputs
         name = choose_backend(params, self.configured)
-        key = ConstraintKey.from_params(params)
+        key = (name, ConstraintKey.from_params(params))
         backend = self._backend(name)
-        future = self.cache.get((name, key))
-        if future is None or (future.done() and future.exception() is not None):
-            future = self.compile_pool.submit(self._compile, backend, key)
-            self.cache[(name, key)] = future
-        else:
-            self.num_cache_hits += 1
-        slot = GrammarSlot(backend, future)
+        job, cached = self.cache.get_or_add(key)
+        if not cached:
+            self.compile_pool.submit(job, lambda: self._compile(backend, key, job))
+        job.num_waiters += 1
+        slot = GrammarSlot(backend, key, job, self.compile_timeout, time.monotonic(),
+                           self._give_up)
         if self.reasoning is not None:
             slot.reasoning_ended = self.reasoning.is_reasoning_end(request.prompt_token_ids)
         request.grammar = slot
 
+    def abort(self, request) -> None:
+        """The request is gone: if its grammar is still compiling, stop waiting for it."""
+        slot: GrammarSlot | None = request.grammar
+        if slot is not None and slot.waiting:
+            self._give_up(slot, False)
+
+    def _give_up(self, slot: GrammarSlot, timed_out: bool) -> None:
+        """The slot stops waiting for its compile; the last waiter drops the compile."""
+        slot.waiting = False
+        kind = slot.key[1].kind
+        if timed_out:
+            slot.error = (f"structured_outputs.{kind}: the grammar did not compile within "
+                          f"{self.compile_timeout:g} s (--structured-outputs-compile-timeout); "
+                          "simplify the constraint or raise the timeout")
+            with self._stats_lock:
+                self.num_timeouts += 1
+        job = slot.job
+        job.num_waiters -= 1
+        if job.num_waiters > 0 or job.future.done():
+            return
+        outcome = self.compile_pool.drop(job)
+        if outcome == "cancelled":
+            self.cache.discard(slot.key, job)
+        elif outcome == "running":
+            logger.warning("a %s compile nobody waits for keeps its worker slot: %d abandoned "
+                           "compiles are running already", kind, self.compile_pool.num_abandoned)
+
     def wait_for_compiles(self, timeout: float) -> None:
         """Block until a running compile finishes or `timeout` seconds pass (the engine calls
         this when nothing else can run, instead of spinning)."""
-        pending = [f for f in self.cache.values() if not f.done()]
+        pending = self.cache.pending()
         if pending:
             wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
 
-    def _compile(self, backend: StructuredOutputBackend, key: ConstraintKey):
+    def _compile(self, backend: StructuredOutputBackend, key, job: CompileJob):
+        """Runs on a compile thread."""
         t = time.perf_counter()
         try:
-            return backend.compile(key)
+            compiled = backend.compile(key[1])
+        except BaseException:
+            self.cache.discard(key, job)  # a later request tries again
+            raise
         finally:
-            self.num_compiles += 1
-            self.compile_seconds += time.perf_counter() - t
+            with self._stats_lock:
+                self.num_compiles += 1
+                self.compile_seconds += time.perf_counter() - t
+        self.cache.compiled(key, job, backend.compiled_size(compiled))
+        return compiled
 
     # ---- per step ---------------------------------------------------------------------------
     def submit_bitmask(self, requests: list, samples_output: list[bool]) -> Future | None:
@@ -168,7 +232,8 @@ class StructuredOutputManager:
 
     def accept(self, request, token: int) -> bool:
         """Advance the request's matcher. Returns True when the constraint has terminated (the
-        request should finish with 'stop')."""
+        request should finish with 'stop'); raises GrammarRejectedError when the grammar does
+        not allow the token (the request must fail: its output breaks the constraint)."""
         slot: GrammarSlot | None = request.grammar
         if slot is None or slot.matcher is None:
             return False
@@ -176,16 +241,30 @@ class StructuredOutputManager:
             if self.reasoning is not None and token == self.reasoning.end_id:
                 slot.reasoning_ended = True  # the answer starts with the next token
             return False
-        if not slot.matcher.accept_tokens([token]):
+        try:
+            accepted = slot.matcher.accept_tokens([token])
+        except Exception as e:  # e.g. a token id the matcher does not know
+            logger.warning("request %s: grammar accept failed: %s", request.req_id, e)
+            accepted = False
+        if not accepted:
             logger.error("request %s: sampled token %d rejected by its grammar", request.req_id,
                          token)
-            return True
+            raise GrammarRejectedError(
+                f"structured_outputs.{slot.key[1].kind}: sampled token {token} is not allowed by "
+                "the constraint (a logits processor after the grammar mask or a conflicting "
+                "sampling parameter left no allowed token); the output would not match it")
         return slot.matcher.is_terminated()
 
     def stats(self) -> dict:
+        c = self.cache
         return {
             "grammar_compiles": self.num_compiles,
-            "grammar_cache_hits": self.num_cache_hits,
+            "grammar_cache_hits": c.num_hits,
+            "grammar_cache_misses": c.num_misses,
+            "grammar_cache_evictions": c.num_evictions,
+            "grammar_cache_bytes": c.num_bytes,
+            "grammar_compile_timeouts": self.num_timeouts,
+            "grammar_compiles_abandoned": self.compile_pool.num_abandoned,
             "grammar_compile_seconds": self.compile_seconds,
             "grammar_bitmask_seconds": self.fill_seconds,
         }

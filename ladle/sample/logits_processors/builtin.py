@@ -72,7 +72,10 @@ class BadWordsProcessor(RowStateProcessor):
 
 
 class MinTokensProcessor(RowStateProcessor):
-    """EOS and stop_token_ids get -inf until the row has min_tokens output tokens."""
+    """EOS and stop_token_ids get -inf until the row has min_tokens output tokens, unless they
+    are all the row has left: a hard constraint applied before this one (a grammar that can only
+    end, allowed_token_ids, bad_words) wins over min_tokens, so no row is ever left with every
+    token at -inf (which would sample an arbitrary token the constraint forbids)."""
 
     def is_argmax_invariant(self) -> bool:
         return False
@@ -81,17 +84,33 @@ class MinTokensProcessor(RowStateProcessor):
         p = a.params
         stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(a.eos_token_ids))
         if p.min_tokens > 0 and stops:
-            return p.min_tokens, stops, a.output_token_ids
+            # Only a row with a hard constraint can be left with nothing but stop tokens.
+            constrained = bool(p.structured_outputs or p.allowed_token_ids or p.bad_words)
+            return p.min_tokens, stops, a.output_token_ids, constrained
         return None
 
     def apply(self, logits):
-        rows, toks = [], []
-        for row, (min_tokens, stops, out) in self.states.items():
+        rows, toks, scan = [], [], []
+        for row, (min_tokens, stops, out, constrained) in self.states.items():
             if len(out) < min_tokens:
                 rows += [row] * len(stops)
                 toks += stops
-        if rows:
+                if constrained:
+                    scan.append(row)
+        if not rows:
+            return logits
+        if not scan:
             logits[rows, toks] = NEG_INF
+            return logits
+        dev = logits.device
+        r, t = torch.tensor(rows, device=dev), torch.tensor(toks, device=dev)
+        kept = logits[r, t]
+        logits[r, t] = NEG_INF
+        # Rows left with no finite logit get their stop tokens back as they were (a stop token
+        # the constraint forbids stays forbidden).
+        empty = torch.zeros(logits.shape[0], dtype=torch.bool, device=dev)
+        empty[scan] = torch.isneginf(logits[scan].amax(dim=-1))
+        logits[r, t] = torch.where(empty[r], kept, NEG_INF)
         return logits
 
 
