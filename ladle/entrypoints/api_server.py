@@ -9,10 +9,12 @@ import asyncio
 import hmac
 import logging
 import signal
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -41,16 +43,21 @@ from ladle.protocol.common import (
     TokenizeResponse,
 )
 from ladle.protocol.completion import CompletionRequest
+from ladle.tokenizer import generation_defaults
 
 logger = logging.getLogger("ladle.server")
 _TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none", "tuple"}
 
 
-def build_app(server: ServerState) -> FastAPI:
-    app = FastAPI(title="ladle", version=ladle.__version__, docs_url=None, redoc_url=None)
+def build_app(server: ServerState, root_path: str = "", cors: dict | None = None) -> FastAPI:
+    """cors: CORSMiddleware's options (allow_origins, ...), None for no CORS headers."""
+    app = FastAPI(title="ladle", version=ladle.__version__, docs_url=None, redoc_url=None,
+                  root_path=root_path)
     app.state.server = server
     _add_error_handlers(app)
     app.add_middleware(_AuthAndRequestId, api_key=server.api_key)
+    if cors is not None:  # outermost: preflights are answered before auth looks at them
+        app.add_middleware(CORSMiddleware, **cors)
     engine = server.engine
 
     @app.get("/health")
@@ -169,7 +176,9 @@ class _AuthAndRequestId:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or ())
-        if self.api_key is not None and scope["path"].startswith("/v1"):
+        # The route's path: behind --root-path the scope's path starts with the prefix.
+        path = scope["path"].removeprefix(scope.get("root_path", "") or "")
+        if self.api_key is not None and path.startswith("/v1"):
             auth = headers.get(b"authorization", b"").decode("latin-1")
             expected = f"Bearer {self.api_key}"
             if not hmac.compare_digest(auth.encode(), expected.encode()):
@@ -198,6 +207,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
@@ -214,33 +224,64 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 async def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM (exit code 0) or until the engine process dies (1)."""
-    config = engine_config_from_args(args)
     names = args.served_model_name or [args.model]
+    try:
+        chat_template, generation = check_frontend_args(args)
+    except ValueError as e:
+        logger.error("%s", e)
+        return 2
+    config = engine_config_from_args(args)
     try:
         engine = await AsyncLLM.start(config, model_name=names[0])
     except EngineDeadError as e:
         logger.error("%s", e)
         return 1
+    try:
+        engine.processor.generation_defaults = generation_defaults(
+            engine.model_path, generation[0], generation[1])
+    except ValueError as e:
+        logger.error("%s", e)
+        await engine.shutdown()
+        return 2
+    logger.info("sampling defaults from --generation-config %s: %s", generation[0],
+                engine.processor.generation_defaults or "none (ladle's own)")
+    if chat_template is not None:  # every chat render (and /tokenize) uses it from now on
+        engine.tokenizer.chat_template = chat_template
     server = ServerState(
         engine=engine, served_model_names=names, api_key=args.api_key,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         structured_outputs_backend=args.structured_outputs_backend,
+        default_chat_template_kwargs=args.default_chat_template_kwargs or {},
+        chat_template_content_format=args.chat_template_content_format,
+        response_role=args.response_role,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        force_include_usage=args.enable_force_include_usage,
+        logprobs_mode=args.logprobs_mode, log_requests=args.enable_log_requests,
     )
-    app = build_app(server)
+    cors = None
+    if args.allowed_origins is not None:
+        cors = {"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
+                "allow_headers": args.allowed_headers,
+                "allow_credentials": args.allow_credentials}
+    app = build_app(server, root_path=args.root_path or "", cors=cors)
     uv = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
         access_log=not args.disable_access_log, timeout_graceful_shutdown=5,
-        timeout_keep_alive=30,
+        timeout_keep_alive=30, root_path=args.root_path or "",
+        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
     ))
+    stats_task = None if args.disable_log_stats else asyncio.create_task(_log_stats(engine))
 
     def stop_after_engine_death() -> None:
         # In-flight requests were just failed; give their error bodies a moment to go out.
         asyncio.get_running_loop().call_later(0.5, setattr, uv, "should_exit", True)
 
     engine.on_dead(stop_after_engine_death)
-    logger.info("serving %s (%s) on http://%s:%d", names[0], engine.model_path, args.host,
-                args.port)
+    logger.info("serving %s (%s) on %s://%s:%d%s", names[0], engine.model_path,
+                "https" if args.ssl_certfile else "http", args.host, args.port,
+                args.root_path or "")
     # uvicorn handles SIGINT/SIGTERM while it serves, then re-raises the signal under the
     # handler that was there before; make that one a no-op so the engine is shut down here.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -248,8 +289,90 @@ async def run_server(args: argparse.Namespace) -> int:
     try:
         await uv.serve()
     finally:
+        if stats_task is not None:
+            stats_task.cancel()
         await engine.shutdown()
     if engine.dead_error is not None:
         logger.error("exiting: %s", engine.dead_error)
         return 1
     return 0
+
+
+# ---- vLLM's launch flags: checks and notes ---------------------------------------------------
+_NO_EFFECT_NOTES = {
+    "trust_remote_code": "ladle never runs code from a checkpoint; only its own architectures "
+                         "(Llama, Qwen2, Qwen3) load",
+    "enforce_eager": "ladle always runs eagerly (it captures no CUDA graphs)",
+    "enable_prompt_tokens_details": "usage always carries prompt_tokens_details.cached_tokens",
+}
+
+
+def check_frontend_args(args: argparse.Namespace) -> tuple[str | None, tuple[str, dict]]:
+    """Settle the flags the API process owns before the engine starts: (the chat template text
+    or None, (generation-config source, overrides)). Logs the flags that have no effect here and
+    downloads a hub model at --revision into --download-dir. ValueError names the flag."""
+    for name, note in _NO_EFFECT_NOTES.items():
+        if getattr(args, name):
+            logger.info("--%s: accepted, no effect: %s", name.replace("_", "-"), note)
+    if args.allowed_origins is None:
+        logger.info("CORS: off (vLLM allows every origin by default; pass --allowed-origins "
+                    "to let browsers call ladle)")
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise ValueError("--ssl-keyfile and --ssl-certfile: give both to serve https://")
+    if args.root_path and not args.root_path.startswith("/"):
+        raise ValueError(f"--root-path: must start with '/', got {args.root_path!r}")
+    _resolve_hub_model(args)
+    chat_template = None
+    if args.chat_template is not None:
+        from ladle.entrypoints.serving_chat import load_chat_template
+        chat_template = load_chat_template(args.chat_template)
+    from ladle.parsers import load_plugins
+    load_plugins(tool_parser_plugin=args.tool_parser_plugin,
+                 reasoning_parser_plugin=args.reasoning_parser_plugin,
+                 tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+    source = args.generation_config
+    if source not in ("auto", "vllm") and not Path(source).is_dir():
+        raise ValueError(f"--generation-config: {source!r} is not auto, vllm, or a directory")
+    return chat_template, (source, args.override_generation_config or {})
+
+
+def _resolve_hub_model(args: argparse.Namespace) -> None:
+    """--revision / --download-dir apply to a hub id; the engine then loads the local copy."""
+    local = Path(args.model).expanduser().is_dir() or args.model == "ladle-demo"
+    if local:
+        for flag in ("revision", "download_dir"):
+            if getattr(args, flag) is not None:
+                logger.info("--%s: no effect: the model is a local directory",
+                            flag.replace("_", "-"))
+        return
+    if args.revision is None and args.download_dir is None:
+        return  # the engine fetches it (default revision and cache)
+    from huggingface_hub import snapshot_download
+    try:
+        path = snapshot_download(args.model, revision=args.revision, cache_dir=args.download_dir,
+                                 allow_patterns=["*.json", "*.safetensors", "*.model", "*.jinja",
+                                                 "*.txt", "*.tiktoken"])
+    except Exception as e:
+        raise ValueError(f"--model {args.model} (revision {args.revision}): download failed "
+                         f"({type(e).__name__}: {e})") from e
+    if not args.served_model_name:
+        args.served_model_name = [args.model]
+    args.model = path
+
+
+async def _log_stats(engine: AsyncLLM, interval: float = 10.0) -> None:
+    """vLLM's periodic stats line (off with --disable-log-stats), while there is traffic."""
+    last = None
+    while True:
+        await asyncio.sleep(interval)
+        s = engine.metrics.engine_stats
+        line = (s.get("num_running", 0), s.get("num_waiting", 0))
+        tokens = engine.metrics.generation_tokens._value.get()  # noqa: SLF001
+        if line == (0, 0) and tokens == last:
+            continue
+        logger.info("running: %d reqs, waiting: %d reqs, KV cache usage: %.1f%%, prefix-cache "
+                    "hit rate: %.1f%%, generated tokens: %d", *line,
+                    100 * s.get("kv_cache_usage", 0.0),
+                    100 * s.get("prefix_cache_hits", 0) / max(s.get("prefix_cache_queries", 0), 1),
+                    tokens)
+        last = tokens

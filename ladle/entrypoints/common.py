@@ -42,6 +42,14 @@ class ServerState:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     structured_outputs_backend: str = "auto"
+    # vLLM's server-wide request defaults (ladle serve --help, Frontend group).
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    chat_template_content_format: str = "auto"  # auto | string | openai
+    response_role: str = "assistant"
+    return_tokens_as_token_ids: bool = False
+    force_include_usage: bool = False  # streams end with usage without stream_options
+    logprobs_mode: str = "raw_logprobs"
+    log_requests: bool = False  # one log line per request (--enable-log-requests)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def check_model(self, model: str | None) -> str:
