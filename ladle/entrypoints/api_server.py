@@ -27,7 +27,7 @@ from ladle.entrypoints.common import (
     error_response,
     request_error_response,
 )
-from ladle.entrypoints.serving_chat import create_chat_completion
+from ladle.entrypoints.serving_chat import create_chat_completion, resolve_content_format
 from ladle.entrypoints.serving_completion import create_completion
 from ladle.frontend.async_llm import AsyncLLM
 from ladle.frontend.detokenizer import token_to_str
@@ -43,6 +43,7 @@ from ladle.protocol.common import (
     TokenizeResponse,
 )
 from ladle.protocol.completion import CompletionRequest
+from ladle.reasoning import REASONING_PARSERS as ENGINE_REASONING
 from ladle.tokenizer import generation_defaults
 
 logger = logging.getLogger("ladle.server")
@@ -218,7 +219,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_logprobs=args.max_logprobs,
         logits_processors=list(args.logits_processors or []),
         structured_outputs_backend=args.structured_outputs_backend,
-        reasoning_parser=args.reasoning_parser,
+        # The engine knows the built-in reasoning formats only (a plugin's tags are text to it).
+        reasoning_parser=(args.reasoning_parser if args.reasoning_parser in ENGINE_REASONING
+                          else None),
     )
 
 
@@ -253,11 +256,13 @@ async def run_server(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         structured_outputs_backend=args.structured_outputs_backend,
         default_chat_template_kwargs=args.default_chat_template_kwargs or {},
-        chat_template_content_format=args.chat_template_content_format,
         response_role=args.response_role,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         force_include_usage=args.enable_force_include_usage,
         logprobs_mode=args.logprobs_mode, log_requests=args.enable_log_requests,
+        keep_parser_markers=_markers_are_special(engine.tokenizer, args),
+        chat_template_content_format=resolve_content_format(
+            args.chat_template_content_format, engine.tokenizer.chat_template),
     )
     cors = None
     if args.allowed_origins is not None:
@@ -333,6 +338,11 @@ def check_frontend_args(args: argparse.Namespace) -> tuple[str | None, tuple[str
     source = args.generation_config
     if source not in ("auto", "vllm") and not Path(source).is_dir():
         raise ValueError(f"--generation-config: {source!r} is not auto, vllm, or a directory")
+    generation_defaults(Path(source), "vllm", args.override_generation_config)  # checks the keys
+    if args.reasoning_parser is not None and args.reasoning_parser not in ENGINE_REASONING:
+        logger.info("--reasoning-parser %s: a plugin; thinking_token_budget and structured "
+                    "outputs after the reasoning need a built-in one (%s)", args.reasoning_parser,
+                    ", ".join(ENGINE_REASONING))
     return chat_template, (source, args.override_generation_config or {})
 
 
@@ -358,6 +368,20 @@ def _resolve_hub_model(args: argparse.Namespace) -> None:
     if not args.served_model_name:
         args.served_model_name = [args.model]
     args.model = path
+
+
+def _markers_are_special(tokenizer, args: argparse.Namespace) -> bool:
+    """Whether the tokenizer marks a parser's tags as special tokens (skip_special_tokens would
+    delete them from the text before the parser sees them)."""
+    from ladle.parsers.choice import parser_markers
+
+    markers = set(parser_markers(args.reasoning_parser, args.tool_call_parser))
+    special = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    hit = sorted(markers & special)
+    if hit:
+        logger.info("the tokenizer marks %s as special tokens: parsed chat requests keep "
+                    "special tokens in their text", ", ".join(hit))
+    return bool(hit)
 
 
 async def _log_stats(engine: AsyncLLM, interval: float = 10.0) -> None:

@@ -50,6 +50,9 @@ class ServerState:
     force_include_usage: bool = False  # streams end with usage without stream_options
     logprobs_mode: str = "raw_logprobs"
     log_requests: bool = False  # one log line per request (--enable-log-requests)
+    # The tokenizer marks a parser's tags as special tokens: parsed requests keep special tokens
+    # in the text (skip_special_tokens off) so the parsers see the tags.
+    keep_parser_markers: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def check_model(self, model: str | None) -> str:

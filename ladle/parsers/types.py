@@ -98,3 +98,10 @@ def merge_deltas(deltas: Iterable[DeltaMessage]) -> ExtractedMessage:
         content=join_or_none(content),
         tool_calls=[calls[index] for index in sorted(calls)],
     )
+
+
+def merge_pieces(a: DeltaMessage, b: DeltaMessage) -> DeltaMessage:
+    """Two consecutive deltas as one (e.g. the last feed and finish, sent in one chunk)."""
+    return DeltaMessage(reasoning=join_or_none(filter(None, [a.reasoning, b.reasoning])),
+                        content=join_or_none(filter(None, [a.content, b.content])),
+                        tool_calls=a.tool_calls + b.tool_calls)
