@@ -49,7 +49,8 @@ class EngineCore:
         needed = per_block * -(-self.max_model_len // bs) * config.max_num_seqs
         if config.num_kv_blocks is None and config.kv_cache_memory is None and \
                 config.gpu_memory_utilization is not None:
-            held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+            held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for t in model.state_dict().values()}.values())  # tied weights once
             num_blocks = kv_cache_bytes_from_utilization(
                 config.gpu_memory_utilization, device, held, needed) // per_block
         else:

@@ -52,11 +52,12 @@ _TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none", "tuple"}
 
 def build_app(server: ServerState, root_path: str = "", cors: dict | None = None) -> FastAPI:
     """cors: CORSMiddleware's options (allow_origins, ...), None for no CORS headers."""
-    app = FastAPI(title="ladle", version=ladle.__version__, docs_url=None, redoc_url=None,
-                  root_path=root_path)
+    app = FastAPI(title="ladle", version=ladle.__version__, docs_url=None, redoc_url=None)
     app.state.server = server
     _add_error_handlers(app)
     app.add_middleware(_AuthAndRequestId, api_key=server.api_key)
+    if root_path:
+        app.add_middleware(_PrefixedPaths, root_path=root_path)
     if cors is not None:  # outermost: preflights are answered before auth looks at them
         app.add_middleware(CORSMiddleware, **cors)
     engine = server.engine
@@ -101,7 +102,8 @@ def build_app(server: ServerState, root_path: str = "", cors: dict | None = None
                     add_generation_prompt=request.add_generation_prompt,
                     continue_final_message=request.continue_final_message,
                     chat_template=request.chat_template,
-                    chat_template_kwargs=request.chat_template_kwargs)
+                    chat_template_kwargs=(server.default_chat_template_kwargs
+                                          | (request.chat_template_kwargs or {})))
                 add_special = bool(request.add_special_tokens)
             else:
                 text = request.prompt
@@ -198,6 +200,23 @@ class _AuthAndRequestId:
             await send(message)
 
         return await self.app(scope, receive, send_with_id)
+
+
+class _PrefixedPaths:
+    """--root-path: uvicorn reports every path under the prefix, so a proxy that strips the
+    prefix works as it is; this also serves a proxy that forwards the prefix (/llm/v1/models)."""
+
+    def __init__(self, app, root_path: str):
+        self.app = app
+        self.root_path = root_path.rstrip("/")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            route = scope["path"].removeprefix(scope.get("root_path", "") or "")
+            if route == self.root_path or route.startswith(self.root_path + "/"):
+                scope = dict(scope, path=scope["path"][: len(scope["path"]) - len(route)]
+                             + (route[len(self.root_path):] or "/"))
+        return await self.app(scope, receive, send)
 
 
 # ---- running ----------------------------------------------------------------------------------
