@@ -215,6 +215,8 @@ class EngineCore:
             "num_blocks": kv.num_blocks,
             "prefix_cache_queries": kv.num_prefix_queries,
             "prefix_cache_hits": kv.num_prefix_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "latencies": self.scheduler.take_latencies(),  # drained: call once per message
         }
 
 
