@@ -3,8 +3,10 @@ did: a real server with a KV cache small enough that two long requests preempt o
 
 from __future__ import annotations
 
+import json
 import re
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -112,3 +114,14 @@ def test_a_full_cache_preempts_and_counts_it(server):
     assert delta(before, after, "ladle:request_queue_time_seconds_count") == 2
     server.wait_idle(2.0)
     assert scrape(server)["ladle:kv_cache_usage_perc"] == 0
+
+
+def test_the_example_dashboard_charts_only_series_ladle_exposes(server):
+    dashboard = json.loads((Path(__file__).parents[1] / "examples" /
+                            "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {re.sub(r"_(bucket|sum|count)$", "", n)
+            for e in exprs for n in re.findall(r"ladle:[a-z0-9_]+", e)}
+    exposed = {re.sub(r"_(bucket|sum|count)$", "", k.split("{")[0]) for k in scrape(server)}
+    assert used <= exposed, used - exposed
+    assert {re.sub(r"_count$", "", s) for s in SERIES} <= used  # every series is charted
