@@ -51,10 +51,12 @@ def template(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(template):
-    """Acceptance 1's line, behind --root-path /llm, with an API key and a reasoning parser."""
+    """Acceptance 1's line, behind --root-path /llm, with an API key, a reasoning parser and
+    a few of vLLM's response flags."""
     s = RemoteServer("--model", ensure_demo_model(), *vllm_line(template), "--root-path", "/llm",
                      "--api-key", API_KEY, "--max-num-seqs", "8", "--reasoning-parser", "qwen3",
-                     "--disable-uvicorn-access-log", model=None)
+                     "--disable-uvicorn-access-log", "--enable-force-include-usage",
+                     "--return-tokens-as-token-ids", "--enable-log-requests", model=None)
     yield s
     assert s.stop() == 0, s.log()
 
@@ -355,3 +357,17 @@ def test_tls_special_markers_plugin_and_memory_fraction(tmp_path):
         assert abs(num_blocks - expected) <= 0.1 * expected + 2, (num_blocks, expected)
     finally:
         assert s.stop() == 0, s.log()
+
+
+def test_response_flags_apply_to_chat_and_completions(server, client):
+    """--enable-force-include-usage, --return-tokens-as-token-ids, --enable-log-requests."""
+    for create in (lambda **kw: client.chat.completions.create(messages=MSG, **kw),
+                   lambda **kw: client.completions.create(prompt="Hello", **kw)):
+        chunks = list(create(model="m", max_tokens=3, stream=True))
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+    reply = client.chat.completions.create(model="m", messages=MSG, max_tokens=3, logprobs=True)
+    assert all(re.fullmatch(r"token_id:\d+", t.token) for t in reply.choices[0].logprobs.content)
+    reply = client.chat.completions.create(model="m", messages=MSG, max_tokens=3, logprobs=True,
+                                           extra_body={"return_tokens_as_token_ids": False})
+    assert not any(t.token.startswith("token_id:") for t in reply.choices[0].logprobs.content)
+    assert re.search(r"chatcmpl-\S+: \d+ prompt tokens", server.log())
