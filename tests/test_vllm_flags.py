@@ -105,6 +105,24 @@ def test_generation_config_sources(tmp_path):
         generation_defaults(model, "vllm", {"max_new_tokens": 5})
 
 
+def test_chat_template_content_format():
+    from ladle.entrypoints.common import ServerState
+    from ladle.entrypoints.serving_chat import resolve_content_format, template_messages
+    from ladle.protocol.chat import ChatCompletionRequest
+
+    loops = "{% for m in messages %}{% for part in m['content'] %}{{ part.text }}{% endfor %}"
+    assert resolve_content_format("auto", loops + "{% endfor %}") == "openai"
+    assert resolve_content_format("auto", "{{ messages[0].content }}") == "string"
+    assert resolve_content_format("string", loops) == "string"
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    server = ServerState(engine=None, served_model_names=["m"])
+    assert template_messages(server, request)[0]["content"] == "a\nb"
+    server.chat_template_content_format = "openai"
+    assert template_messages(server, request)[0]["content"] == [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+
+
 # ---- server A: the launch line ----------------------------------------------------------------
 def test_the_vllm_launch_line_serves_behind_the_root_path(server, client):
     assert [m.id for m in client.models.list().data] == ["m"]
@@ -235,11 +253,15 @@ def test_the_same_settings_from_a_config_file(template, tmp_path):
         "default-chat-template-kwargs: {enable_thinking: false}\ngeneration-config: vllm\n"
         "override-generation-config: {temperature: 0.2}\nallowed-origins: ['*']\n"
         "enable-auto-tool-choice: true\ntool-call-parser: llama3_json\nmax-num-seqs: 8\n"
-        f"api-key: {API_KEY}\n")
+        f"api-key: {API_KEY}\nresponse-role: narrator\nrevision: main\n")
     s = RemoteServer("--config", str(config), "--disable-log-stats", model=None)
     try:
         c = s.client(timeout=120)
         assert [m.id for m in c.models.list().data] == ["m"]
+        r = httpx.post(s.url + "/v1/chat/completions", headers=AUTH, json={
+            "model": "m", "messages": MSG, "max_tokens": 2})
+        assert r.json()["choices"][0]["message"]["role"] == "narrator"  # --response-role
+        assert "--revision: no effect: the model is a local directory" in s.log()
 
         def tokens(**kw):
             r = c.chat.completions.create(model="m", messages=MSG, max_tokens=8, seed=5,

@@ -73,10 +73,12 @@ def resolve_content_format(fmt: str, template: str | None) -> str:
 
 
 def template_messages(server: ServerState, request: ChatCompletionRequest) -> list[dict]:
-    messages = request.template_messages()
-    if server.chat_template_content_format == "openai":
-        for msg in messages:
-            if isinstance(msg.get("content"), str):
+    messages = request.template_messages()  # checks that every part is text
+    if server.chat_template_content_format == "openai":  # each text part kept as a part
+        for msg, original in zip(messages, request.messages, strict=True):
+            if isinstance(original.content, list):
+                msg["content"] = [{"type": "text", "text": p["text"]} for p in original.content]
+            elif isinstance(msg.get("content"), str):
                 msg["content"] = [{"type": "text", "text": msg["content"]}]
     return messages
 
