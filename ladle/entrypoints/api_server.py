@@ -410,7 +410,7 @@ async def _log_stats(engine: AsyncLLM, interval: float = 10.0) -> None:
         await asyncio.sleep(interval)
         s = engine.metrics.engine_stats
         line = (s.get("num_running", 0), s.get("num_waiting", 0))
-        tokens = engine.metrics.generation_tokens._value.get()  # noqa: SLF001
+        tokens = engine.metrics.num_generation_tokens
         if line == (0, 0) and tokens == last:
             continue
         logger.info("running: %d reqs, waiting: %d reqs, KV cache usage: %.1f%%, prefix-cache "

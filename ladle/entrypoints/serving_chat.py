@@ -286,7 +286,7 @@ class _Writer:
                     num_tokens[d.index] += len(d.token_ids)
                     parser = parsers[d.index]
                     parsed = parser.feed(d.text)
-                    if d.finish_reason is not None:
+                    if d.finish_reason is not None:  # one chunk: the last text and the end
                         parsed = merge_pieces(parsed, parser.finish())
                     if not (not parsed.is_empty or d.finish_reason
                             or (self.num_top is not None and d.logprobs)):

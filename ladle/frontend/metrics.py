@@ -116,6 +116,7 @@ class ServerMetrics:
         self.n = histogram("ladle:request_params_n", "n of a finished request.",
                            (1, 2, 5, 10, 20))
         self._engine_stats: dict = {}
+        self.num_generation_tokens = 0  # since start, for the periodic log line
         self.registry.register(_EngineStatsCollector(self))
 
     @property
@@ -136,6 +137,7 @@ class ServerMetrics:
             self.prompt_tokens.inc(stats.num_prompt_tokens)
         if stats.num_generation_tokens:
             self.generation_tokens.inc(stats.num_generation_tokens)
+            self.num_generation_tokens += stats.num_generation_tokens
         for t in stats.ttfts:
             self.ttft.observe(t)
         for t in stats.itls:

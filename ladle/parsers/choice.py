@@ -16,6 +16,7 @@ the model write) or "named" (the output is the arguments object of one named fun
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -117,10 +118,7 @@ class ChoiceOutputParser:
 
     def extract(self, text: str) -> ExtractedMessage:
         """A whole output (a fresh parser with the same settings; this one is untouched)."""
-        fresh = ChoiceOutputParser(self.reasoning_parser, self.tool_parser, self.tool_mode,
-                                   self.named_function, self.is_parallel, self.tools,
-                                   self.starts_in_reasoning, self.include_reasoning,
-                                   self.id_factory)
+        fresh = dataclasses.replace(self)  # same settings, new stream state
         return merge_deltas([fresh.feed(text), fresh.finish()])
 
     def _tool_stage(self, delta: DeltaMessage, is_final: bool) -> DeltaMessage:
@@ -139,8 +137,22 @@ class ChoiceOutputParser:
         if not self.is_parallel:  # parallel_tool_calls false: the first call only
             out.tool_calls = [c for c in out.tool_calls if c.index == 0]
         self.num_calls += sum(1 for c in out.tool_calls if c.id is not None)
+        out.tool_calls = _one_piece_per_call(out.tool_calls)
         out.reasoning = reasoning
         return out
+
+
+def _one_piece_per_call(pieces: list[DeltaToolCall]) -> list[DeltaToolCall]:
+    """Consecutive pieces of one call as one piece (a chunk carries each index once, as
+    OpenAI's and vLLM's do; some clients expect that)."""
+    out: list[DeltaToolCall] = []
+    for piece in pieces:
+        last = out[-1] if out else None
+        if last is not None and last.index == piece.index and piece.id is None:
+            last.arguments = (last.arguments or "") + (piece.arguments or "")
+        else:
+            out.append(DeltaToolCall(piece.index, piece.id, piece.name, piece.arguments))
+    return out
 
 
 class _ConstrainedCalls:
