@@ -30,9 +30,10 @@ SERIES = [
 
 @pytest.fixture(scope="module")
 def server():
-    # 8 blocks of 16 tokens: one 125-token request fills the cache, so two preempt.
+    # 8 blocks of 16 tokens: one 125-token request fills the cache, so two preempt. The
+    # context length is vLLM's "auto": what the cache holds (128 tokens).
     s = RemoteServer("--api-key", API_KEY, "--num-gpu-blocks-override", "8", "--max-model-len",
-                     "128", "--disable-log-stats")
+                     "auto", "--disable-log-stats")
     yield s
     assert s.stop() == 0, s.log()
 
@@ -51,6 +52,11 @@ def scrape(server) -> dict[str, float]:
 
 def delta(before, after, name):
     return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def test_max_model_len_auto_is_what_the_cache_holds(server):
+    models = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert models.json()["data"][0]["max_model_len"] == 8 * 16
 
 
 def test_every_series_is_exposed(server):

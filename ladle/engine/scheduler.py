@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from ladle.engine.kv_cache_manager import KVCacheManager
@@ -37,6 +38,10 @@ class SchedulerOutput:
 LATENCY_KINDS = ("queue", "prefill", "decode", "inference")
 
 
+def _new_latencies() -> dict[str, deque[float]]:
+    return {k: deque(maxlen=10_000) for k in LATENCY_KINDS}
+
+
 class Scheduler:
     def __init__(
         self,
@@ -57,8 +62,9 @@ class Scheduler:
         # Per-request phase times (time.monotonic(), the clock arrival_time uses) for metrics:
         # req_id -> [first scheduled, first token]; finished phases wait in `latencies` until
         # take_latencies() hands them to the stats message.
+        # Bounded: the offline LLM never drains them.
         self._phase_start: dict[str, list[float | None]] = {}
-        self.latencies: dict[str, list[float]] = {k: [] for k in LATENCY_KINDS}
+        self.latencies = _new_latencies()
 
     @property
     def num_waiting(self) -> int:
@@ -171,8 +177,8 @@ class Scheduler:
 
     def take_latencies(self) -> dict[str, list[float]]:
         """Phase times finished since the last call (queue, prefill, decode, inference)."""
-        taken, self.latencies = self.latencies, {k: [] for k in LATENCY_KINDS}
-        return taken
+        taken, self.latencies = self.latencies, _new_latencies()
+        return {k: list(v) for k, v in taken.items()}
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """End a request in any state; its blocks are freed at once."""
