@@ -10,6 +10,11 @@ Prompts are random token ids (lengths drawn from --input-len), outputs are --out
     ladle bench serve --plot serve.png
 
 Without --url it starts `ladle serve` itself (and stops it at the end).
+
+--interference measures what heavy arrivals do to running streams: the p99 inter-token gap of 8
+streams alone, then while 16 requests arrive (half with 100k-character prompts, which the API
+process must tokenize, half with distinct 300-property JSON schemas, which must be checked and
+compiled); it prints the ratio (near 1 when no request can stall the others).
 """
 
 from __future__ import annotations
@@ -100,6 +105,44 @@ async def run_level(url: str, model: str, api_key: str | None, prompts: list[lis
         await asyncio.gather(*[client(http) for _ in range(concurrency)])
         wall = time.perf_counter() - t
     return results, wall
+
+
+def heavy_request(i: int) -> dict:
+    """Arrival i of the interference case: a 100k-character prompt (even i) or a distinct
+    300-property JSON schema (odd i)."""
+    if i % 2 == 0:
+        text = " ".join(f"word{(i * 7919 + k) % 5000}" for k in range(12_500))[:100_000]
+        return {"messages": [{"role": "user", "content": text}], "max_tokens": 4}
+    props = {f"field_{i}_{k}": {"type": "string" if k % 3 else "integer"} for k in range(300)}
+    schema = {"type": "object", "properties": props, "required": list(props)[:3]}
+    return {"messages": [{"role": "user", "content": f"fill the form {i}"}], "max_tokens": 4,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": f"form{i}", "schema": schema}}}
+
+
+async def interference(url: str, model: str, api_key: str | None, output_len: int) -> dict:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    prompts = workload(8, (64, 128), 7)
+    alone, _ = await run_level(url, model, api_key, prompts, output_len, 8)
+    codes: list[int] = []
+
+    async def arrivals():
+        async with httpx.AsyncClient(base_url=url, headers=headers,
+                                     timeout=httpx.Timeout(600)) as http:
+            async def one(i):
+                await asyncio.sleep(0.5 + 0.1 * i)  # once the streams are running
+                r = await http.post("/v1/chat/completions", json={"model": model,
+                                                                  **heavy_request(i)})
+                codes.append(r.status_code)
+            await asyncio.gather(*(one(i) for i in range(16)))
+
+    (loaded, _), _ = await asyncio.gather(
+        run_level(url, model, api_key, prompts, output_len, 8), arrivals())
+    p99_alone = pct([g for r in alone for g in r.itls], 99) * 1e3
+    p99_loaded = pct([g for r in loaded for g in r.itls], 99) * 1e3
+    return {"itl_p99_alone_ms": p99_alone, "itl_p99_with_arrivals_ms": p99_loaded,
+            "ratio": p99_loaded / p99_alone, "arrival_status_codes": sorted(codes),
+            "errors": sum(r.error is not None for r in alone + loaded)}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -218,7 +261,12 @@ def main():
     ap.add_argument("--plot", default="serve_bench.png")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--interference", action="store_true",
+                    help="only the interference case: 8 streams with and without 16 heavy "
+                         "arrivals (100k-character prompts, 300-property schemas)")
     args = ap.parse_args()
+    if args.interference:
+        return run_interference(args)
 
     levels = sorted(args.concurrency)
     prompts = {c: workload(max(args.min_requests, c * args.requests_per_client),
@@ -273,6 +321,29 @@ def main():
             plot(rows, args.plot)
         except ImportError:
             print("matplotlib is not installed (pip install -e '.[bench]'): no plot")
+
+
+def run_interference(args) -> None:
+    proc, url = None, args.url
+    if url is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc, url = start_server(args.model, port, args.max_model_len, args.max_num_seqs)
+    try:
+        asyncio.run(run_level(url, args.model, args.api_key, workload(4, (16, 32), 99), 8, 4))
+        row = asyncio.run(interference(url, args.model, args.api_key, args.output_len))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    print(f"8 streams, p99 inter-token gap: alone {row['itl_p99_alone_ms']:.1f} ms, with 16 "
+          f"heavy arrivals {row['itl_p99_with_arrivals_ms']:.1f} ms -> ratio "
+          f"{row['ratio']:.2f}x (arrivals answered {row['arrival_status_codes']}, stream "
+          f"errors {row['errors']})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(row, f, indent=2)
 
 
 if __name__ == "__main__":

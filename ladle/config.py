@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ladle.sampling_params import DEFAULT_MAX_N, INT64_MAX, INT64_MIN
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -30,7 +34,9 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
-    max_logprobs: int = 20
+    max_logprobs: int = 20  # -1: no cap but the vocabulary size
+    max_n: int = DEFAULT_MAX_N  # choices per request (OpenAI's 128)
+    scheduling_policy: str = "fcfs"  # fcfs | priority (requests' `priority` field counts)
     logits_processors: list[str] = field(default_factory=list)  # "module:Class"
     structured_outputs_backend: str = "auto"  # auto | xgrammar | guidance
     reasoning_parser: str | None = None
@@ -45,6 +51,13 @@ class EngineConfig:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization: must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs: must be -1 (no cap) or >= 0, got {self.max_logprobs}")
+        if self.max_n < 1:
+            raise ValueError(f"max_n: must be >= 1, got {self.max_n}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy: {self.scheduling_policy!r}; accepted: "
+                             + ", ".join(SCHEDULING_POLICIES))
         if self.structured_outputs_backend not in ("auto", "xgrammar", "guidance"):
             raise ValueError(
                 f"structured_outputs_backend: {self.structured_outputs_backend!r}; "
@@ -57,6 +70,17 @@ class EngineConfig:
         return torch.device(self.device)
 
 
+def check_priority(priority: int, scheduling_policy: str) -> None:
+    """A request's priority: any int64 under the priority policy, only 0 under fcfs (as vLLM: a
+    priority that would be ignored is an error, not a surprise)."""
+    if not INT64_MIN <= priority <= INT64_MAX:
+        raise ValueError(f"priority: {priority} is out of range; accepted: an integer in "
+                         f"[{INT64_MIN}, {INT64_MAX}]")
+    if priority != 0 and scheduling_policy != "priority":
+        raise ValueError(f"priority: {priority} needs the priority scheduling policy (start the "
+                         "server with --scheduling-policy priority); accepted: 0")
+
+
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -67,13 +91,13 @@ def kv_cache_bytes(spec: str | float | int | None, device: torch.device, needed:
     if spec is None:
         return int(min(needed, free * 0.25))
     if isinstance(spec, str):
-        m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", spec)
-        if not m or m.group(2).lower() not in _UNITS:
+        try:
+            value = _parse_size(spec)
+        except ValueError:
             raise ValueError(
                 f"kv_cache_memory: {spec!r} is not a size; use bytes (e.g. 4GiB, 512MB, 1e9) or a "
                 "fraction of free memory (e.g. 0.3)"
-            )
-        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+            ) from None
     else:
         value = float(spec)
     if value <= 0:
@@ -106,6 +130,19 @@ def _total_memory(device: torch.device) -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+def _parse_size(text: str) -> float:
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{text!r} is not a size; use bytes (e.g. 4194304, 4MiB, 512KB)")
+    return float(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def parse_bytes(text: str) -> int:
+    """A positive byte count from "4194304", "4MiB", "512KB"."""
+    value = int(_parse_size(text))
+    if value < 1:
+        raise ValueError(f"{text!r}: must be at least 1 byte")
+    return value
 
 
 def _free_memory(device: torch.device) -> int:

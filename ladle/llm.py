@@ -25,7 +25,7 @@ class LLM:
         self.tokenizer = load_tokenizer(self.config.tokenizer or self.engine.model_path)
         self.processor = InputProcessor(
             self.tokenizer, self.engine.model_path, max_model_len=self.engine.max_model_len,
-            vocab_size=self.engine.vocab_size, max_logprobs=self.config.max_logprobs,
+            limits=self.engine.limits, scheduling_policy=self.config.scheduling_policy,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

@@ -3,12 +3,35 @@ error names the field and the accepted values. Semantics follow vLLM's SamplingP
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
 _GREEDY_EPS = 1e-5  # temperatures below this mean greedy, as in vLLM
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+
+# Bounds on what one request may ask for. They are checked here and nowhere else; the server
+# turns the ValueError into a 400 that names the field. The ones a server may change (n, logprobs)
+# are arguments of verify_for_model.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+DEFAULT_MAX_N = 128  # OpenAI's limit on n; --max-n raises it
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 1024
+MAX_BAD_WORD_CHARS = 1024
+MAX_THINKING_TOKEN_BUDGET = 2**31 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What a request may ask for on this server: the model's vocabulary and the caps the server
+    was started with (--max-logprobs, -1 for none but the vocabulary; --max-n)."""
+
+    vocab_size: int
+    max_logprobs: int = 20
+    max_n: int = DEFAULT_MAX_N
 
 
 class SamplingType(IntEnum):
@@ -89,8 +112,10 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias:
-            self.logit_bias = {int(k): max(-100.0, min(100.0, float(v)))
-                               for k, v in self.logit_bias.items()}
+            bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            bad = [v for v in bias.values() if not math.isfinite(v)]
+            _check(not bad, "logit_bias", bad[:1], "finite biases (clamped to [-100, 100])")
+            self.logit_bias = {k: max(-100.0, min(100.0, v)) for k, v in bias.items()}
         if self.seed is not None:
             self.seed = int(self.seed)
         if self.top_k == -1:
@@ -102,15 +127,21 @@ class SamplingParams:
         if self.best_of is not None:
             _check(self.best_of == self.n, "best_of", self.best_of,
                    f"None or equal to n ({self.n}); ranking extra candidates is not supported")
-        _check(self.temperature >= 0, "temperature", self.temperature, "a float >= 0")
+        # NaN fails every comparison below; infinities are ruled out by name.
+        _check(0 <= self.temperature < math.inf, "temperature", self.temperature,
+               "a finite float >= 0")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "a float in (0, 1]")
-        _check(self.top_k >= 0, "top_k", self.top_k, "-1 or 0 (off) or an integer >= 1")
+        _check(self.top_k >= 0, "top_k", self.top_k,
+               "-1 or 0 (off) or an integer >= 1 (at or above the vocabulary size: off)")
         _check(0 <= self.min_p <= 1, "min_p", self.min_p, "a float in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             _check(-2 <= v <= 2, name, v, "a float in [-2, 2]")
-        _check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty,
-               "a float > 0")
+        _check(0 < self.repetition_penalty < math.inf, "repetition_penalty",
+               self.repetition_penalty, "a finite float > 0")
+        if self.seed is not None:
+            _check(INT64_MIN <= self.seed <= INT64_MAX, "seed", self.seed,
+                   f"an integer in [{INT64_MIN}, {INT64_MAX}]")
         if self.max_tokens is not None:
             _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
         _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "an integer >= 0")
@@ -128,27 +159,44 @@ class SamplingParams:
             _check(len(self.allowed_token_ids) > 0, "allowed_token_ids", self.allowed_token_ids,
                    "a non-empty list of token ids")
         if self.thinking_token_budget is not None:
-            _check(self.thinking_token_budget >= 0, "thinking_token_budget",
-                   self.thinking_token_budget, "an integer >= 0")
-        if any(not s for s in self.stop):
-            raise ValueError("stop: stop strings must be non-empty")
+            _check(0 <= self.thinking_token_budget <= MAX_THINKING_TOKEN_BUDGET,
+                   "thinking_token_budget", self.thinking_token_budget,
+                   f"an integer in [0, {MAX_THINKING_TOKEN_BUDGET}]")
+        _check_count(self.stop, MAX_STOP_STRINGS, "stop", "strings")
+        for s in self.stop:
+            _check(0 < len(s) <= MAX_STOP_STRING_CHARS, "stop", s[:40],
+                   f"non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
+        _check_count(self.stop_token_ids, MAX_STOP_TOKEN_IDS, "stop_token_ids", "token ids")
+        if self.bad_words is not None:
+            _check_count(self.bad_words, MAX_BAD_WORDS, "bad_words", "words")
+            for w in self.bad_words:
+                _check(len(w) <= MAX_BAD_WORD_CHARS, "bad_words", w[:40],
+                       f"words of at most {MAX_BAD_WORD_CHARS} characters")
 
-    def verify_for_model(self, vocab_size: int, max_logprobs: int) -> None:
-        """Checks that need the model: token ids in range, logprobs under the server's cap."""
+    def verify_for_model(self, limits: RequestLimits) -> None:
+        """Checks that need the model or the server's limits: token ids in range, list sizes up
+        to the vocabulary, n and logprobs under the server's caps. A top_k at or above the
+        vocabulary size means no top-k (as vLLM)."""
+        vocab_size, max_logprobs, max_n = limits.vocab_size, limits.max_logprobs, limits.max_n
+        _check(self.n <= max_n, "n", self.n, f"an integer in [1, {max_n}] (the server's --max-n)")
+        if self.top_k >= vocab_size:
+            self.top_k = 0
         for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
             ids = getattr(self, name) or []
+            _check_count(ids, vocab_size, name, "entries (the vocabulary size)")
             bad = [t for t in ids if not 0 <= int(t) < vocab_size]
             if bad:
                 raise ValueError(
                     f"{name}: token id(s) {bad[:5]} outside the vocabulary; accepted: 0 to "
                     f"{vocab_size - 1}"
                 )
+        cap = vocab_size if max_logprobs < 0 else min(max_logprobs, vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and max_logprobs >= 0 and v > max_logprobs:
+            if v is not None and v > cap:
                 raise ValueError(
-                    f"{name}: {v} is above the server's maximum ({max_logprobs}); "
-                    "accepted: 0 to max_logprobs (raise it with --max-logprobs)"
+                    f"{name}: {v} is out of range; accepted: 0 to {cap} (the server's "
+                    "--max-logprobs; -1 allows up to the vocabulary size)"
                 )
 
     def update_from_tokenizer(self, tokenizer) -> None:
@@ -183,10 +231,16 @@ class SamplingParams:
         """Params of choice `index` of an n > 1 request: one output, seed + index."""
         from dataclasses import replace
 
-        seed = None if self.seed is None else self.seed + index
+        # seed + index, wrapped within int64 so the largest seed still has n children
+        seed = None if self.seed is None else (self.seed + index + 2**63) % 2**64 - 2**63
         return replace(self, n=1, best_of=None, seed=seed)
 
 
 def _check(ok: bool, name: str, value, accepted: str) -> None:
     if not ok:
         raise ValueError(f"{name}: {value!r} is invalid; accepted: {accepted}")
+
+
+def _check_count(items, most: int, name: str, what: str) -> None:
+    if len(items) > most:
+        raise ValueError(f"{name}: {len(items)} given; accepted: at most {most} {what}")

@@ -6,5 +6,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0 -e '.[test]'
+# The playground's browser test drives Debian's chromium through Playwright (Playwright cannot
+# download its own browsers here).
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
+        >/dev/null 2>&1 || echo "chromium could not be installed; the browser test will skip"
+fi
 .venv/bin/ruff check ladle tests benchmarks
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

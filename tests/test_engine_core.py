@@ -128,7 +128,10 @@ def test_stop_token_ids_eos_and_ignore_eos(ckpt):
 
 
 def test_priority_is_scheduled_first(ckpt):
-    eng = make_engine(ckpt, max_num_seqs=1)
+    fcfs = make_engine(ckpt, max_num_seqs=1)
+    with pytest.raises(ValueError, match="priority: -1 needs the priority scheduling policy"):
+        fcfs.add_request(EngineCoreRequest("x", [1, 2], SamplingParams(), [], 0.0, priority=-1))
+    eng = make_engine(ckpt, max_num_seqs=1, scheduling_policy="priority")
     add(eng, "low", [1, 2, 3], max_tokens=2)
     eng.add_request(EngineCoreRequest("high", [1, 2, 3], SamplingParams(max_tokens=2), [], 1.0,
                                       priority=-1))

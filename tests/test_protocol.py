@@ -31,7 +31,7 @@ from ladle.protocol.completion import (
     CompletionResponseChoice,
 )
 from ladle.protocol.sampling import to_sampling_params
-from ladle.sampling_params import StructuredOutputsParams
+from ladle.sampling_params import RequestLimits, StructuredOutputsParams
 from ladle.tokenizer import generation_defaults, load_tokenizer
 
 MAX_LEN = 1024
@@ -45,6 +45,7 @@ def tokenizer():
 
 def convert(request, num_prompt_tokens=10, **kw):
     kw.setdefault("defaults", GEN_DEFAULTS)
+    kw.setdefault("limits", RequestLimits(vocab_size=151936))
     return to_sampling_params(request, num_prompt_tokens=num_prompt_tokens,
                               max_model_len=MAX_LEN, **kw)
 

@@ -293,12 +293,49 @@ def test_invalid_values_name_the_field(kwargs, field, accepted):
 
 
 def test_model_dependent_validation():
+    from ladle.sampling_params import RequestLimits
+
+    lim = RequestLimits(vocab_size=32, max_logprobs=20, max_n=4)
     with pytest.raises(ValueError, match=r"logit_bias: token id\(s\) \[40\] outside the vocab"):
-        SamplingParams(logit_bias={40: 1.0}).verify_for_model(32, 20)
-    with pytest.raises(ValueError, match="logprobs: 21 is above the server's maximum \\(20\\)"):
-        SamplingParams(logprobs=21).verify_for_model(32, 20)
+        SamplingParams(logit_bias={40: 1.0}).verify_for_model(lim)
+    with pytest.raises(ValueError, match=r"logprobs: 21 is out of range; accepted: 0 to 20"):
+        SamplingParams(logprobs=21).verify_for_model(lim)
     with pytest.raises(ValueError, match="allowed_token_ids: token id"):
-        SamplingParams(allowed_token_ids=[1, 99]).verify_for_model(32, 20)
+        SamplingParams(allowed_token_ids=[1, 99]).verify_for_model(lim)
+    with pytest.raises(ValueError, match=r"n: 5 is invalid; accepted: an integer in \[1, 4\]"):
+        SamplingParams(n=5).verify_for_model(lim)
+    # max_logprobs -1: no cap but the vocabulary (vLLM's meaning).
+    SamplingParams(logprobs=32).verify_for_model(RequestLimits(32, max_logprobs=-1))
+    with pytest.raises(ValueError, match="prompt_logprobs: 33 is out of range; accepted: 0 to 32"):
+        SamplingParams(prompt_logprobs=33).verify_for_model(RequestLimits(32, max_logprobs=-1))
+    # top_k at or above the vocabulary means no top-k (it used to overflow int32 in the engine).
+    for top_k, want in ((3_000_000_000, 0), (32, 0), (31, 31)):
+        p = SamplingParams(top_k=top_k)
+        p.verify_for_model(lim)
+        assert p.top_k == want
+    with pytest.raises(ValueError, match=r"allowed_token_ids: 33 given; accepted: at most 32 entries"):
+        SamplingParams(allowed_token_ids=[1] * 33).verify_for_model(lim)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(presence_penalty=float("nan")), "presence_penalty"),
+    (dict(logit_bias={1: float("nan")}), "logit_bias"),
+    (dict(seed=2**63), "seed"),
+    (dict(seed=-(2**63) - 1), "seed"),
+    (dict(stop=["x"] * 65), "stop"),
+    (dict(stop=["x" * 1025]), "stop"),
+    (dict(stop_token_ids=[1] * 1025), "stop_token_ids"),
+    (dict(bad_words=["w"] * 1025), "bad_words"),
+    (dict(bad_words=["w" * 1025]), "bad_words"),
+    (dict(thinking_token_budget=2**31), "thinking_token_budget"),
+])
+def test_bounds_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"^{field}: .*accepted: "):
+        SamplingParams(**kwargs)
 
 
 def test_adapter_wraps_per_request_callables():

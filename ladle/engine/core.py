@@ -11,14 +11,20 @@ import logging
 import numpy as np
 import torch
 
-from ladle.config import EngineConfig, kv_cache_bytes, kv_cache_bytes_from_utilization
+from ladle.config import (
+    EngineConfig,
+    check_priority,
+    kv_cache_bytes,
+    kv_cache_bytes_from_utilization,
+)
 from ladle.engine.kv_cache_manager import KVCacheManager
 from ladle.engine.request import FinishReason, Request, RequestStatus
-from ladle.engine.scheduler import Scheduler
+from ladle.engine.scheduler import Scheduler, SchedulerOutput
 from ladle.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
 from ladle.models.loader import load_model, read_hf_config, resolve_dtype, resolve_model_path
 from ladle.reasoning import ReasoningConfig
 from ladle.runner.model_runner import ModelRunner, RunnerOutput
+from ladle.sampling_params import RequestLimits
 from ladle.structured_output.manager import StructuredOutputManager
 from ladle.tokenizer import eos_token_ids, has_tokenizer, load_tokenizer
 
@@ -36,6 +42,7 @@ class EngineCore:
         model = load_model(self.model_path, hf_config, self.dtype, device)
         mcfg = model.config
         self.vocab_size = mcfg.vocab_size
+        self.limits = RequestLimits(self.vocab_size, config.max_logprobs, config.max_n)
         is_auto_len = config.max_model_len == -1  # "auto": shrunk below to what the KV holds
         self.max_model_len = (None if is_auto_len else config.max_model_len) or \
             mcfg.max_position_embeddings
@@ -87,6 +94,8 @@ class EngineCore:
             self.reasoning, config.max_num_seqs)
         self.hf_config = hf_config
         self.num_steps = 0
+        self.num_failed_runs = 0  # batches that raised (then split to find the request at fault)
+        self.num_failed_requests = 0  # requests ended by an exception only they caused
         self.last_logits = None  # (R, V) of the last step when keep_logits (tests)
         self.last_req_ids: list[str] = []
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, bs,
@@ -110,7 +119,8 @@ class EngineCore:
         if bad:
             raise ValueError(f"prompt: token id(s) {bad[:5]} outside the vocabulary (0 to "
                              f"{self.vocab_size - 1})")
-        params.verify_for_model(self.vocab_size, self.config.max_logprobs)
+        params.verify_for_model(self.limits)
+        check_priority(req.priority, self.config.scheduling_policy)
         if params.bad_words and params.bad_words_token_ids is None:
             raise ValueError("bad_words: not tokenised; call SamplingParams.update_from_tokenizer "
                              "in the frontend before sending the request")
@@ -146,13 +156,46 @@ class EngineCore:
             if self.scheduler.waiting:  # only grammars still compiling: wait, do not spin
                 self.structured.wait_for_compiles(timeout=0.005)
             return failed
-        blocks = {r.req_id: self.kv_cache.get_blocks(r.req_id) for r in sched.scheduled}
-        out = self.runner.execute(sched, blocks, self.structured)
-        self.scheduler.update_after_step(sched)
+        outputs = self._execute_isolating(sched)
         self.num_steps += 1
+        return failed + outputs
+
+    def _execute_isolating(self, sched: SchedulerOutput) -> list[EngineCoreOutput]:
+        """Run one batch; if it raises, find the request(s) it raised for. The runner's batch
+        state is rebuilt, the batch is split in halves and each half runs again, down to single
+        requests: a request that fails alone ends with an error (blocks freed), every other one
+        gets its token as if nothing happened. Nothing of a failed run is kept: tokens are only
+        accepted, and blocks only published to the prefix cache, after a run succeeds. A device
+        fault (state unknown) is re-raised and ends the engine."""
+        try:
+            blocks = {r.req_id: self.kv_cache.get_blocks(r.req_id) for r in sched.scheduled}
+            out = self.runner.execute(sched, blocks, self.structured)
+        except Exception as e:
+            if is_device_fault(e):
+                raise
+            self.num_failed_runs += 1
+            self.runner.reset_batch()
+            if len(sched.scheduled) == 1:
+                return [self._fail(sched.scheduled[0], e)]
+            logger.warning("a step of %d requests raised %s: %s; isolating the request(s) at "
+                           "fault", len(sched.scheduled), type(e).__name__, e)
+            half = len(sched.scheduled) // 2
+            return [o for part in (sched.scheduled[:half], sched.scheduled[half:])
+                    for o in self._execute_isolating(_sub_schedule(sched, part))]
+        self.scheduler.update_after_step(sched)
         if out.logits is not None:
             self.last_logits, self.last_req_ids = out.logits, out.req_ids
-        return failed + self._update(sched.scheduled, out)
+        return self._update(sched.scheduled, out)
+
+    def _fail(self, req: Request, e: Exception) -> EngineCoreOutput:
+        """End one request with the exception that only it causes."""
+        logger.error("request %s failed in the engine", req.req_id,
+                     exc_info=(type(e), e, e.__traceback__))
+        req.error = f"the request failed in the engine: {type(e).__name__}: {e}"
+        self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        self.num_failed_requests += 1
+        return EngineCoreOutput(req_id=req.req_id, new_token_ids=[],
+                                finish_reason=int(FinishReason.ERROR), error=req.error)
 
     def _update(self, scheduled: list[Request], out: RunnerOutput) -> list[EngineCoreOutput]:
         """Accept the sampled token of every row that finished its prompt; stop what is done."""
@@ -190,7 +233,14 @@ class EngineCore:
                 prompt_logprobs=_prompt_logprobs(req),
             ))
         if accepted_rows:
-            self.runner.accept_tokens(np.array(accepted_rows), np.array(accepted_tokens))
+            try:
+                self.runner.accept_tokens(np.array(accepted_rows), np.array(accepted_tokens))
+            except Exception as e:
+                if is_device_fault(e):
+                    raise
+                # The tokens are the requests' own now; the batch state is rebuilt from them.
+                logger.exception("updating the batch state with this step's tokens failed")
+                self.runner.reset_batch()
         return outputs
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
@@ -215,9 +265,30 @@ class EngineCore:
             "num_blocks": kv.num_blocks,
             "prefix_cache_queries": kv.num_prefix_queries,
             "prefix_cache_hits": kv.num_prefix_hits,
+            "failed_runs": self.num_failed_runs,
+            "failed_requests": self.num_failed_requests,
             "num_preemptions": self.scheduler.num_preemptions,
             "latencies": self.scheduler.take_latencies(),  # drained: call once per message
         }
+
+
+def is_device_fault(e: BaseException) -> bool:
+    """An error after which the device's state is unknown (a CUDA fault, an illegal address, a
+    device-side assert): the engine must stop. Anything else is a request's problem."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(e, accelerator_error):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("CUDA error" in text or "device-side assert" in text)
+
+
+def _sub_schedule(sched: SchedulerOutput, part: list[Request]) -> SchedulerOutput:
+    """The part of a step's schedule that concerns `part` (after a batch reset, so nothing was
+    preempted from the runner's point of view)."""
+    return SchedulerOutput(
+        scheduled=part,
+        num_scheduled_tokens={r.req_id: sched.num_scheduled_tokens[r.req_id] for r in part},
+    )
 
 
 def _token_logprobs(out: RunnerOutput, i: int | None, k: int) -> Logprobs | None:

@@ -55,7 +55,8 @@ class EngineReady(msgspec.Struct, omit_defaults=True):
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> None:
     """Entry point of the engine process: handshake, then the busy loop until SIGTERM or until
-    the parent goes away. An exception in a step ends the process with a non-zero code (the API
+    the parent goes away. A request's own failure ends that request (EngineCore.step isolates
+    it); only a device fault escapes the step and ends the process with a non-zero code (the API
     process watches for that and fails the requests in flight)."""
     ctx = zmq.Context()
     out_sock = ctx.socket(zmq.PUSH)
@@ -123,10 +124,13 @@ class EngineCoreLoop:
                 req = self.add_decoder.decode(payload.buffer)
                 try:
                     self.engine.add_request(req)
-                except ValueError as e:  # the API process validates first; this is a backstop
+                except Exception as e:  # a bad request or a processor's validate_params: it
+                    # fails alone (the API process validates first; this is the backstop)
+                    if not isinstance(e, ValueError):
+                        logger.exception("adding request %s failed", req.req_id)
                     self.errors.append(EngineCoreOutput(
                         req_id=req.req_id, new_token_ids=[], finish_reason=int(FinishReason.ERROR),
-                        error=str(e)))
+                        error=f"{e}" if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"))
             elif kind.bytes == RequestType.ABORT.value:
                 for req_id in self.abort_decoder.decode(payload.buffer):
                     self.engine.abort_request(req_id)

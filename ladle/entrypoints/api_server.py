@@ -15,7 +15,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import ladle
@@ -29,9 +30,18 @@ from ladle.entrypoints.common import (
 )
 from ladle.entrypoints.serving_chat import create_chat_completion, resolve_content_format
 from ladle.entrypoints.serving_completion import create_completion
-from ladle.frontend.async_llm import AsyncLLM
+from ladle.entrypoints.serving_messages import count_tokens, create_message
+from ladle.entrypoints.serving_responses import (
+    ResponseStore,
+    cancel_response,
+    create_response,
+    delete_response,
+    get_response,
+)
+from ladle.frontend.async_llm import AsyncLLM, OverloadedError
 from ladle.frontend.detokenizer import token_to_str
 from ladle.frontend.engine_client import EngineDeadError
+from ladle.protocol.anthropic import anthropic_error_body
 from ladle.protocol.chat import ChatCompletionRequest
 from ladle.protocol.common import (
     DetokenizeRequest,
@@ -43,10 +53,12 @@ from ladle.protocol.common import (
     TokenizeResponse,
 )
 from ladle.protocol.completion import CompletionRequest
+from ladle.protocol.responses import ResponsesRequest
 from ladle.reasoning import REASONING_PARSERS as ENGINE_REASONING
 from ladle.tokenizer import generation_defaults
 
 logger = logging.getLogger("ladle.server")
+PLAYGROUND_DIR = Path(__file__).parent / "playground"
 _TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none", "tuple"}
 
 
@@ -56,6 +68,7 @@ def build_app(server: ServerState, root_path: str = "", cors: dict | None = None
     app.state.server = server
     _add_error_handlers(app)
     app.add_middleware(_AuthAndRequestId, api_key=server.api_key)
+    app.add_middleware(_BodyChecks, max_bytes=server.max_request_body_bytes)
     if root_path:
         app.add_middleware(_PrefixedPaths, root_path=root_path)
     if cors is not None:  # outermost: preflights are answered before auth looks at them
@@ -91,9 +104,49 @@ def build_app(server: ServerState, root_path: str = "", cors: dict | None = None
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(server, request, raw)
 
+    # The Responses API (OpenAI) and the Messages API (Anthropic; its own error shape).
+    if server.response_store is None:
+        server.response_store = ResponseStore()
+
+    @app.post("/v1/responses")
+    async def responses(request: ResponsesRequest, raw: Request) -> Response:
+        return await create_response(server, request, raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def responses_get(response_id: str) -> Response:
+        return get_response(server, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def responses_delete(response_id: str) -> Response:
+        return delete_response(server, response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def responses_cancel(response_id: str) -> Response:
+        return await cancel_response(server, response_id)
+
+    @app.post("/v1/messages")
+    async def messages(raw: Request) -> Response:
+        return await create_message(server, raw)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(raw: Request) -> Response:
+        return await count_tokens(server, raw)
+
+    # The web playground: one static page that talks to /v1/chat/completions.
+    if server.enable_playground:
+        @app.get("/", include_in_schema=False)
+        async def playground() -> FileResponse:
+            return FileResponse(PLAYGROUND_DIR / "index.html")
+
+        app.mount("/playground", StaticFiles(directory=PLAYGROUND_DIR), name="playground")
+
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
         server.check_model(request.model)
+        server.check_chat_template(request.chat_template)
+        return await server.run_blocking(_tokenize, request)
+
+    def _tokenize(request: TokenizeRequest) -> TokenizeResponse:
         processor = engine.processor
         try:
             if request.messages is not None:
@@ -136,6 +189,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def on_validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         errors = e.errors()
         first = errors[0] if errors else {}
+        original = first.get("ctx", {}).get("error")
+        if isinstance(original, RequestError):  # raised by a validator with its own param
+            return request_error_response(original)
         # ("body", "messages", 0, "role") -> "messages.0.role"; union branches that pydantic
         # adds to the location ("str", "list[int]", "function-after[...]") are left out.
         loc = [str(x) for x in first.get("loc", ())[1:]
@@ -156,6 +212,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return error_response(str(e.detail), e.status_code, headers=e.headers)
+
+    @app.exception_handler(OverloadedError)
+    async def on_overloaded(_: Request, e: OverloadedError) -> JSONResponse:
+        return error_response(str(e), 503, code="overloaded",
+                              headers={"Retry-After": str(e.retry_after_s)})
 
     @app.exception_handler(EngineDeadError)
     async def on_engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
@@ -184,9 +245,15 @@ class _AuthAndRequestId:
         if self.api_key is not None and path.startswith("/v1"):
             auth = headers.get(b"authorization", b"").decode("latin-1")
             expected = f"Bearer {self.api_key}"
-            if not hmac.compare_digest(auth.encode(), expected.encode()):
-                body = error_body("invalid or missing API key: send 'Authorization: Bearer "
-                                  "<key>'", 401, code="invalid_api_key")
+            # Anthropic's clients send the key as x-api-key.
+            x_api_key = headers.get(b"x-api-key", b"").decode("latin-1")
+            if not (hmac.compare_digest(auth.encode(), expected.encode())
+                    or hmac.compare_digest(x_api_key.encode(), self.api_key.encode())):
+                message = ("invalid or missing API key: send 'Authorization: Bearer <key>' or "
+                           "'x-api-key: <key>'")
+                body = (anthropic_error_body(message, 401)
+                        if scope["path"].startswith("/v1/messages")
+                        else error_body(message, 401, code="invalid_api_key"))
                 response = JSONResponse(body, status_code=401,
                                         headers={"WWW-Authenticate": "Bearer"})
                 return await response(scope, receive, send)
@@ -217,6 +284,63 @@ class _PrefixedPaths:
                 scope = dict(scope, path=scope["path"][: len(scope["path"]) - len(route)]
                              + (route[len(self.root_path):] or "/"))
         return await self.app(scope, receive, send)
+class _BodyChecks:
+    """ASGI middleware for request bodies, before any handler (or JSON parser) sees them: a
+    body larger than max_bytes gets 413 (a declared Content-Length is checked at once; a
+    chunked body is read up to the limit, then replayed to the app), and a POST whose
+    Content-Type is not JSON gets 415."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or ())
+        kind = headers.get(b"content-type", b"application/json").split(b";")[0].strip().lower()
+        if scope["method"] == "POST" and kind != b"application/json" and not kind.endswith(
+                b"+json"):
+            body = error_body(f"Content-Type {kind.decode('latin-1')!r} is not supported; send "
+                              "the body as JSON with 'Content-Type: application/json'", 415,
+                              code="unsupported_media_type")
+            return await JSONResponse(body, status_code=415)(scope, receive, send)
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.isdigit() or int(length) > self.max_bytes:
+                return await self._reject(scope, receive, send)
+            return await self.app(scope, receive, send)
+        if b"chunked" not in headers.get(b"transfer-encoding", b""):
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away before sending its body
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._reject(scope, receive, send)
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+    async def _reject(self, scope, receive, send):
+        body = error_body(f"the request body is larger than the server's limit of "
+                          f"{self.max_bytes} bytes (--max-request-body-bytes)", 413,
+                          code="request_too_large")
+        await JSONResponse(body, status_code=413, headers={"Connection": "close"})(
+            scope, receive, send)
 
 
 # ---- running ----------------------------------------------------------------------------------
@@ -236,12 +360,50 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         max_logprobs=args.max_logprobs,
+        max_n=args.max_n,
+        scheduling_policy=args.scheduling_policy,
         logits_processors=list(args.logits_processors or []),
         structured_outputs_backend=args.structured_outputs_backend,
         # The engine knows the built-in reasoning formats only (a plugin's tags are text to it).
         reasoning_parser=(args.reasoning_parser if args.reasoning_parser in ENGINE_REASONING
                           else None),
     )
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, with a drain on SIGTERM/SIGINT: stop accepting connections, let in-flight
+    requests finish for `shutdown_timeout` seconds, then end the rest with an OpenAI-shaped 503
+    (an SSE error event for streams) so every client gets an answer. A second signal exits at
+    once."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, shutdown_timeout: float):
+        super().__init__(config)
+        self.engine = engine
+        self.shutdown_timeout = shutdown_timeout
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.should_exit:
+            self.force_exit = True
+            return super().handle_exit(sig, frame)
+        super().handle_exit(sig, frame)  # uvicorn stops accepting and waits for the requests
+        error = RequestError("the server is shutting down; retry on another instance",
+                             status_code=503, type="server_error", code="server_shutting_down")
+        self.engine.refusing = error
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.loop.call_later, self.shutdown_timeout,
+                                           self._end_in_flight, error)
+        logger.info("shutting down: waiting up to %.0f s for %d request(s) in flight",
+                    self.shutdown_timeout, self.engine.num_in_flight)
+
+    def _end_in_flight(self, error: RequestError) -> None:
+        n = self.engine.fail_in_flight(error)
+        if n:
+            logger.warning("shutdown grace period over: ended %d request(s) with an error", n)
 
 
 async def run_server(args: argparse.Namespace) -> int:
@@ -282,20 +444,26 @@ async def run_server(args: argparse.Namespace) -> int:
         keep_parser_markers=_markers_are_special(engine.tokenizer, args),
         chat_template_content_format=resolve_content_format(
             args.chat_template_content_format, engine.tokenizer.chat_template),
+        max_request_body_bytes=args.max_request_body_bytes,
+        trust_request_chat_template=args.trust_request_chat_template,
+        enable_playground=not args.disable_playground,
     )
+    engine.max_in_flight = config.max_num_seqs + args.max_waiting_requests
     cors = None
     if args.allowed_origins is not None:
         cors = {"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
                 "allow_headers": args.allowed_headers,
                 "allow_credentials": args.allow_credentials}
     app = build_app(server, root_path=args.root_path or "", cors=cors)
-    uv = uvicorn.Server(uvicorn.Config(
+    uv = _DrainingServer(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-        access_log=not args.disable_access_log, timeout_graceful_shutdown=5,
-        timeout_keep_alive=30, root_path=args.root_path or "",
+        access_log=not args.disable_access_log,
+        # uvicorn cancels what is still running after this; the drain ends it first, cleanly.
+        timeout_graceful_shutdown=args.shutdown_timeout + 5, timeout_keep_alive=30,
+        root_path=args.root_path or "",
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
         ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
-    ))
+    ), engine, args.shutdown_timeout)
     stats_task = None if args.disable_log_stats else asyncio.create_task(_log_stats(engine))
 
     def stop_after_engine_death() -> None:

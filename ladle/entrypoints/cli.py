@@ -133,6 +133,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="(the default) do not log requests")
     g.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic throughput / queue log line")
+    g.add_argument("--disable-playground", action="store_true",
+                   help="do not serve the web playground at /")
 
     g = p.add_argument_group("ModelConfig")
     g.add_argument("--model", default=None,
@@ -192,8 +194,32 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--structured-outputs-backend", default=_DEFAULTS.structured_outputs_backend,
                    choices=["auto", "xgrammar", "guidance"])
 
-    # ---- limits and robustness (issue 9: --max-n, --max-waiting-requests, ...) go here, in
-    # their own argument group. ----
+    g = p.add_argument_group("Limits and overload", 'README: "Limits and errors"')
+    g.add_argument("--max-n", type=int, default=_DEFAULTS.max_n,
+                   help="most choices per request (n, best_of); OpenAI's limit is 128")
+    g.add_argument("--scheduling-policy", default=_DEFAULTS.scheduling_policy,
+                   choices=["fcfs", "priority"],
+                   help="priority: requests' `priority` field orders the queue (lower first); "
+                        "fcfs: a non-zero priority is a 400")
+    g.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="requests that may wait beyond the --max-num-seqs running ones; past it "
+                        "a request gets 503 with Retry-After")
+    g.add_argument("--max-request-body-bytes", type=_size, default=4 * 2**20,
+                   help="largest request body (bytes, or 4MiB, 512KB); larger gets 413")
+    g.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests bring their own chat_template (off: a 400)")
+
+
+def _size(text: str) -> int:
+    """A byte size for a flag: 4194304, 4MiB, 512KB."""
+    from ladle.config import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _run_script(name: str, argv: list[str]) -> None:

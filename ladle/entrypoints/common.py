@@ -9,9 +9,10 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -23,9 +24,11 @@ from ladle.protocol.common import ErrorInfo, ErrorResponse, RequestError
 from ladle.protocol.sampling import SamplingFields, _param_of
 
 logger = logging.getLogger("ladle.server")
+T = TypeVar("T")
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                415: "invalid_request_error",
                 422: "invalid_request_error", 500: "server_error", 503: "server_error"}
 
 
@@ -53,7 +56,30 @@ class ServerState:
     # The tokenizer marks a parser's tags as special tokens: parsed requests keep special tokens
     # in the text (skip_special_tokens off) so the parsers see the tags.
     keep_parser_markers: bool = False
+    # Limits (README: "Limits and errors").
+    max_request_body_bytes: int = 4 * 2**20
+    trust_request_chat_template: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    # Template rendering, tokenization and constraint checks of a request run here, off the
+    # event loop, so one large request cannot stall every other stream.
+    preprocess_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="ladle-preprocess"))
+
+    async def run_blocking(self, fn: Callable[..., T], *args) -> T:
+        """fn(*args) in the preprocessing threads."""
+        return await asyncio.get_running_loop().run_in_executor(self.preprocess_pool, fn, *args)
+
+    def check_chat_template(self, template: str | None) -> None:
+        """A request's own chat_template is Jinja the server would run: only with
+        --trust-request-chat-template (vLLM's flag)."""
+        if template is not None and not self.trust_request_chat_template:
+            raise RequestError("chat_template: a per-request chat template needs the server "
+                               "flag --trust-request-chat-template; accepted: leave it out",
+                               param="chat_template")
+    # The Responses API's stored responses (serving_responses.ResponseStore; build_app makes it)
+    # and the web playground at / (--disable-playground turns it off).
+    response_store: Any = None
+    enable_playground: bool = True
 
     def check_model(self, model: str | None) -> str:
         """The served name the response reports; RequestError 404 for an unknown model."""
@@ -81,7 +107,7 @@ def error_response(message: str, status_code: int, param: str | None = None,
 
 def request_error_response(e: RequestError) -> JSONResponse:
     return JSONResponse(error_body(e.message, e.status_code, e.param, e.code, e.type),
-                        status_code=e.status_code)
+                        status_code=e.status_code, headers=e.headers)
 
 
 def as_request_error(e: ValueError) -> RequestError:

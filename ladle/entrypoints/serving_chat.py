@@ -26,7 +26,7 @@ from ladle.entrypoints.common import (
     until_disconnect,
 )
 from ladle.entrypoints.logprobs import TokenNames, chat_logprobs, prompt_logprobs
-from ladle.entrypoints.tools import ToolPlan, choice_parser, plan_tools
+from ladle.entrypoints.tools import ToolPlan, plan_tools
 from ladle.frontend.output_processor import ChoiceDelta, TokenLogprob
 from ladle.frontend.processor import ProcessedRequest
 from ladle.parsers.choice import ChoiceOutputParser, output_starts_in_reasoning
@@ -100,6 +100,7 @@ def process_chat(server: ServerState, request: ChatCompletionRequest,
     engine = server.engine
     processor = engine.processor
     request.check_supported()
+    server.check_chat_template(request.chat_template)
     if request.thinking_token_budget is not None and server.reasoning_parser is None:
         raise RequestError("thinking_token_budget: needs a reasoning parser (start the server "
                            "with --reasoning-parser)", param="thinking_token_budget")
@@ -124,12 +125,12 @@ def process_chat(server: ServerState, request: ChatCompletionRequest,
             raise RequestError("messages" + str(e).removeprefix("prompt"), param="messages") from e
         params = to_sampling_params(
             request, num_prompt_tokens=len(ids), max_model_len=engine.max_model_len,
-            defaults=processor.generation_defaults, max_logprobs=processor.max_logprobs,
+            defaults=processor.generation_defaults, limits=processor.limits,
             structured_outputs_backend=server.structured_outputs_backend,
             structured_outputs=plan.constraint)
         params.logprobs_mode = server.logprobs_mode
         if server.keep_parser_markers and (server.reasoning_parser is not None
-                                                        or plan.mode == "auto"):
+                                           or plan.mode == "auto"):
             # This tokenizer marks the parsers' tags as special tokens: keep them in the text.
             params.skip_special_tokens = False
         processed = processor.process(unique_id(request_id),
@@ -140,13 +141,31 @@ def process_chat(server: ServerState, request: ChatCompletionRequest,
         raise as_request_error(e) from e
 
 
+def choice_parser(server: ServerState, processed: ProcessedRequest, plan: ToolPlan,
+                  request: ChatCompletionRequest | None = None, *,
+                  starts_in_reasoning: bool | None = None) -> ChoiceOutputParser:
+    """The parser of one choice's text (chat, and the Responses and Messages APIs).
+    starts_in_reasoning: when the caller already decided it for the request's prompt."""
+    if starts_in_reasoning is None:
+        starts_in_reasoning = output_starts_in_reasoning(
+            server.reasoning_parser, processed.prompt_token_ids, server.engine.tokenizer,
+            processed.prompt)
+    return ChoiceOutputParser(
+        reasoning_parser=server.reasoning_parser, tool_parser=server.tool_call_parser,
+        tool_mode=plan.mode, named_function=plan.named, is_parallel=plan.is_parallel,
+        tools=list(request.tools or []) if request is not None else [],
+        starts_in_reasoning=starts_in_reasoning,
+        include_reasoning=request.include_reasoning if request is not None else True)
+
+
 async def create_chat_completion(server: ServerState, request: ChatCompletionRequest,
                                  raw: Request) -> Response:
     model = server.check_model(request.model)
     request_id = f"chatcmpl-{base_request_id(raw)}"
     log_request_fields(request, request_id)
-    processed, plan = process_chat(server, request, request_id)
-    if server.log_requests:
+    with server.engine.admitting(request.n):
+        processed, plan = await server.run_blocking(process_chat, server, request, request_id)
+    if server.log_requests:  # --enable-log-requests
         logger.info("%s: %d prompt tokens, %s", request_id, len(processed.prompt_token_ids),
                     processed.params)
     writer = _Writer(server, request, processed, plan, request_id, model)
@@ -191,11 +210,8 @@ class _Writer:
                          prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached))
 
     def _parser(self) -> ChoiceOutputParser:
-        server = self.server
-        return choice_parser(self.plan, reasoning_parser=server.reasoning_parser,
-                             tool_call_parser=server.tool_call_parser, tools=self.request.tools,
-                             starts_in_reasoning=self.starts_in_reasoning,
-                             include_reasoning=self.request.include_reasoning)
+        return choice_parser(self.server, self.processed, self.plan, self.request,
+                             starts_in_reasoning=self.starts_in_reasoning)
 
     # ---- non-streaming ----------------------------------------------------------------------
     async def full(self) -> Response:

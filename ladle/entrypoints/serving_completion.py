@@ -39,10 +39,10 @@ logger = logging.getLogger("ladle.server")
 
 def process_completion(server: ServerState, request: CompletionRequest,
                        request_id: str) -> list[ProcessedRequest]:
-    """One processed request per prompt of the batch; every prompt is checked before any runs."""
+    """One processed request per prompt of the batch; every prompt is checked before any runs.
+    The caller has run request.check_supported()."""
     engine = server.engine
     processor = engine.processor
-    request.check_supported()
     processed = []
     internal_id = unique_id(request_id)
     try:
@@ -53,7 +53,7 @@ def process_completion(server: ServerState, request: CompletionRequest,
             processor.check_prompt(ids)  # before max_tokens is fitted to what is left
             params = to_sampling_params(
                 request, num_prompt_tokens=len(ids), max_model_len=engine.max_model_len,
-                defaults=processor.generation_defaults, max_logprobs=processor.max_logprobs,
+                defaults=processor.generation_defaults, limits=processor.limits,
                 structured_outputs_backend=server.structured_outputs_backend)
             params.logprobs_mode = server.logprobs_mode  # --logprobs-mode
             if request.echo and params.logprobs is not None and params.prompt_logprobs is None:
@@ -71,7 +71,9 @@ async def create_completion(server: ServerState, request: CompletionRequest,
     model = server.check_model(request.model)
     request_id = f"cmpl-{base_request_id(raw)}"
     log_request_fields(request, request_id)
-    processed = process_completion(server, request, request_id)
+    request.check_supported()
+    with server.engine.admitting(request.n, len(request.prompts())):
+        processed = await server.run_blocking(process_completion, server, request, request_id)
     if server.log_requests:  # --enable-log-requests
         logger.info("%s: %d prompt(s), %s", request_id, len(processed), processed[0].params)
     writer = _Writer(server, request, processed, request_id, model)

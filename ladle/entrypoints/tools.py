@@ -1,7 +1,8 @@
 """Chat tool calling on the API side: `plan_tools` checks tools / tool_choice /
 parallel_tool_calls and says how calls are produced (free text parsed by the tool parser, or a
 JSON constraint for "required" and a named function). Turning the output into calls is
-parsers/choice.py's ChoiceOutputParser, which the plan configures."""
+parsers/choice.py's ChoiceOutputParser, which serving_chat.choice_parser configures from the
+plan."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ladle.parsers.choice import ChoiceOutputParser
 from ladle.protocol.chat import ChatCompletionRequest
 from ladle.protocol.common import RequestError, unsupported
 from ladle.protocol.sampling import checked_structured_outputs
@@ -156,12 +156,3 @@ def _hermes_structural_tag(parameters: dict[str, dict], strict: set[str],
         "type": "triggered_tags", "triggers": ["<tool_call>"], "tags": tags,
         "at_least_one": False, "stop_after_first": not is_parallel}})
 
-
-def choice_parser(plan: ToolPlan, *, reasoning_parser: str | None, tool_call_parser: str | None,
-                  tools: list[dict] | None, starts_in_reasoning: bool,
-                  include_reasoning: bool = True) -> ChoiceOutputParser:
-    """The per-choice output parser for a planned request (one per choice)."""
-    return ChoiceOutputParser(
-        reasoning_parser=reasoning_parser, tool_parser=tool_call_parser, tool_mode=plan.mode,
-        named_function=plan.named, is_parallel=plan.is_parallel, tools=list(tools or []),
-        starts_in_reasoning=starts_in_reasoning, include_reasoning=include_reasoning)

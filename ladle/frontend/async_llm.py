@@ -7,6 +7,7 @@ so a slow client gets bigger deltas instead of a growing queue."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -16,9 +17,16 @@ from ladle.frontend.engine_client import EngineClient, EngineDeadError
 from ladle.frontend.metrics import IterationStats, ServerMetrics
 from ladle.frontend.output_processor import ChoiceDelta, OutputProcessor, RequestState
 from ladle.frontend.processor import InputProcessor, ProcessedRequest
+from ladle.sampling_params import RequestLimits
 from ladle.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+class OverloadedError(RuntimeError):
+    """More requests than the server queues; the client should retry later (HTTP 503)."""
+
+    retry_after_s = 1
 
 
 @dataclass(slots=True)
@@ -51,6 +59,12 @@ class AsyncLLM:
         self.dead_error: EngineDeadError | None = None
         self._on_dead: list[Callable[[], None]] = []
         self._output_task: asyncio.Task | None = None
+        # Choices that may be in the engine at once: the running ones (max_num_seqs) plus the
+        # waiting ones the server allows (--max-waiting-requests). None: no bound.
+        self.max_in_flight: int | None = None
+        self._num_admitting = 0  # choices of requests being preprocessed (see admitting())
+        # Set while the server drains on SIGTERM: the error new requests get.
+        self.refusing: BaseException | None = None
 
     @classmethod
     async def start(cls, config: EngineConfig, model_name: str | None = None) -> AsyncLLM:
@@ -62,9 +76,10 @@ class AsyncLLM:
         except BaseException:
             await client.shutdown()
             raise
+        limits = RequestLimits(ready.vocab_size, config.max_logprobs, config.max_n)
         processor = InputProcessor(tokenizer, ready.model_path,
-                                   max_model_len=ready.max_model_len,
-                                   vocab_size=ready.vocab_size, max_logprobs=config.max_logprobs)
+                                   max_model_len=ready.max_model_len, limits=limits,
+                                   scheduling_policy=config.scheduling_policy)
         llm = cls(client, processor, OutputProcessor(tokenizer),
                   ServerMetrics(model_name or config.model))
         llm._output_task = asyncio.create_task(llm._output_loop())
@@ -92,6 +107,40 @@ class AsyncLLM:
         await self.client.shutdown()
 
     # ---- requests ---------------------------------------------------------------------------
+    @property
+    def num_in_flight(self) -> int:
+        """Engine requests (choices) added and not finished."""
+        return len(self.output_processor.child_of)
+
+    @contextlib.contextmanager
+    def admitting(self, n: int, num_prompts: int = 1):
+        """Admission control around a request's preprocessing: raises OverloadedError (a 503
+        with Retry-After at the edge) when its n choices per prompt would put more requests in
+        the engine than it runs plus --max-waiting-requests. Requests being preprocessed count as
+        in flight, so a burst cannot slip past the bound while it tokenizes. (An n above --max-n
+        is a 400 from preprocessing; it is not an overload.)"""
+        if self.refusing is not None:
+            raise self.refusing
+        num_choices = min(n, self.processor.limits.max_n) * num_prompts
+        busy = self.num_in_flight + self._num_admitting
+        if self.max_in_flight is not None and busy + num_choices > self.max_in_flight:
+            raise OverloadedError(
+                f"the server is at capacity ({busy} requests in flight, at most "
+                f"{self.max_in_flight}: --max-num-seqs plus --max-waiting-requests); retry later")
+        self._num_admitting += num_choices
+        try:
+            yield
+        finally:
+            self._num_admitting -= num_choices
+
+    def fail_in_flight(self, error: BaseException) -> int:
+        """End every request in flight with `error` (server shutdown); returns how many."""
+        streams = list(self.streams.values())
+        for stream in streams:
+            stream.error = error
+            stream.event.set()
+        return len(streams)
+
     async def generate(self, req: ProcessedRequest) -> AsyncIterator[RequestUpdate]:
         """Run one processed request; yields updates until every choice has finished. Leaving
         the loop early (client disconnect, cancellation) aborts the request in the engine.
@@ -142,7 +191,10 @@ class AsyncLLM:
                     changed, to_abort = self.output_processor.process(outputs.outputs, stats)
                     if to_abort:
                         self.client.abort_requests(to_abort)
-                    self.metrics.record(stats)
+                    try:
+                        self.metrics.record(stats)
+                    except Exception:  # metrics must never stop the loop that serves everyone
+                        logger.exception("recording metrics failed")
                     for state in changed:
                         stream = self.streams.get(state.request_id)
                         if stream is not None:

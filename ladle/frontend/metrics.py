@@ -196,6 +196,10 @@ class _EngineStatsCollector:
              s.get("grammar_compile_seconds", 0.0)),
             ("ladle:grammar_bitmask_seconds", "Time spent filling grammar bitmasks.",
              s.get("grammar_bitmask_seconds", 0.0)),
+            ("ladle:engine_failed_runs", "Batches whose run raised (then re-run in halves to "
+             "find the request at fault).", s.get("failed_runs", 0)),
+            ("ladle:engine_failed_requests", "Requests ended by an exception only they caused.",
+             s.get("failed_requests", 0)),
         ):
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(lv, float(value))

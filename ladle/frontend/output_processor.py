@@ -8,6 +8,7 @@ An n > 1 request is n child requests in the engine, gathered here under the pare
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -20,6 +21,8 @@ from ladle.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from ladle.frontend.metrics import IterationStats
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -186,16 +189,23 @@ class OutputProcessor:
             if entry is None:
                 continue  # already finished by a stop string, or aborted
             state, child = entry
-            state.num_cached_tokens = out.num_cached_tokens
-            if out.prompt_logprobs is not None:
-                self._add_prompt_logprobs(state, out.prompt_logprobs)
-            if stats is not None and out.new_token_ids:
-                stats.record_tokens(state, child, len(out.new_token_ids), now)
-            if out.new_token_ids:
-                if state.first_token_time is None:
-                    state.first_token_time = now
-                child.last_token_time = now
-            self._apply(child, out, to_abort)
+            try:
+                state.num_cached_tokens = out.num_cached_tokens
+                if out.prompt_logprobs is not None:
+                    self._add_prompt_logprobs(state, out.prompt_logprobs)
+                if stats is not None and out.new_token_ids:
+                    stats.record_tokens(state, child, len(out.new_token_ids), now)
+                if out.new_token_ids:
+                    if state.first_token_time is None:
+                        state.first_token_time = now
+                    child.last_token_time = now
+                self._apply(child, out, to_abort)
+            except Exception as e:  # this choice alone fails; the loop serves everyone else
+                logger.exception("output processing failed for %s", out.req_id)
+                child.finish_reason = "error"
+                child.error = f"output processing failed: {type(e).__name__}: {e}"
+                if out.finish_reason is None:
+                    to_abort.append(child.req_id)
             changed[state.request_id] = state
             if child.finish_reason is not None:
                 del self.child_of[child.req_id]

@@ -8,8 +8,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ladle.config import check_priority
 from ladle.messages import EngineCoreRequest
-from ladle.sampling_params import SamplingParams
+from ladle.sampling_params import RequestLimits, SamplingParams
 from ladle.tokenizer import eos_token_ids, generation_defaults
 
 # A string, token ids, or {"prompt": str} / {"prompt_token_ids": [...]} (both: ids win).
@@ -31,12 +32,13 @@ class ProcessedRequest:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, model_path: str | Path, *, max_model_len: int, vocab_size: int,
-                 max_logprobs: int = 20):
+    def __init__(self, tokenizer, model_path: str | Path, *, max_model_len: int,
+                 limits: RequestLimits, scheduling_policy: str = "fcfs"):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
-        self.max_logprobs = max_logprobs
+        self.limits = limits
+        self.vocab_size = limits.vocab_size
+        self.scheduling_policy = scheduling_policy
         self.eos_token_ids = eos_token_ids(tokenizer, model_path)
         # temperature, top_p, top_k, min_p, repetition_penalty from generation_config.json:
         # the defaults of a request that leaves them out (the API layer applies them).
@@ -121,7 +123,8 @@ class InputProcessor:
         """Raises ValueError naming the field for anything the engine would reject."""
         text, token_ids = self.tokenize(prompt, add_special_tokens)
         self.check_prompt(token_ids)
-        params.verify_for_model(self.vocab_size, self.max_logprobs)
+        params.verify_for_model(self.limits)
+        check_priority(priority, self.scheduling_policy)
         if params.bad_words and params.bad_words_token_ids is None:
             params.update_from_tokenizer(self.tokenizer)
         n = params.n

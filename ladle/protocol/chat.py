@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ladle.protocol.common import RequestError, UsageInfo, unsupported
+from ladle.protocol.common import MAX_MESSAGES, MAX_TOOLS, RequestError, UsageInfo, unsupported
 from ladle.protocol.sampling import SamplingFields
 
 
@@ -27,7 +27,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     logprobs: bool | None = False
     """Return the logprob of each output token."""
     top_logprobs: int | None = None
@@ -35,7 +35,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     max_tokens: int | None = None
     """Deprecated by OpenAI in favour of max_completion_tokens; either works."""
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_TOOLS)
     """Functions the model may call ({"type": "function", "function": {name, description,
     parameters}}); the chat template receives them."""
     tool_choice: str | dict[str, Any] | None = None

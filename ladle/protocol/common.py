@@ -5,6 +5,7 @@ the model list, and /tokenize and /detokenize. Pydantic models only; no I/O."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any, Literal
 
@@ -18,13 +19,15 @@ class RequestError(ValueError):
     `param` names the field at fault (OpenAI's error.param)."""
 
     def __init__(self, message: str, param: str | None = None, status_code: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None):
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message = message
         self.param = param
         self.status_code = status_code
         self.type = type
         self.code = code
+        self.headers = headers  # e.g. Retry-After on a 503
 
 
 def unsupported(param: str, what: str = "is not supported by ladle") -> RequestError:
@@ -46,6 +49,53 @@ class OpenAIBaseModel(BaseModel):
             if unknown:
                 logger.warning("%s: ignoring unknown field(s) %s", cls.__name__,
                                ", ".join(map(repr, unknown)))
+        return data
+
+
+# Bounds on list fields of a request body (the body as a whole is bounded by the server's
+# --max-request-body-bytes; sampling lists are bounded in ladle/sampling_params.py).
+MAX_MESSAGES = 2048
+MAX_TOOLS = 128  # OpenAI's limit
+MAX_PROMPTS = 1024  # prompts in one completions batch
+
+
+def check_json_text(data: Any, path: str = "") -> None:
+    """Reject what JSON can carry but text and numbers cannot be: lone UTF-16 surrogates
+    ("\ud800", which no tokenizer can encode) and NaN/Infinity literals (not JSON, but Python's
+    parser takes them). ValueError names the field, e.g. "messages.0.content"."""
+    stack = [(path, data)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"{where or 'body'}: contains a lone UTF-16 surrogate (e.g. "
+                                 "\\ud800); accepted: valid Unicode text") from None
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                raise ValueError(f"{where or 'body'}: {value} is not a JSON number; accepted: a "
+                                 "finite number")
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                stack.append((f"{where}.{k}" if where else str(k), v))
+                if isinstance(k, str):
+                    stack.append((where or "body", k))
+        elif isinstance(value, list):
+            stack.extend((f"{where}.{i}" if where else str(i), v) for i, v in enumerate(value))
+
+
+class RequestModel(OpenAIBaseModel):
+    """A whole request body: its text and numbers are checked once, before field validation."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_text(cls, data: Any) -> Any:
+        try:
+            check_json_text(data)
+        except ValueError as e:
+            param = str(e).split(":", 1)[0]
+            raise RequestError(str(e), param=param) from None
         return data
 
 
@@ -115,19 +165,19 @@ class ModelList(BaseModel):
     data: list[ModelCard] = Field(default_factory=list)
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(RequestModel):
     """Either `prompt` (completion-style) or `messages` (rendered with the chat template)."""
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_MESSAGES)
     add_special_tokens: bool | None = None
     """Default: true for a prompt, false for messages (the template writes them)."""
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_TOOLS)
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -144,7 +194,7 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 

@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field
 
-from ladle.protocol.common import RequestError, UsageInfo, unsupported
+from ladle.protocol.common import MAX_PROMPTS, RequestError, UsageInfo, unsupported
 from ladle.protocol.sampling import SamplingFields
 
 # OpenAI's documented default for this endpoint (chat's default is the remaining context).
@@ -36,7 +36,8 @@ class CompletionRequest(SamplingFields):
     NO_EFFECT_FIELDS: ClassVar[tuple[str, ...]] = ("user",)
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
-        return self.max_tokens, "max_tokens"
+        # null means the default, as in vLLM (not "the rest of the context" as in chat)
+        return (DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens), "max_tokens"
 
     def requested_logprobs(self) -> tuple[int | None, str]:
         return self.logprobs, "logprobs"
@@ -47,6 +48,10 @@ class CompletionRequest(SamplingFields):
             raise RequestError("prompt: a prompt is required", param="prompt")
         if isinstance(self.prompt, list) and not self.prompt:
             raise RequestError("prompt: must not be an empty list", param="prompt")
+        num_prompts = len(self.prompts())
+        if num_prompts > MAX_PROMPTS:
+            raise RequestError(f"prompt: a batch of {num_prompts} prompts; accepted: at most "
+                               f"{MAX_PROMPTS}", param="prompt")
         if self.suffix:
             raise unsupported("suffix", "is not supported by ladle (no insertion)")
         if self.best_of is not None and self.best_of != self.n:

@@ -11,13 +11,13 @@ from typing import Any
 from pydantic import Field
 
 from ladle.protocol.common import (
-    OpenAIBaseModel,
     RequestError,
+    RequestModel,
     ResponseFormat,
     StreamOptions,
     unsupported,
 )
-from ladle.sampling_params import SamplingParams, StructuredOutputsParams
+from ladle.sampling_params import RequestLimits, SamplingParams, StructuredOutputsParams
 from ladle.structured_output.manager import choose_backend
 
 _INT64 = dict(ge=-(2**63), le=2**63 - 1)
@@ -26,7 +26,7 @@ _MODEL_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
                    "repetition_penalty": 1.0}
 
 
-class SamplingFields(OpenAIBaseModel):
+class SamplingFields(RequestModel):
     """Fields both endpoints share: OpenAI's, then vLLM's extras for the sampler."""
 
     model: str | None = None
@@ -124,13 +124,15 @@ def to_sampling_params(
     num_prompt_tokens: int,
     max_model_len: int,
     defaults: dict[str, Any] | None = None,
-    max_logprobs: int = 20,
+    limits: RequestLimits | None = None,
     structured_outputs_backend: str = "auto",
     structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams. defaults: the model's generation_config sampling values
-    (ladle.tokenizer.generation_defaults). structured_outputs, when given, replaces the request's
-own constraint (chat's tool_choice builds one). Raises RequestError naming the field."""
+    (ladle.tokenizer.generation_defaults). limits: the server's (vocabulary, --max-logprobs,
+    --max-n), checked by SamplingParams.verify_for_model. structured_outputs, when given, replaces
+    the request's own constraint (chat's tool_choice builds one). Raises RequestError naming the
+    field."""
     request.check_supported()
     defaults = defaults or {}
     if structured_outputs is None:
@@ -142,7 +144,9 @@ own constraint (chat's tool_choice builds one). Raises RequestError naming the f
 
     room = max_model_len - num_prompt_tokens
     max_tokens, max_tokens_field = request.requested_max_tokens()
-    if max_tokens is not None and max_tokens_field not in request.model_fields_set:
+    is_default = getattr(request, max_tokens_field, None) is None or (
+        max_tokens_field not in request.model_fields_set)
+    if max_tokens is not None and is_default:
         max_tokens = min(max_tokens, room)  # a default (completions' 16) shrinks to fit
     if max_tokens is not None and max_tokens > room:
         raise RequestError(
@@ -152,10 +156,6 @@ own constraint (chat's tool_choice builds one). Raises RequestError naming the f
     max_tokens = room if max_tokens is None else max_tokens
 
     logprobs, logprobs_field = request.requested_logprobs()
-    for value, name in ((logprobs, logprobs_field), (request.prompt_logprobs, "prompt_logprobs")):
-        if value is not None and not 0 <= value <= max_logprobs:
-            raise RequestError(f"{name}: {value} is out of range; accepted: 0 to {max_logprobs} "
-                               "(the server's --max-logprobs)", param=name)
     logit_bias = None
     if request.logit_bias:
         try:
@@ -164,7 +164,7 @@ own constraint (chat's tool_choice builds one). Raises RequestError naming the f
             raise RequestError("logit_bias: keys must be token ids written as strings (e.g. "
                                '{"50256": -100})', param="logit_bias") from None
     try:
-        return SamplingParams(
+        params = SamplingParams(
             n=request.n,
             temperature=pick("temperature"),
             top_p=pick("top_p"),
@@ -191,6 +191,9 @@ own constraint (chat's tool_choice builds one). Raises RequestError naming the f
             structured_outputs=structured_outputs,
             extra_args=request.vllm_xargs,
         )
+        if limits is not None:
+            params.verify_for_model(limits)
+        return params
     except ValueError as e:
         param = _param_of(str(e))
         renamed = {"logprobs": logprobs_field, "max_tokens": max_tokens_field}.get(param, param)

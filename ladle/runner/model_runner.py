@@ -65,16 +65,27 @@ class ModelRunner:
              torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_layers)
         ]
-        max_blocks = -(-max_model_len // block_size)
-        self.input_batch = InputBatch(max_num_seqs, max_model_len, max_blocks)
+        self.max_num_seqs = max_num_seqs
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        pcfg = ProcessorConfig(cfg.vocab_size, device, max_num_seqs)
-        self.custom_processors = load_custom_processors(logits_processors or [], pcfg)
-        self.sampler = Sampler.build(cfg.vocab_size, device, max_num_seqs, self.generator,
-                                     reasoning, self.custom_processors)
-        self.sampling_metadata: SamplingMetadata | None = None
+        self.logits_processor_names = list(logits_processors or [])
+        self.reasoning = reasoning
         self.keep_logits = keep_logits
+        self.reset_batch()
+
+    def reset_batch(self) -> None:
+        """A fresh persistent batch, sampler and logits processors: every request re-enters
+        the batch on its next step with its state rebuilt from its tokens (as after a
+        preemption). The engine calls this after a step raised, when the row state of the batch
+        or of a processor may be half-updated."""
+        vocab_size = self.vocab_size
+        max_blocks = -(-self.max_model_len // self.block_size)
+        self.input_batch = InputBatch(self.max_num_seqs, self.max_model_len, max_blocks)
+        pcfg = ProcessorConfig(vocab_size, self.device, self.max_num_seqs)
+        self.custom_processors = load_custom_processors(self.logits_processor_names, pcfg)
+        self.sampler = Sampler.build(vocab_size, self.device, self.max_num_seqs, self.generator,
+                                     self.reasoning, self.custom_processors)
+        self.sampling_metadata: SamplingMetadata | None = None
 
     @staticmethod
     def kv_bytes_per_block(model_config, dtype: torch.dtype, block_size: int) -> int:

@@ -1,0 +1,213 @@
+"""The Anthropic Messages API end to end: a real `ladle serve ladle-demo --reasoning-parser qwen3
+--enable-auto-tool-choice --tool-call-parser hermes --api-key ...`, driven by the official
+anthropic client (which sends the key as x-api-key). Also: the same seeded request gives the same
+text through chat completions, responses and messages.
+
+ladle-demo has random weights: tool_choice any constrains the calls, the thinking budget ends
+thinking, a stop sequence is taken from a seeded reply and then ends the same reply early."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import jsonschema
+import pytest
+from test_server import API_KEY, MODEL, RemoteServer
+
+from ladle.protocol.anthropic import MAX_BLOCKS
+
+WEATHER = {"type": "object",
+           "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                          "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"name": "get_weather", "description": "Weather for a city.", "input_schema": WEATHER},
+         {"name": "get_time", "description": "The time in a city.",
+          "input_schema": {"type": "object", "properties": {
+              "city": {"type": "string", "enum": ["Paris", "Rome"]}},
+              "required": ["city"], "additionalProperties": False}}]
+CONVERSATION = [{"role": "user", "content": "Hi, who are you?"},
+                {"role": "assistant", "content": "A helpful assistant."},
+                {"role": "user", "content": [{"type": "text", "text": "Tell me a joke."}]}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = RemoteServer("--api-key", API_KEY, "--max-model-len", "2048", "--dtype", "float32",
+                     "--disable-access-log", "--reasoning-parser", "qwen3",
+                     "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    yield s
+    assert s.stop() == 0, s.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=300)
+
+
+def test_system_multi_turn_and_count_tokens(server, client):
+    m = client.messages.create(model=MODEL, max_tokens=8, system="You are terse.",
+                               messages=CONVERSATION, extra_body={"seed": 1})
+    assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_")
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 8
+    count = client.messages.count_tokens(model=MODEL, system="You are terse.",
+                                         messages=CONVERSATION)
+    assert count.input_tokens == m.usage.input_tokens
+    # The same conversation through /tokenize as chat messages (thinking off, as Anthropic's
+    # default): system blocks and text blocks are plain text.
+    chat = [{"role": "system", "content": "You are terse."}, *CONVERSATION[:2],
+            {"role": "user", "content": "Tell me a joke."}]
+    r = httpx.post(server.url + "/tokenize", headers={"x-api-key": API_KEY}, json={
+        "messages": chat, "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.json()["count"] == m.usage.input_tokens
+
+
+def test_stop_sequences(client):
+    kw = {"model": MODEL, "messages": CONVERSATION, "extra_body": {"seed": 5,
+                                                                  "temperature": 0.9}}
+    full = client.messages.create(max_tokens=24, **kw).content[0].text
+    words = [w for w in full.split(" ") if len(w) >= 3]
+    stop = words[len(words) // 2]
+    cut = client.messages.create(max_tokens=24, stop_sequences=[stop], **kw)
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert cut.content[0].text == full[:full.index(stop)]
+
+
+def test_tool_use_any_and_tool_result(client):
+    m = client.messages.create(model=MODEL, max_tokens=300, tools=TOOLS,
+                               tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                               messages=[{"role": "user", "content": "Weather in Rome?"}],
+                               extra_body={"seed": 2})
+    assert m.stop_reason == "tool_use", m
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert len(uses) == 1
+    schema = {t["name"]: t["input_schema"] for t in TOOLS}[uses[0].name]
+    jsonschema.validate(uses[0].input, schema)
+    follow = client.messages.create(
+        model=MODEL, max_tokens=6, tools=TOOLS, tool_choice={"type": "none"},
+        messages=[{"role": "user", "content": "Weather in Rome?"},
+                  {"role": "assistant", "content": [b.model_dump() for b in m.content]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
+                                                "content": "Sunny, 24 C"}]}])
+    assert follow.content[0].type == "text" and follow.stop_reason == "max_tokens"
+    assert follow.usage.input_tokens > m.usage.input_tokens
+
+
+def test_named_tool_stream_input_json(client):
+    with client.messages.stream(model=MODEL, max_tokens=300, tools=TOOLS,
+                                tool_choice={"type": "tool", "name": "get_weather"},
+                                messages=[{"role": "user", "content": "Weather?"}]) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    partial = "".join(e.delta.partial_json for e in events if e.type == "content_block_delta"
+                      and e.delta.type == "input_json_delta")
+    assert final.stop_reason == "tool_use" and final.content[0].name == "get_weather"
+    assert json.loads(partial) == final.content[0].input
+    jsonschema.validate(final.content[0].input, WEATHER)
+
+
+def test_stream_events_in_order(client):
+    with client.messages.stream(model=MODEL, max_tokens=12, system="Be kind.",
+                                messages=CONVERSATION, extra_body={"seed": 3}) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    with client.messages.create(model=MODEL, max_tokens=12, system="Be kind.", stream=True,
+                                messages=CONVERSATION, extra_body={"seed": 3}) as raw:
+        types = [e.type for e in raw]
+    assert types[0] == "message_start" and types[-2:] == ["message_delta", "message_stop"]
+    assert types[1] == "content_block_start" and types[-3] == "content_block_stop"
+    assert set(types[2:-3]) == {"content_block_delta"}
+    assert text == final.content[0].text and text
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 12
+    # The stream and the response agree (same seed).
+    m = client.messages.create(model=MODEL, max_tokens=12, system="Be kind.",
+                               messages=CONVERSATION, extra_body={"seed": 3})
+    assert m.content[0].text == text
+
+
+def test_thinking_with_the_reasoning_parser(client):
+    kw = {"model": MODEL, "max_tokens": 14, "messages": CONVERSATION,
+          "thinking": {"type": "enabled", "budget_tokens": 5}, "extra_body": {"seed": 4}}
+    m = client.messages.create(**kw)
+    assert [b.type for b in m.content] == ["thinking", "text"]
+    assert m.content[0].thinking and m.content[1].text
+    with client.messages.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    thinking = "".join(e.delta.thinking for e in events if e.type == "content_block_delta"
+                       and e.delta.type == "thinking_delta")
+    assert thinking == final.content[0].thinking == m.content[0].thinking
+    assert final.content[1].text == m.content[1].text
+
+
+def test_auth_with_x_api_key(server):
+    bad = anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        bad.messages.create(model=MODEL, max_tokens=2, messages=CONVERSATION)
+    assert e.value.body["type"] == "error"
+    assert e.value.body["error"]["type"] == "authentication_error"
+    # The OpenAI routes take x-api-key too.
+    r = httpx.get(server.url + "/v1/models", headers={"x-api-key": API_KEY})
+    assert r.status_code == 200
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"max_tokens": None}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": "AA"}}]}]}, "messages.0.content.0"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
+    ({"extra": {"temperature": 1.5}}, "temperature"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result",
+                                                 "tool_use_id": "toolu_x"}]}]},
+     "messages.0.content.0.tool_use_id"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]
+                    * (MAX_BLOCKS + 1)}]}, str(MAX_BLOCKS)),
+    ({"extra": {"thinking": {"type": "enabled", "budget_tokens": 50}}}, "budget_tokens"),
+    ({"extra": {"tool_choice": {"type": "any"}}}, "tool_choice"),
+    ({"max_tokens": 5000}, "max_tokens"),
+])
+def test_bad_requests_are_anthropic_errors(server, body, words):
+    payload = {"model": MODEL, "max_tokens": 16, "messages": CONVERSATION}
+    payload.update({k: v for k, v in body.items() if k != "extra"})
+    payload.update(body.get("extra", {}))
+    payload = {k: v for k, v in payload.items() if v is not None}
+    r = httpx.post(server.url + "/v1/messages", headers={"x-api-key": API_KEY}, json=payload,
+                   timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert words in error["error"]["message"], error
+
+
+def test_unknown_model_is_anthropic_404(client):
+    with pytest.raises(anthropic.NotFoundError) as e:
+        client.messages.create(model="nope", max_tokens=2, messages=CONVERSATION)
+    assert e.value.body["error"]["type"] == "not_found_error"
+
+
+def test_same_seeded_text_through_three_apis(server):
+    """Chat completions, responses and messages: the same prompt (thinking off), seed,
+    temperature and token cap give the same text."""
+    system, user, seed, temperature, num_tokens = "You are a poet.", "Write a line.", 11, 0.8, 16
+    oa = server.client(timeout=300)
+    chat = oa.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": system},
+                               {"role": "user", "content": user}],
+        seed=seed, temperature=temperature, max_tokens=num_tokens,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    response = oa.responses.create(model=MODEL, instructions=system, input=user,
+                                   temperature=temperature, max_output_tokens=num_tokens,
+                                   reasoning={"effort": "none"}, extra_body={"seed": seed})
+    message = anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0,
+                                  timeout=300).messages.create(
+        model=MODEL, system=system, messages=[{"role": "user", "content": user}],
+        max_tokens=num_tokens, extra_body={"seed": seed, "temperature": temperature})
+    text = chat.choices[0].message.content
+    assert text and chat.usage.completion_tokens == num_tokens
+    assert response.output_text == text
+    assert message.content[0].text == text
+    assert chat.usage.prompt_tokens == response.usage.input_tokens == message.usage.input_tokens
