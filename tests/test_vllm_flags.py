@@ -358,8 +358,9 @@ def test_tls_special_markers_plugin_and_memory_fraction(tmp_path):
             httpx.get(s.url.replace("https", "http") + "/health", timeout=5)
         with pytest.raises(httpx.ConnectError):  # nor https to a client without the CA
             httpx.get(s.url + "/health", timeout=5)
+        http = httpx.Client(verify=context)  # closed below: shutdown waits for open connections
         c = openai.OpenAI(base_url=s.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120,
-                          http_client=httpx.Client(verify=context))
+                          http_client=http)
         # Reasoning (forced to end by the budget), then a call the plugin parser reads; the
         # markers are special tokens of this tokenizer and still reach the parsers.
         reply = c.chat.completions.create(
@@ -377,6 +378,7 @@ def test_tls_special_markers_plugin_and_memory_fraction(tmp_path):
         per_block = mib * 2**20 / num_blocks
         expected = (fraction * total - weights) / per_block
         assert abs(num_blocks - expected) <= 0.1 * expected + 2, (num_blocks, expected)
+        http.close()
     finally:
         assert s.stop() == 0, s.log()
 
