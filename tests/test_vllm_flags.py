@@ -336,6 +336,8 @@ def _certificates(root: Path) -> tuple[Path, Path, Path]:
     return root / "ca.pem", root / "server.key", root / "server.pem"
 
 
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command "
+                    "(scripts/test.sh installs it)")
 def test_tls_special_markers_plugin_and_memory_fraction(tmp_path):
     model = _special_markers_checkpoint(tmp_path)
     ca, key, cert = _certificates(tmp_path)
