@@ -19,13 +19,19 @@ class EngineConfig:
     tokenizer: str | None = None  # defaults to the model directory
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
     device: str = "auto"  # auto: cuda when present, else cpu
-    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    # Defaults to the model's max_position_embeddings; -1 ("auto"): that, shrunk to what the KV
+    # cache can hold.
+    max_model_len: int | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
     block_size: int = 16
     # KV-cache size: bytes ("4GiB", "512MB", 1e9) or a fraction of free device memory ("0.3").
     kv_cache_memory: str | float | int | None = None
     num_kv_blocks: int | None = None  # exact block count; overrides kv_cache_memory
+    # vLLM's --gpu-memory-utilization: the fraction of the device's total memory (host memory on
+    # CPU) this engine may hold; the KV cache gets what is left after the weights. Used when
+    # kv_cache_memory and num_kv_blocks are unset.
+    gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
     max_logprobs: int = 20  # -1: no cap but the vocabulary size
@@ -44,8 +50,12 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len: must be >= 1, got {self.max_model_len}")
+        if self.max_model_len is not None and self.max_model_len < 1 and self.max_model_len != -1:
+            raise ValueError(f"max_model_len: must be >= 1 (or -1 for auto), got "
+                             f"{self.max_model_len}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization: must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs: must be -1 (no cap) or >= 0, got {self.max_logprobs}")
         if self.max_n < 1:
@@ -108,6 +118,31 @@ def kv_cache_bytes(spec: str | float | int | None, device: torch.device, needed:
     return int(value * free) if value <= 1 else int(value)
 
 
+def kv_cache_bytes_from_utilization(utilization: float, device: torch.device, held: int,
+                                    needed: int) -> int:
+    """--gpu-memory-utilization: utilization x total memory, less the `held` bytes (weights)
+    this engine already holds. On a CPU host, whose memory the OS and other processes share,
+    the KV cache is further capped at `needed` (what max_num_seqs full-length requests use)."""
+    total = _total_memory(device)
+    budget = int(utilization * total) - held
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization: {utilization} of {total / 2**30:.1f} GiB leaves no room for "
+            f"the KV cache after the weights ({held / 2**30:.2f} GiB); raise it")
+    return budget if device.type == "cuda" else min(budget, needed)
+
+
+def _total_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 def _parse_size(text: str) -> float:
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:

@@ -35,13 +35,27 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_path: str | Path) ->
     return ids
 
 
-def generation_defaults(model_path: str | Path) -> dict:
-    """Sampling defaults a checkpoint publishes in generation_config.json (temperature, top_p,
-    top_k, min_p, repetition_penalty) - the API layer applies them when a request omits them."""
-    gen = Path(model_path) / "generation_config.json"
-    if not gen.is_file():
-        return {}
-    with open(gen) as f:
-        cfg = json.load(f)
-    keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-    return {k: cfg[k] for k in keys if k in cfg}
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(model_path: str | Path, source: str = "auto",
+                        overrides: dict | None = None) -> dict:
+    """Sampling defaults for requests that omit them (the API layer applies them), as vLLM's
+    --generation-config / --override-generation-config choose them: `source` "auto" reads the
+    checkpoint's generation_config.json, "vllm" reads none (ladle's own defaults), a directory
+    reads that directory's; `overrides` go on top. ValueError names the flag at fault."""
+    if source == "vllm":
+        cfg: dict = {}
+    else:
+        folder = Path(model_path) if source == "auto" else Path(source)
+        if source != "auto" and not (folder / "generation_config.json").is_file():
+            raise ValueError(f"generation_config: {source!r} is not auto, vllm, or a directory "
+                             "with a generation_config.json")
+        gen = folder / "generation_config.json"
+        cfg = json.loads(gen.read_text()) if gen.is_file() else {}
+    defaults = {k: cfg[k] for k in GENERATION_KEYS if k in cfg}
+    unknown = sorted(set(overrides or {}) - set(GENERATION_KEYS))
+    if unknown:
+        raise ValueError(f"override_generation_config: unsupported key(s) {', '.join(unknown)}; "
+                         f"accepted: {', '.join(GENERATION_KEYS)}")
+    return defaults | dict(overrides or {})

@@ -12,5 +12,10 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; 
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
         >/dev/null 2>&1 || echo "chromium could not be installed; the browser test will skip"
 fi
+# The TLS test makes its CA and certificate with the openssl command.
+if ! command -v openssl >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssl) \
+        >/dev/null 2>&1 || echo "openssl could not be installed; the TLS test will skip"
+fi
 .venv/bin/ruff check ladle tests benchmarks
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

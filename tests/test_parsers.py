@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from ladle.parsers.chat import ChatOutputParser
+from ladle.parsers.choice import ChoiceOutputParser, output_starts_in_reasoning
 from ladle.parsers.reasoning import (
     DeepSeekR1ReasoningParser,
     Qwen3ReasoningParser,
@@ -165,11 +165,14 @@ def test_extract_does_not_disturb_stream():
     assert parser.feed("n</think>ok").content == "ok"
 
 
-def test_thinking_started_in_prompt():
-    assert Qwen3ReasoningParser.thinking_started_in_prompt("<|im_start|>assistant\n<think>\n")
+def test_output_starts_in_reasoning_from_the_prompt_text():
+    """Without the tokenizer, the prompt text's last think tag decides (as the engine does with
+    the token ids): an open block or none at all means the output starts inside reasoning."""
+    assert output_starts_in_reasoning("qwen3", [], None, "<|im_start|>assistant\n<think>\n")
     closed = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
-    assert not Qwen3ReasoningParser.thinking_started_in_prompt(closed)
-    assert not Qwen3ReasoningParser.thinking_started_in_prompt("<|im_start|>assistant\n")
+    assert not output_starts_in_reasoning("qwen3", [], None, closed)
+    assert output_starts_in_reasoning("qwen3", [], None, "<|im_start|>assistant\n")
+    assert not output_starts_in_reasoning(None, [], None, "<think>")
 
 
 def test_unknown_reasoning_parser_lists_names():
@@ -228,11 +231,9 @@ TOOL_CASES = [
     ),
     ("Hi " + WEATHER + " bye", "Hi  bye", [("get_weather", '{"city": "Paris"}')]),
     # Not calls: the text stays content, tags and all.
-    (
-        call_block('{"name": "f", "arguments": {"a": }'),
-        call_block('{"name": "f", "arguments": {"a": }'),
-        [],
-    ),
+    # Announced (name and the arguments' brace), then not JSON: the call keeps the fragments
+    # already streamed and the rest of the block is content.
+    (call_block('{"name": "f", "arguments": {"a": }'), "}\n", [("f", '{"a": ')]),
     (call_block('{"arguments": {}}'), call_block('{"arguments": {}}'), []),
     (call_block('["f"]'), call_block('["f"]'), []),
     (
@@ -240,11 +241,7 @@ TOOL_CASES = [
         call_block('{"name": "f", "arguments": [1]}'),
         [],
     ),
-    (
-        call_block('{"name": "f", "arguments": {"x": NaN}}'),
-        call_block('{"name": "f", "arguments": {"x": NaN}}'),
-        [],
-    ),
+    (call_block('{"name": "f", "arguments": {"x": NaN}}'), "NaN}}\n", [("f", '{"x": ')]),
     (call_block('{"name": "f"} extra'), call_block('{"name": "f"} extra'), []),
     (
         call_block("{oops}") + "\n" + WEATHER,
@@ -260,6 +257,8 @@ TOOL_CASES = [
     ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n', None, [("f", '{"a": 1}')]),
     ('<tool_call>\n{"name": "f", "argu', '<tool_call>\n{"name": "f", "argu', []),
     ('<tool_call>{"name": "f"}</tool_', '<tool_call>{"name": "f"}</tool_', []),
+    # Cut inside the arguments (max_tokens): the announced call keeps what was sent.
+    ('<tool_call>\n{"name": "f", "arguments": {"a": [1, 2', None, [("f", '{"a": [1, ')]),
     # No calls at all.
     ("Hi <tool_ca", "Hi <tool_ca", []),
     ("a < b and <tool> </tool_call> text", "a < b and <tool> </tool_call> text", []),
@@ -301,19 +300,25 @@ def test_two_whole_calls_in_one_delta():
     parser = HermesToolParser(id_factory=counting_ids())
     delta = parser.feed("Sure.\n" + WEATHER + "\n" + TIME)
     assert delta.content == "Sure.\n"
-    assert [(c.index, c.id, c.name, c.arguments) for c in delta.tool_calls] == [
-        (0, "call_0", "get_weather", '{"city": "Paris"}'),
-        (1, "call_1", "get_time", '{"tz": "UTC"}'),
+    assert merge_deltas([delta]).tool_calls == [
+        ToolCall("call_0", "get_weather", '{"city": "Paris"}'),
+        ToolCall("call_1", "get_time", '{"tz": "UTC"}'),
     ]
     assert parser.finish().is_empty
 
 
-def test_tool_call_is_sent_when_its_end_tag_arrives():
+def test_arguments_stream_as_they_are_written():
     parser = HermesToolParser(id_factory=counting_ids())
     assert parser.feed("Hi <tool_").content == "Hi "  # the partial tag is held back
-    assert parser.feed('call>\n{"name": "f", "arguments": {}}\n</tool_call').is_empty
-    delta = parser.feed(">")
-    assert [(c.index, c.name, c.arguments) for c in delta.tool_calls] == [(0, "f", "{}")]
+    assert parser.feed('call>\n{"name": "f", "argu').is_empty  # the name is not certain yet
+    delta = parser.feed('ments": {"city": "Par')
+    assert [(c.index, c.id, c.name, c.arguments) for c in delta.tool_calls] == [
+        (0, "call_0", "f", ""), (0, None, None, '{"city": "Par')]
+    delta = parser.feed('is", "days":')
+    assert [(c.index, c.id, c.arguments) for c in delta.tool_calls] == [
+        (0, None, 'is", "days": ')]
+    delta = parser.feed(' 3}}\n</tool_call>')
+    assert [c.arguments for c in delta.tool_calls] == ["3}"]
 
 
 def test_default_ids_are_unique_openai_style():
@@ -339,7 +344,7 @@ CHAT_TEXT = (
 )
 
 
-def test_chat_parser_chains_reasoning_then_tools():
+def test_choice_parser_chains_reasoning_then_tools():
     expected = ExtractedMessage(
         reasoning="\nI should call the tool.\n",
         content="\n\nLet me check.\n",
@@ -348,43 +353,83 @@ def test_chat_parser_chains_reasoning_then_tools():
             ToolCall(id="call_1", name="search", arguments='{"q": "{\\"x\\"}"}'),
         ],
     )
-    prompt = "<|im_start|>assistant\n<think>\n"
 
     def make():
-        return ChatOutputParser.from_names(
-            "qwen3", "hermes", prompt_text=prompt, id_factory=counting_ids()
-        )
+        return ChoiceOutputParser("qwen3", "hermes", "auto", starts_in_reasoning=True,
+                                  id_factory=counting_ids())
 
     assert make().extract(CHAT_TEXT) == expected
     for chunks in chunkings(CHAT_TEXT, seed=1):
         parser = make()
         assert merge_deltas(stream(parser, chunks)) == expected, chunks
         assert parser.is_reasoning_end
-        assert parser.num_tool_calls == 2
+        assert parser.num_calls == 2
+        assert parser.finish_reason("stop") == "tool_calls"
+        assert parser.finish_reason("length") == "length"
 
 
-def test_chat_parser_tool_markup_inside_reasoning_is_not_a_call():
-    parser = ChatOutputParser.from_names("deepseek_r1", "hermes", id_factory=counting_ids())
+def test_choice_parser_tool_markup_inside_reasoning_is_not_a_call():
+    parser = ChoiceOutputParser("deepseek_r1", "hermes", "auto", id_factory=counting_ids())
     text = "maybe " + WEATHER + "</think>no call"
     expected = ExtractedMessage(reasoning="maybe " + WEATHER, content="no call")
     assert parser.extract(text) == expected
     assert merge_deltas(stream(parser, list(text))) == expected
 
 
-def test_chat_parser_without_reasoning_or_tools():
-    parser = ChatOutputParser.from_names(None, "hermes", id_factory=counting_ids())
+def test_choice_parser_without_reasoning_or_tools():
+    parser = ChoiceOutputParser(None, "hermes", "auto", id_factory=counting_ids())
     assert parser.is_reasoning_end
     message = merge_deltas(stream(parser, ["<think>x</think>", WEATHER]))
     assert message.content == "<think>x</think>"
     assert [call.name for call in message.tool_calls] == ["get_weather"]
 
-    parser = ChatOutputParser.from_names("qwen3", None)
+    parser = ChoiceOutputParser("qwen3", "hermes", "none")  # tool_choice none: text stays text
     assert merge_deltas(stream(parser, ["<think>x</thi", "nk>", WEATHER])) == ExtractedMessage(
         reasoning="x", content=WEATHER
     )
     assert parser.is_reasoning_end
 
 
-def test_chat_parser_unknown_name():
-    with pytest.raises(ValueError, match="available: hermes"):
-        ChatOutputParser.from_names("qwen3", "mistral")
+def test_include_reasoning_false_drops_only_the_reasoning():
+    parser = ChoiceOutputParser("qwen3", include_reasoning=False, starts_in_reasoning=True)
+    assert merge_deltas(stream(parser, ["plan</think>", "answer"])) == ExtractedMessage(
+        content="answer")
+
+
+def test_choice_parser_unknown_name():
+    with pytest.raises(ValueError, match="available: deepseek_r1, qwen3"):
+        ChoiceOutputParser("nope")
+    with pytest.raises(ValueError, match="available: hermes, llama3_json, mistral"):
+        ChoiceOutputParser(None, "nope", "auto")
+
+
+# ------------------------------------------------- tool_choice required / named (constrained)
+
+REQUIRED = ('[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+            '{"name": "get_time", "parameters": {"tz": "U\\"}"}}]')
+
+
+@pytest.mark.parametrize("cut", [len(REQUIRED), 60, 57, 56, 20, 1])
+def test_required_calls_cut_by_max_tokens(cut):
+    """Calls complete before the cut are calls; the cut one is neither a call nor content."""
+    text = REQUIRED[:cut]
+    whole = json.loads(REQUIRED)
+    num_complete = sum(1 for i in range(len(whole))
+                       if len(json.dumps(whole[: i + 1])[:-1]) <= cut)
+    expected = ExtractedMessage(tool_calls=[
+        ToolCall(f"call_{i}", c["name"], json.dumps(c["parameters"]))
+        for i, c in enumerate(whole[:num_complete])])
+    for chunks in chunkings(text):
+        parser = ChoiceOutputParser(tool_mode="required", id_factory=counting_ids())
+        assert merge_deltas(stream(parser, chunks)) == expected, chunks
+        assert parser.finish_reason("length") == "length"
+
+
+def test_named_call_is_sent_when_its_object_closes():
+    parser = ChoiceOutputParser(tool_mode="named", named_function="f", id_factory=counting_ids())
+    assert parser.feed('{"a": {"b": 1}').is_empty
+    assert merge_deltas([parser.feed("}"), parser.finish()]).tool_calls == [
+        ToolCall("call_0", "f", '{"a": {"b": 1}}')]
+    assert parser.finish_reason("stop") == "tool_calls"
+    cut = ChoiceOutputParser(tool_mode="named", named_function="f")
+    assert merge_deltas(stream(cut, ['{"a": {"b": 1}'])) == ExtractedMessage()

@@ -37,13 +37,16 @@ def free_port() -> int:
 class RemoteServer:
     """`python -m ladle.entrypoints.cli serve ...` in a subprocess, stopped by PID."""
 
-    def __init__(self, *args: str, timeout: float = 180):
+    def __init__(self, *args: str, timeout: float = 180, model: str | None = MODEL,
+                 scheme: str = "http", verify=True):
+        # model None: the arguments name it (--model or --config); https: verify is what httpx
+        # checks the certificate with.
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.log_file = tempfile.NamedTemporaryFile("w+", prefix="ladle-serve-", suffix=".log",
                                                     delete=False)
-        cmd = [sys.executable, "-m", "ladle.entrypoints.cli", "serve", MODEL, "--port",
-               str(self.port), *args]
+        cmd = [sys.executable, "-m", "ladle.entrypoints.cli", "serve",
+               *([model] if model else []), "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
@@ -51,7 +54,7 @@ class RemoteServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=1, verify=verify).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass

@@ -11,7 +11,12 @@ import logging
 import numpy as np
 import torch
 
-from ladle.config import EngineConfig, check_priority, kv_cache_bytes
+from ladle.config import (
+    EngineConfig,
+    check_priority,
+    kv_cache_bytes,
+    kv_cache_bytes_from_utilization,
+)
 from ladle.engine.kv_cache_manager import KVCacheManager
 from ladle.engine.request import FinishReason, Request, RequestStatus
 from ladle.engine.scheduler import Scheduler, SchedulerOutput
@@ -38,7 +43,9 @@ class EngineCore:
         mcfg = model.config
         self.vocab_size = mcfg.vocab_size
         self.limits = RequestLimits(self.vocab_size, config.max_logprobs, config.max_n)
-        self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
+        is_auto_len = config.max_model_len == -1  # "auto": shrunk below to what the KV holds
+        self.max_model_len = (None if is_auto_len else config.max_model_len) or \
+            mcfg.max_position_embeddings
         if self.max_model_len > mcfg.max_position_embeddings:
             raise ValueError(
                 f"max_model_len: {self.max_model_len} exceeds the model's "
@@ -47,9 +54,20 @@ class EngineCore:
         bs = config.block_size
         per_block = ModelRunner.kv_bytes_per_block(mcfg, self.dtype, bs)
         needed = per_block * -(-self.max_model_len // bs) * config.max_num_seqs
-        num_blocks = config.num_kv_blocks or (
-            kv_cache_bytes(config.kv_cache_memory, device, needed) // per_block
-        )
+        if config.num_kv_blocks is None and config.kv_cache_memory is None and \
+                config.gpu_memory_utilization is not None:
+            held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for t in model.state_dict().values()}.values())  # tied weights once
+            num_blocks = kv_cache_bytes_from_utilization(
+                config.gpu_memory_utilization, device, held, needed) // per_block
+        else:
+            num_blocks = config.num_kv_blocks or (
+                kv_cache_bytes(config.kv_cache_memory, device, needed) // per_block
+            )
+        if is_auto_len and num_blocks * bs < self.max_model_len:
+            logger.info("max_model_len auto: %d tokens (what %d KV blocks hold)",
+                        num_blocks * bs, num_blocks)
+            self.max_model_len = num_blocks * bs
         min_blocks = -(-self.max_model_len // bs)
         if num_blocks < min_blocks:
             raise ValueError(
@@ -256,6 +274,8 @@ class EngineCore:
             "prefix_cache_hits": kv.num_prefix_hits,
             "failed_runs": self.num_failed_runs,
             "failed_requests": self.num_failed_requests,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "latencies": self.scheduler.take_latencies(),  # drained: call once per message
         }
 
 

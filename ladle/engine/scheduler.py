@@ -9,6 +9,8 @@ later. Waiting requests are admitted by (priority, arrival)."""
 from __future__ import annotations
 
 import heapq
+import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from ladle.engine.kv_cache_manager import KVCacheManager
@@ -33,6 +35,13 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+LATENCY_KINDS = ("queue", "prefill", "decode", "inference")
+
+
+def _new_latencies() -> dict[str, deque[float]]:
+    return {k: deque(maxlen=10_000) for k in LATENCY_KINDS}
+
+
 class Scheduler:
     def __init__(
         self,
@@ -50,6 +59,12 @@ class Scheduler:
         self.running: list[Request] = []  # admission order; the newest is last
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0  # since start, for metrics and tests
+        # Per-request phase times (time.monotonic(), the clock arrival_time uses) for metrics:
+        # req_id -> [first scheduled, first token]; finished phases wait in `latencies` until
+        # take_latencies() hands them to the stats message.
+        # Bounded: the offline LLM never drains them.
+        self._phase_start: dict[str, list[float | None]] = {}
+        self.latencies = _new_latencies()
 
     @property
     def num_waiting(self) -> int:
@@ -115,6 +130,10 @@ class Scheduler:
             if req.num_preemptions == 0 or req.num_cached_tokens == 0:
                 req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
+            if req.req_id not in self._phase_start:  # first time scheduled: it queued till now
+                now = time.monotonic()
+                self._phase_start[req.req_id] = [now, None]
+                self.latencies["queue"].append(now - req.arrival_time)
             self.running.append(req)
             out.scheduled.append(req)
             out.num_scheduled_tokens[req.req_id] = num_new
@@ -147,9 +166,19 @@ class Scheduler:
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance num_computed_tokens for what ran and publish newly full blocks."""
+        now = time.monotonic()
         for req in out.scheduled:
             req.num_computed_tokens += out.num_scheduled_tokens[req.req_id]
             self.kv_cache.cache_full_blocks(req, req.num_computed_tokens)
+            start = self._phase_start.get(req.req_id)
+            if start and start[1] is None and req.num_computed_tokens >= req.num_prompt_tokens:
+                start[1] = now  # the prompt is in: this step samples the first token
+                self.latencies["prefill"].append(now - start[0])
+
+    def take_latencies(self) -> dict[str, list[float]]:
+        """Phase times finished since the last call (queue, prefill, decode, inference)."""
+        taken, self.latencies = self.latencies, _new_latencies()
+        return {k: list(v) for k, v in taken.items()}
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """End a request in any state; its blocks are freed at once."""
@@ -162,5 +191,10 @@ class Scheduler:
             heapq.heapify(self.waiting)
         req.status = status
         self.kv_cache.free(req)
+        start = self._phase_start.pop(req.req_id, None)
+        if start and start[1] is not None:
+            now = time.monotonic()
+            self.latencies["decode"].append(now - start[1])
+            self.latencies["inference"].append(now - start[0])
         self.finished_req_ids.add(req.req_id)
         del self.requests[req.req_id]

@@ -14,6 +14,7 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -27,7 +28,7 @@ from ladle.entrypoints.common import (
     error_response,
     request_error_response,
 )
-from ladle.entrypoints.serving_chat import create_chat_completion
+from ladle.entrypoints.serving_chat import create_chat_completion, resolve_content_format
 from ladle.entrypoints.serving_completion import create_completion
 from ladle.entrypoints.serving_messages import count_tokens, create_message
 from ladle.entrypoints.serving_responses import (
@@ -53,18 +54,25 @@ from ladle.protocol.common import (
 )
 from ladle.protocol.completion import CompletionRequest
 from ladle.protocol.responses import ResponsesRequest
+from ladle.reasoning import REASONING_PARSERS as ENGINE_REASONING
+from ladle.tokenizer import generation_defaults
 
 logger = logging.getLogger("ladle.server")
 PLAYGROUND_DIR = Path(__file__).parent / "playground"
 _TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none", "tuple"}
 
 
-def build_app(server: ServerState) -> FastAPI:
+def build_app(server: ServerState, root_path: str = "", cors: dict | None = None) -> FastAPI:
+    """cors: CORSMiddleware's options (allow_origins, ...), None for no CORS headers."""
     app = FastAPI(title="ladle", version=ladle.__version__, docs_url=None, redoc_url=None)
     app.state.server = server
     _add_error_handlers(app)
     app.add_middleware(_AuthAndRequestId, api_key=server.api_key)
     app.add_middleware(_BodyChecks, max_bytes=server.max_request_body_bytes)
+    if root_path:
+        app.add_middleware(_PrefixedPaths, root_path=root_path)
+    if cors is not None:  # outermost: preflights are answered before auth looks at them
+        app.add_middleware(CORSMiddleware, **cors)
     engine = server.engine
 
     @app.get("/health")
@@ -147,7 +155,8 @@ def build_app(server: ServerState) -> FastAPI:
                     add_generation_prompt=request.add_generation_prompt,
                     continue_final_message=request.continue_final_message,
                     chat_template=request.chat_template,
-                    chat_template_kwargs=request.chat_template_kwargs)
+                    chat_template_kwargs=(server.default_chat_template_kwargs
+                                          | (request.chat_template_kwargs or {})))
                 add_special = bool(request.add_special_tokens)
             else:
                 text = request.prompt
@@ -231,7 +240,9 @@ class _AuthAndRequestId:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or ())
-        if self.api_key is not None and scope["path"].startswith("/v1"):
+        # The route's path: behind --root-path the scope's path starts with the prefix.
+        path = scope["path"].removeprefix(scope.get("root_path", "") or "")
+        if self.api_key is not None and path.startswith("/v1"):
             auth = headers.get(b"authorization", b"").decode("latin-1")
             expected = f"Bearer {self.api_key}"
             # Anthropic's clients send the key as x-api-key.
@@ -258,6 +269,21 @@ class _AuthAndRequestId:
         return await self.app(scope, receive, send_with_id)
 
 
+class _PrefixedPaths:
+    """--root-path: uvicorn reports every path under the prefix, so a proxy that strips the
+    prefix works as it is; this also serves a proxy that forwards the prefix (/llm/v1/models)."""
+
+    def __init__(self, app, root_path: str):
+        self.app = app
+        self.root_path = root_path.rstrip("/")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            route = scope["path"].removeprefix(scope.get("root_path", "") or "")
+            if route == self.root_path or route.startswith(self.root_path + "/"):
+                scope = dict(scope, path=scope["path"][: len(scope["path"]) - len(route)]
+                             + (route[len(self.root_path):] or "/"))
+        return await self.app(scope, receive, send)
 class _BodyChecks:
     """ASGI middleware for request bodies, before any handler (or JSON parser) sees them: a
     body larger than max_bytes gets 413 (a declared Content-Length is checked at once; a
@@ -325,6 +351,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
@@ -339,7 +366,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         structured_outputs_backend=args.structured_outputs_backend,
         structured_outputs_compile_timeout=args.structured_outputs_compile_timeout,
         structured_outputs_cache_bytes=args.structured_outputs_cache_bytes,
-        reasoning_parser=args.reasoning_parser,
+        # The engine knows the built-in reasoning formats only (a plugin's tags are text to it).
+        reasoning_parser=(args.reasoning_parser if args.reasoning_parser in ENGINE_REASONING
+                          else None),
     )
 
 
@@ -381,38 +410,72 @@ class _DrainingServer(uvicorn.Server):
 
 async def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM (exit code 0) or until the engine process dies (1)."""
-    config = engine_config_from_args(args)
     names = args.served_model_name or [args.model]
+    try:
+        chat_template, generation = check_frontend_args(args)
+    except ValueError as e:
+        logger.error("%s", e)
+        return 2
+    config = engine_config_from_args(args)
     try:
         engine = await AsyncLLM.start(config, model_name=names[0])
     except EngineDeadError as e:
         logger.error("%s", e)
         return 1
+    try:
+        engine.processor.generation_defaults = generation_defaults(
+            engine.model_path, generation[0], generation[1])
+    except ValueError as e:
+        logger.error("%s", e)
+        await engine.shutdown()
+        return 2
+    logger.info("sampling defaults from --generation-config %s: %s", generation[0],
+                engine.processor.generation_defaults or "none (ladle's own)")
+    if chat_template is not None:  # every chat render (and /tokenize) uses it from now on
+        engine.tokenizer.chat_template = chat_template
     server = ServerState(
         engine=engine, served_model_names=names, api_key=args.api_key,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         structured_outputs_backend=args.structured_outputs_backend,
+        default_chat_template_kwargs=args.default_chat_template_kwargs or {},
+        response_role=args.response_role,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        force_include_usage=args.enable_force_include_usage,
+        logprobs_mode=args.logprobs_mode, log_requests=args.enable_log_requests,
+        keep_parser_markers=_markers_are_special(engine.tokenizer, args),
+        chat_template_content_format=resolve_content_format(
+            args.chat_template_content_format, engine.tokenizer.chat_template),
         max_request_body_bytes=args.max_request_body_bytes,
         trust_request_chat_template=args.trust_request_chat_template,
         enable_playground=not args.disable_playground,
     )
     engine.max_in_flight = config.max_num_seqs + args.max_waiting_requests
-    app = build_app(server)
+    cors = None
+    if args.allowed_origins is not None:
+        cors = {"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
+                "allow_headers": args.allowed_headers,
+                "allow_credentials": args.allow_credentials}
+    app = build_app(server, root_path=args.root_path or "", cors=cors)
     uv = _DrainingServer(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
         access_log=not args.disable_access_log,
         # uvicorn cancels what is still running after this; the drain ends it first, cleanly.
         timeout_graceful_shutdown=args.shutdown_timeout + 5, timeout_keep_alive=30,
+        root_path=args.root_path or "",
+        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
     ), engine, args.shutdown_timeout)
+    stats_task = None if args.disable_log_stats else asyncio.create_task(_log_stats(engine))
 
     def stop_after_engine_death() -> None:
         # In-flight requests were just failed; give their error bodies a moment to go out.
         asyncio.get_running_loop().call_later(0.5, setattr, uv, "should_exit", True)
 
     engine.on_dead(stop_after_engine_death)
-    logger.info("serving %s (%s) on http://%s:%d", names[0], engine.model_path, args.host,
-                args.port)
+    logger.info("serving %s (%s) on %s://%s:%d%s", names[0], engine.model_path,
+                "https" if args.ssl_certfile else "http", args.host, args.port,
+                args.root_path or "")
     # uvicorn handles SIGINT/SIGTERM while it serves, then re-raises the signal under the
     # handler that was there before; make that one a no-op so the engine is shut down here.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -420,8 +483,109 @@ async def run_server(args: argparse.Namespace) -> int:
     try:
         await uv.serve()
     finally:
+        if stats_task is not None:
+            stats_task.cancel()
         await engine.shutdown()
     if engine.dead_error is not None:
         logger.error("exiting: %s", engine.dead_error)
         return 1
     return 0
+
+
+# ---- vLLM's launch flags: checks and notes ---------------------------------------------------
+_NO_EFFECT_NOTES = {
+    "trust_remote_code": "ladle never runs code from a checkpoint; only its own architectures "
+                         "(Llama, Qwen2, Qwen3) load",
+    "enforce_eager": "ladle always runs eagerly (it captures no CUDA graphs)",
+    "enable_prompt_tokens_details": "usage always carries prompt_tokens_details.cached_tokens",
+}
+
+
+def check_frontend_args(args: argparse.Namespace) -> tuple[str | None, tuple[str, dict]]:
+    """Settle the flags the API process owns before the engine starts: (the chat template text
+    or None, (generation-config source, overrides)). Logs the flags that have no effect here and
+    downloads a hub model at --revision into --download-dir. ValueError names the flag."""
+    for name, note in _NO_EFFECT_NOTES.items():
+        if getattr(args, name):
+            logger.info("--%s: accepted, no effect: %s", name.replace("_", "-"), note)
+    if args.allowed_origins is None:
+        logger.info("CORS: off (vLLM allows every origin by default; pass --allowed-origins "
+                    "to let browsers call ladle)")
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise ValueError("--ssl-keyfile and --ssl-certfile: give both to serve https://")
+    if args.root_path and not args.root_path.startswith("/"):
+        raise ValueError(f"--root-path: must start with '/', got {args.root_path!r}")
+    _resolve_hub_model(args)
+    chat_template = None
+    if args.chat_template is not None:
+        from ladle.entrypoints.serving_chat import load_chat_template
+        chat_template = load_chat_template(args.chat_template)
+    from ladle.parsers import load_plugins
+    load_plugins(tool_parser_plugin=args.tool_parser_plugin,
+                 reasoning_parser_plugin=args.reasoning_parser_plugin,
+                 tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+    source = args.generation_config
+    if source not in ("auto", "vllm") and not Path(source).is_dir():
+        raise ValueError(f"--generation-config: {source!r} is not auto, vllm, or a directory")
+    generation_defaults(Path(source), "vllm", args.override_generation_config)  # checks the keys
+    if args.reasoning_parser is not None and args.reasoning_parser not in ENGINE_REASONING:
+        logger.info("--reasoning-parser %s: a plugin; thinking_token_budget and structured "
+                    "outputs after the reasoning need a built-in one (%s)", args.reasoning_parser,
+                    ", ".join(ENGINE_REASONING))
+    return chat_template, (source, args.override_generation_config or {})
+
+
+def _resolve_hub_model(args: argparse.Namespace) -> None:
+    """--revision / --download-dir apply to a hub id; the engine then loads the local copy."""
+    local = Path(args.model).expanduser().is_dir() or args.model == "ladle-demo"
+    if local:
+        for flag in ("revision", "download_dir"):
+            if getattr(args, flag) is not None:
+                logger.info("--%s: no effect: the model is a local directory",
+                            flag.replace("_", "-"))
+        return
+    if args.revision is None and args.download_dir is None:
+        return  # the engine fetches it (default revision and cache)
+    from huggingface_hub import snapshot_download
+    try:
+        path = snapshot_download(args.model, revision=args.revision, cache_dir=args.download_dir,
+                                 allow_patterns=["*.json", "*.safetensors", "*.model", "*.jinja",
+                                                 "*.txt", "*.tiktoken"])
+    except Exception as e:
+        raise ValueError(f"--model {args.model} (revision {args.revision}): download failed "
+                         f"({type(e).__name__}: {e})") from e
+    if not args.served_model_name:
+        args.served_model_name = [args.model]
+    args.model = path
+
+
+def _markers_are_special(tokenizer, args: argparse.Namespace) -> bool:
+    """Whether the tokenizer marks a parser's tags as special tokens (skip_special_tokens would
+    delete them from the text before the parser sees them)."""
+    from ladle.parsers.choice import parser_markers
+
+    markers = set(parser_markers(args.reasoning_parser, args.tool_call_parser))
+    special = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    hit = sorted(markers & special)
+    if hit:
+        logger.info("the tokenizer marks %s as special tokens: parsed chat requests keep "
+                    "special tokens in their text", ", ".join(hit))
+    return bool(hit)
+
+
+async def _log_stats(engine: AsyncLLM, interval: float = 10.0) -> None:
+    """vLLM's periodic stats line (off with --disable-log-stats), while there is traffic."""
+    last = None
+    while True:
+        await asyncio.sleep(interval)
+        s = engine.metrics.engine_stats
+        line = (s.get("num_running", 0), s.get("num_waiting", 0))
+        tokens = engine.metrics.num_generation_tokens
+        if line == (0, 0) and tokens == last:
+            continue
+        logger.info("running: %d reqs, waiting: %d reqs, KV cache usage: %.1f%%, prefix-cache "
+                    "hit rate: %.1f%%, generated tokens: %d", *line,
+                    100 * s.get("kv_cache_usage", 0.0),
+                    100 * s.get("prefix_cache_hits", 0) / max(s.get("prefix_cache_queries", 0), 1),
+                    tokens)
+        last = tokens

@@ -45,6 +45,17 @@ class ServerState:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     structured_outputs_backend: str = "auto"
+    # vLLM's server-wide request defaults (ladle serve --help, Frontend group).
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    chat_template_content_format: str = "auto"  # auto | string | openai
+    response_role: str = "assistant"
+    return_tokens_as_token_ids: bool = False
+    force_include_usage: bool = False  # streams end with usage without stream_options
+    logprobs_mode: str = "raw_logprobs"
+    log_requests: bool = False  # one log line per request (--enable-log-requests)
+    # The tokenizer marks a parser's tags as special tokens: parsed requests keep special tokens
+    # in the text (skip_special_tokens off) so the parsers see the tags.
+    keep_parser_markers: bool = False
     # Limits (README: "Limits and errors").
     max_request_body_bytes: int = 4 * 2**20
     trust_request_chat_template: bool = False

@@ -1,11 +1,15 @@
 """POST /v1/chat/completions: messages (and tools) -> the chat template -> one processed request
 (n choices) -> a response or an SSE stream whose first chunk per choice carries the role. With a
-reasoning parser or tools, each choice's text goes through a ChoiceParser (entrypoints/tools.py)
-into reasoning, content and tool calls, the same way for both."""
+reasoning parser or tools, each choice's text goes through a ChoiceOutputParser (parsers/choice.py)
+into reasoning, content and tool calls, the same way for both. Also the server-wide chat
+settings: --chat-template, its content format, and the default template kwargs."""
 
 from __future__ import annotations
 
+import logging
+import re
 import time
+from pathlib import Path
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -22,11 +26,12 @@ from ladle.entrypoints.common import (
     until_disconnect,
 )
 from ladle.entrypoints.logprobs import TokenNames, chat_logprobs, prompt_logprobs
-from ladle.entrypoints.tools import ChoiceParser, ToolPlan, plan_tools
+from ladle.entrypoints.tools import ToolPlan, plan_tools
 from ladle.frontend.output_processor import ChoiceDelta, TokenLogprob
 from ladle.frontend.processor import ProcessedRequest
+from ladle.parsers.choice import ChoiceOutputParser, output_starts_in_reasoning
 from ladle.parsers.types import DeltaMessage as ParsedDelta
-from ladle.parsers.types import merge_deltas
+from ladle.parsers.types import merge_deltas, merge_pieces
 from ladle.protocol.chat import (
     ChatCompletionMessage,
     ChatCompletionRequest,
@@ -43,6 +48,52 @@ from ladle.protocol.chat import (
 from ladle.protocol.common import PromptTokensDetails, RequestError, UsageInfo
 from ladle.protocol.sampling import to_sampling_params
 
+logger = logging.getLogger("ladle.server")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template: a file's text, or the value itself when it is a template (has Jinja
+    markup). ValueError for a path that does not exist."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+
+
+def resolve_content_format(fmt: str, template: str | None) -> str:
+    """--chat-template-content-format auto: "openai" (content as a list of parts) when the
+    template loops over a message's content, else "string" (text parts joined)."""
+    if fmt != "auto":
+        return fmt
+    loops = re.search(r"for\s+\w+\s+in\s+\w+(?:\.content|\[['\"]content['\"]\])", template or "")
+    return "openai" if loops else "string"
+
+
+def template_messages(server: ServerState, request: ChatCompletionRequest) -> list[dict]:
+    messages = request.template_messages()  # checks that every part is text
+    if server.chat_template_content_format == "openai":  # each text part kept as a part
+        for msg, original in zip(messages, request.messages, strict=True):
+            if isinstance(original.content, list):
+                msg["content"] = [{"type": "text", "text": p["text"]} for p in original.content]
+            elif isinstance(msg.get("content"), str):
+                msg["content"] = [{"type": "text", "text": msg["content"]}]
+    return messages
+
+
+def template_kwargs(server: ServerState, request: ChatCompletionRequest) -> dict:
+    """The server's defaults, then reasoning_effort's thinking switch, then the request's own."""
+    kwargs = dict(server.default_chat_template_kwargs)
+    effort = request.reasoning_effort
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise RequestError(f"reasoning_effort: {effort!r}; accepted: "
+                               + ", ".join(REASONING_EFFORTS), param="reasoning_effort")
+        kwargs["enable_thinking"] = effort != "none"
+    return kwargs | request.template_kwargs()
+
 
 def process_chat(server: ServerState, request: ChatCompletionRequest,
                  request_id: str) -> tuple[ProcessedRequest, ToolPlan]:
@@ -58,12 +109,12 @@ def process_chat(server: ServerState, request: ChatCompletionRequest,
                           tool_call_parser=server.tool_call_parser,
                           backend=server.structured_outputs_backend)
         prompt = processor.render_chat(
-            request.template_messages(),
+            template_messages(server, request),
             tools=request.tools,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             chat_template=request.chat_template,
-            chat_template_kwargs=request.template_kwargs(),
+            chat_template_kwargs=template_kwargs(server, request),
         )
         ids = processor.encode(prompt, add_special_tokens=request.add_special_tokens)
         if request.truncate_prompt_tokens is not None and len(ids) > request.truncate_prompt_tokens:
@@ -77,6 +128,11 @@ def process_chat(server: ServerState, request: ChatCompletionRequest,
             defaults=processor.generation_defaults, limits=processor.limits,
             structured_outputs_backend=server.structured_outputs_backend,
             structured_outputs=plan.constraint)
+        params.logprobs_mode = server.logprobs_mode
+        if server.keep_parser_markers and (server.reasoning_parser is not None
+                                           or plan.mode == "auto"):
+            # This tokenizer marks the parsers' tags as special tokens: keep them in the text.
+            params.skip_special_tokens = False
         processed = processor.process(unique_id(request_id),
                                       {"prompt": prompt, "prompt_token_ids": ids}, params,
                                       priority=request.priority, cache_salt=request.cache_salt)
@@ -85,21 +141,21 @@ def process_chat(server: ServerState, request: ChatCompletionRequest,
         raise as_request_error(e) from e
 
 
-def choice_parser(server: ServerState, processed: ProcessedRequest, plan: ToolPlan
-                  ) -> ChoiceParser:
-    """The parser of one choice's text (also used by the Responses and Messages APIs)."""
-    thinking = False
-    if server.reasoning_parser is not None:
-        # What the engine decides from the prompt (ladle.reasoning.ReasoningConfig).
-        tokenizer = server.engine.tokenizer
-        start, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
-        thinking = True
-        for t in reversed(processed.prompt_token_ids):
-            if t in (start, end):
-                thinking = t == start
-                break
-    return ChoiceParser(plan, server.reasoning_parser, server.tool_call_parser,
-                        prompt_text=processed.prompt or "", is_thinking_at_start=thinking)
+def choice_parser(server: ServerState, processed: ProcessedRequest, plan: ToolPlan,
+                  request: ChatCompletionRequest | None = None, *,
+                  starts_in_reasoning: bool | None = None) -> ChoiceOutputParser:
+    """The parser of one choice's text (chat, and the Responses and Messages APIs).
+    starts_in_reasoning: when the caller already decided it for the request's prompt."""
+    if starts_in_reasoning is None:
+        starts_in_reasoning = output_starts_in_reasoning(
+            server.reasoning_parser, processed.prompt_token_ids, server.engine.tokenizer,
+            processed.prompt)
+    return ChoiceOutputParser(
+        reasoning_parser=server.reasoning_parser, tool_parser=server.tool_call_parser,
+        tool_mode=plan.mode, named_function=plan.named, is_parallel=plan.is_parallel,
+        tools=list(request.tools or []) if request is not None else [],
+        starts_in_reasoning=starts_in_reasoning,
+        include_reasoning=request.include_reasoning if request is not None else True)
 
 
 async def create_chat_completion(server: ServerState, request: ChatCompletionRequest,
@@ -109,6 +165,9 @@ async def create_chat_completion(server: ServerState, request: ChatCompletionReq
     log_request_fields(request, request_id)
     with server.engine.admitting(request.n):
         processed, plan = await server.run_blocking(process_chat, server, request, request_id)
+    if server.log_requests:  # --enable-log-requests
+        logger.info("%s: %d prompt tokens, %s", request_id, len(processed.prompt_token_ids),
+                    processed.params)
     writer = _Writer(server, request, processed, plan, request_id, model)
     if request.stream:
         return StreamingResponse(writer.stream(), media_type="text/event-stream")
@@ -129,7 +188,15 @@ class _Writer:
         self.model = model
         self.created = int(time.time())
         self.num_top = processed.params.logprobs  # None: no logprobs asked for
-        self.names = TokenNames(self.engine.tokenizer, request.return_tokens_as_token_ids)
+        as_ids = (request.return_tokens_as_token_ids
+                  if "return_tokens_as_token_ids" in request.model_fields_set
+                  else server.return_tokens_as_token_ids)
+        self.names = TokenNames(self.engine.tokenizer, as_ids)
+        self.role = server.response_role
+        # Decided once per request: every choice's output starts from the same prompt.
+        self.starts_in_reasoning = output_starts_in_reasoning(
+            server.reasoning_parser, processed.prompt_token_ids, self.engine.tokenizer,
+            processed.prompt)
         # echo: the reply starts with the last message's content when it is the assistant's.
         last = request.messages[-1]
         self.echo_text = ""
@@ -142,8 +209,9 @@ class _Writer:
                          total_tokens=num_prompt + num_completion,
                          prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached))
 
-    def _parser(self) -> ChoiceParser:
-        return choice_parser(self.server, self.processed, self.plan)
+    def _parser(self) -> ChoiceOutputParser:
+        return choice_parser(self.server, self.processed, self.plan, self.request,
+                             starts_in_reasoning=self.starts_in_reasoning)
 
     # ---- non-streaming ----------------------------------------------------------------------
     async def full(self) -> Response:
@@ -160,7 +228,9 @@ class _Writer:
             for d in update.deltas:
                 _check_error(d)
                 texts[d.index].append(d.text)
-                parsed[d.index].append(parsers[d.index].feed(d.text, d.finish_reason is not None))
+                parsed[d.index].append(parsers[d.index].feed(d.text))
+                if d.finish_reason is not None:
+                    parsed[d.index].append(parsers[d.index].finish())
                 token_ids[d.index] += d.token_ids
                 logprobs[d.index] += d.logprobs or []
                 if d.finish_reason is not None:
@@ -170,6 +240,7 @@ class _Writer:
             finish_reason = finish[i][0]
             if not self.is_parsed:
                 message = ChatCompletionMessage(content="".join(texts[i]))
+                message.role = self.role
             else:
                 merged = merge_deltas(parsed[i])
                 message = ChatCompletionMessage(
@@ -177,8 +248,8 @@ class _Writer:
                     reasoning_content=merged.reasoning, reasoning=merged.reasoning,
                     tool_calls=[ToolCall(id=c.id, function=FunctionCall(
                         name=c.name, arguments=c.arguments)) for c in merged.tool_calls])
-                if merged.tool_calls:
-                    finish_reason = "tool_calls"
+                message.role = self.role
+                finish_reason = parsers[i].finish_reason(finish_reason)
             choices.append(ChatCompletionResponseChoice(
                 index=i,
                 message=message,
@@ -207,7 +278,7 @@ class _Writer:
     async def stream(self):
         request = self.request
         opts = request.stream_options
-        include_usage = bool(opts and opts.include_usage)
+        include_usage = bool(opts and opts.include_usage) or self.server.force_include_usage
         continuous = bool(opts and opts.continuous_usage_stats)
         n = len(self.processed.child_ids)
         num_tokens = [0] * n
@@ -217,7 +288,8 @@ class _Writer:
             # The first chunk of each choice: the role (and any echoed text).
             for i in range(n):
                 chunk = self._chunk(ChatCompletionResponseStreamChoice(
-                    index=i, delta=DeltaMessage(role="assistant", content=self.echo_text)))
+                    index=i, delta=DeltaMessage(content=self.echo_text)))
+                chunk.choices[0].delta.role = self.role
                 if request.return_token_ids and i == 0:
                     chunk.prompt_token_ids = self.processed.prompt_token_ids
                 if continuous:
@@ -229,13 +301,15 @@ class _Writer:
                     _check_error(d)
                     num_tokens[d.index] += len(d.token_ids)
                     parser = parsers[d.index]
-                    parsed = parser.feed(d.text, d.finish_reason is not None)
+                    parsed = parser.feed(d.text)
+                    if d.finish_reason is not None:  # one chunk: the last text and the end
+                        parsed = merge_pieces(parsed, parser.finish())
                     if not (not parsed.is_empty or d.finish_reason
                             or (self.num_top is not None and d.logprobs)):
                         continue  # text held back (a possible stop string or tag)
                     finish_reason = d.finish_reason
-                    if finish_reason is not None and self.is_parsed and parser.num_calls:
-                        finish_reason = "tool_calls"
+                    if finish_reason is not None and self.is_parsed:
+                        finish_reason = parser.finish_reason(finish_reason)
                     choice = ChatCompletionResponseStreamChoice(
                         index=d.index, delta=_delta_message(parsed),
                         finish_reason=finish_reason, stop_reason=d.stop_reason)

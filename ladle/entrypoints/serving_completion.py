@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -33,6 +34,8 @@ from ladle.protocol.completion import (
 )
 from ladle.protocol.sampling import to_sampling_params
 
+logger = logging.getLogger("ladle.server")
+
 
 def process_completion(server: ServerState, request: CompletionRequest,
                        request_id: str) -> list[ProcessedRequest]:
@@ -52,6 +55,7 @@ def process_completion(server: ServerState, request: CompletionRequest,
                 request, num_prompt_tokens=len(ids), max_model_len=engine.max_model_len,
                 defaults=processor.generation_defaults, limits=processor.limits,
                 structured_outputs_backend=server.structured_outputs_backend)
+            params.logprobs_mode = server.logprobs_mode  # --logprobs-mode
             if request.echo and params.logprobs is not None and params.prompt_logprobs is None:
                 params.prompt_logprobs = params.logprobs  # echoed tokens carry logprobs too
             processed.append(processor.process(
@@ -70,6 +74,8 @@ async def create_completion(server: ServerState, request: CompletionRequest,
     request.check_supported()
     with server.engine.admitting(request.n, len(request.prompts())):
         processed = await server.run_blocking(process_completion, server, request, request_id)
+    if server.log_requests:  # --enable-log-requests
+        logger.info("%s: %d prompt(s), %s", request_id, len(processed), processed[0].params)
     writer = _Writer(server, request, processed, request_id, model)
     if request.stream:
         return StreamingResponse(writer.stream(), media_type="text/event-stream")
@@ -94,6 +100,7 @@ class _Writer:
     def __init__(self, server: ServerState, request: CompletionRequest,
                  processed: list[ProcessedRequest], request_id: str, model: str):
         self.engine = server.engine
+        self.force_include_usage = server.force_include_usage
         self.request = request
         self.processed = processed
         self.request_id = request_id
@@ -101,7 +108,10 @@ class _Writer:
         self.created = int(time.time())
         self.n = request.n
         self.num_top = processed[0].params.logprobs  # None: no logprobs asked for
-        self.names = TokenNames(self.engine.tokenizer, request.return_tokens_as_token_ids)
+        as_ids = (request.return_tokens_as_token_ids
+                  if "return_tokens_as_token_ids" in request.model_fields_set
+                  else server.return_tokens_as_token_ids)  # --return-tokens-as-token-ids
+        self.names = TokenNames(self.engine.tokenizer, as_ids)
 
     def _usage(self, num_completion: int, num_cached: int) -> UsageInfo:
         num_prompt = sum(len(p.prompt_token_ids) for p in self.processed)
@@ -162,7 +172,7 @@ class _Writer:
     async def stream(self):
         request = self.request
         opts = request.stream_options
-        include_usage = bool(opts and opts.include_usage)
+        include_usage = bool(opts and opts.include_usage) or self.force_include_usage
         continuous = bool(opts and opts.continuous_usage_stats)
         offsets: dict[int, int] = {}  # choice index -> text offset of its next token
         num_tokens: dict[int, int] = {}  # choice index -> tokens so far

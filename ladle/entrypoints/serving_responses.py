@@ -30,7 +30,7 @@ from ladle.entrypoints.common import (
     until_disconnect,
 )
 from ladle.entrypoints.serving_chat import choice_parser, process_chat
-from ladle.parsers.types import DeltaToolCall
+from ladle.parsers.types import DeltaToolCall, merge_pieces
 from ladle.protocol.chat import ChatCompletionRequest
 from ladle.protocol.common import RequestError, unsupported
 from ladle.protocol.responses import (
@@ -75,6 +75,7 @@ class ChatTurn:
 
     def __init__(self, server: ServerState, chat: ChatCompletionRequest, request_id: str):
         self.server = server
+        self.chat = chat
         self.processed, self.plan = process_chat(server, chat, request_id)
         self.num_prompt_tokens = len(self.processed.prompt_token_ids)
         self.num_cached_tokens = 0
@@ -82,17 +83,17 @@ class ChatTurn:
 
     async def steps(self) -> AsyncIterator[ChatStep]:
         """Leaving the loop early aborts the request in the engine."""
-        parser = choice_parser(self.server, self.processed, self.plan)
+        parser = choice_parser(self.server, self.processed, self.plan, self.chat)
         async for update in self.server.engine.generate(self.processed):
             self.num_cached_tokens = update.state.num_cached_tokens
             for d in update.deltas:
                 if d.error is not None:
                     raise RequestError(d.error)
                 self.output_token_ids += d.token_ids
-                parsed = parser.feed(d.text, d.finish_reason is not None)
-                finish = d.finish_reason
-                if finish is not None and parser.num_calls:
-                    finish = "tool_calls"
+                parsed = parser.feed(d.text)
+                if d.finish_reason is not None:
+                    parsed = merge_pieces(parsed, parser.finish())
+                finish = parser.finish_reason(d.finish_reason)
                 if parsed.is_empty and finish is None:
                     continue  # text held back (a possible stop string or tag)
                 yield ChatStep(parsed.reasoning, parsed.content, parsed.tool_calls, finish,

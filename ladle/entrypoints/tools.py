@@ -1,7 +1,8 @@
-"""Chat tool calling and reasoning on the API side: `plan_tools` checks tools / tool_choice /
+"""Chat tool calling on the API side: `plan_tools` checks tools / tool_choice /
 parallel_tool_calls and says how calls are produced (free text parsed by the tool parser, or a
-JSON constraint for "required" and a named function), and `ChoiceParser` turns one choice's text
-deltas into reasoning, content and tool-call pieces, the same way for a stream and a response."""
+JSON constraint for "required" and a named function). Turning the output into calls is
+parsers/choice.py's ChoiceOutputParser, which serving_chat.choice_parser configures from the
+plan."""
 
 from __future__ import annotations
 
@@ -9,10 +10,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ladle.parsers.chat import ChatOutputParser
-from ladle.parsers.reasoning import get_reasoning_parser
-from ladle.parsers.tool import get_tool_parser, random_tool_call_id
-from ladle.parsers.types import DeltaMessage, DeltaToolCall
 from ladle.protocol.chat import ChatCompletionRequest
 from ladle.protocol.common import RequestError, unsupported
 from ladle.protocol.sampling import checked_structured_outputs
@@ -159,73 +156,3 @@ def _hermes_structural_tag(parameters: dict[str, dict], strict: set[str],
         "type": "triggered_tags", "triggers": ["<tool_call>"], "tags": tags,
         "at_least_one": False, "stop_after_first": not is_parallel}})
 
-
-class ChoiceParser:
-    """One choice's output text -> reasoning, content and tool-call pieces. Streams and responses
-    both feed it the deltas, so a stream reassembles to the response."""
-
-    def __init__(self, plan: ToolPlan, reasoning_parser: str | None, tool_call_parser: str | None,
-                 *, prompt_text: str, is_thinking_at_start: bool):
-        reasoning = None
-        if reasoning_parser is not None:
-            cls = get_reasoning_parser(reasoning_parser)
-            # The engine treats output as thinking until </think> when the prompt has no closed
-            # think block; the text parser must agree (a template that opens <think> too).
-            reasoning = cls(prompt_ends_in_think=is_thinking_at_start
-                            or cls.thinking_started_in_prompt(prompt_text))
-        tool = None
-        if plan.mode == "auto" and tool_call_parser is not None:
-            tool = get_tool_parser(tool_call_parser)()
-        self.plan = plan
-        self.parser = ChatOutputParser(reasoning, tool) if reasoning or tool else None
-        self.held: list[str] = []  # required / named: the constrained JSON, until it ends
-        self.num_calls = 0
-
-    def feed(self, text: str, is_final: bool) -> DeltaMessage:
-        if self.parser is None:
-            delta = DeltaMessage(content=text or None)
-        else:
-            delta = self.parser.feed(text) if text else DeltaMessage()
-            if is_final:
-                delta = _concat(delta, self.parser.finish())
-        if self.plan.is_constrained:
-            if delta.content is not None:
-                self.held.append(delta.content)
-                delta.content = None
-            if is_final:
-                self._constrained_calls(delta)
-        elif not self.plan.is_parallel:  # parallel_tool_calls false: the first call only
-            delta.tool_calls = [c for c in delta.tool_calls if c.index == 0]
-        self.num_calls += sum(1 for c in delta.tool_calls if c.id is not None)
-        return delta
-
-    def _constrained_calls(self, delta: DeltaMessage) -> None:
-        """The held JSON becomes the calls; text that does not parse (cut by max_tokens) is
-        returned as content."""
-        text = "".join(self.held)
-        try:
-            value = json.loads(text)
-        except ValueError:
-            delta.content = text or None
-            return
-        if self.plan.mode == "named":
-            calls = [(self.plan.named, value)] if isinstance(value, dict) else []
-        else:
-            calls = [(c["name"], c["parameters"]) for c in value
-                     if isinstance(c, dict) and "name" in c and "parameters" in c] \
-                if isinstance(value, list) else []
-        if not calls:
-            delta.content = text or None
-            return
-        delta.tool_calls = [
-            DeltaToolCall(index=i, id=random_tool_call_id(), name=name,
-                          arguments=json.dumps(args, ensure_ascii=False))
-            for i, (name, args) in enumerate(calls)]
-
-
-def _concat(a: DeltaMessage, b: DeltaMessage) -> DeltaMessage:
-    def join(x: str | None, y: str | None) -> str | None:
-        return (x or "") + (y or "") or None
-
-    return DeltaMessage(reasoning=join(a.reasoning, b.reasoning), content=join(a.content, b.content),
-                        tool_calls=a.tool_calls + b.tool_calls)

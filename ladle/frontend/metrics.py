@@ -30,6 +30,9 @@ class IterationStats:
     ttfts: list[float] = field(default_factory=list)  # per request: arrival to first token
     itls: list[float] = field(default_factory=list)  # per choice: gap between two tokens
     finished: list[tuple[str, float]] = field(default_factory=list)  # (finish reason, e2e)
+    # per finished choice: (generation tokens, max_tokens); per request: (prompt tokens, n)
+    lengths: list[tuple[int, int | None]] = field(default_factory=list)
+    requests: list[tuple[int, int]] = field(default_factory=list)
 
     def record_tokens(self, state: RequestState, child: ChildState, num_new: int,
                       now: float) -> None:
@@ -44,12 +47,37 @@ class IterationStats:
 
     def record_finished(self, state: RequestState, child: ChildState, now: float) -> None:
         self.finished.append((child.finish_reason or "abort", now - state.arrival_time))
+        self.lengths.append((len(child.token_ids), child.params.max_tokens))
+        if child.index == 0:
+            self.requests.append((len(state.prompt_token_ids), len(state.children)))
+
+
+def _buckets_1_2_5(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's buckets for token counts)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return out
+            out.append(m * scale)
+        scale *= 10
+
+
+_PHASE_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                  60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# The engine's phase times (EngineCore.stats()["latencies"]) and their series.
+_PHASES = {
+    "queue": ("ladle:request_queue_time_seconds", "Arrival to first scheduled."),
+    "prefill": ("ladle:request_prefill_time_seconds", "First scheduled to first token."),
+    "decode": ("ladle:request_decode_time_seconds", "First token to the last one."),
+    "inference": ("ladle:request_inference_time_seconds", "First scheduled to finished."),
+}
 
 
 class ServerMetrics:
     """Prometheus metrics of one server; its own registry, so several can live in a process."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, max_model_len: int = 131072):
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
         self.labels = labels
@@ -64,6 +92,8 @@ class ServerMetrics:
 
         self.request_success = counter("ladle:request_success", "Finished requests (choices), "
                                        "by finish reason.", ["finished_reason"])
+        for reason in ("stop", "length", "abort", "error"):  # every series exists from the start
+            self.request_success.labels(finished_reason=reason, **labels)
         self.prompt_tokens = counter("ladle:prompt_tokens", "Prefilled prompt tokens.").labels(
             **labels)
         self.generation_tokens = counter("ladle:generation_tokens",
@@ -74,14 +104,40 @@ class ServerMetrics:
                              "Time between two output tokens of a choice.", _ITL_BUCKETS)
         self.e2e = histogram("ladle:e2e_request_latency_seconds",
                              "Arrival to the last output token.", _E2E_BUCKETS)
-        self.engine_stats: dict = {}
+        self.phases = {k: histogram(name, doc, _PHASE_BUCKETS)
+                       for k, (name, doc) in _PHASES.items()}
+        tokens = _buckets_1_2_5(max_model_len)
+        self.prompt_len = histogram("ladle:request_prompt_tokens",
+                                    "Prompt tokens of a finished request.", tokens)
+        self.generation_len = histogram("ladle:request_generation_tokens",
+                                        "Generated tokens of a finished choice.", tokens)
+        self.max_tokens = histogram("ladle:request_params_max_tokens",
+                                    "max_tokens of a finished choice.", tokens)
+        self.n = histogram("ladle:request_params_n", "n of a finished request.",
+                           (1, 2, 5, 10, 20))
+        self._engine_stats: dict = {}
+        self.num_generation_tokens = 0  # since start, for the periodic log line
         self.registry.register(_EngineStatsCollector(self))
+
+    @property
+    def engine_stats(self) -> dict:
+        """The engine's last EngineCore.stats() (gauges and counters since start)."""
+        return self._engine_stats
+
+    @engine_stats.setter
+    def engine_stats(self, stats: dict) -> None:
+        # Phase times come once (the engine drains them into each stats message): observe them.
+        for kind, values in (stats.get("latencies") or {}).items():
+            for v in values:
+                self.phases[kind].observe(v)
+        self._engine_stats = stats
 
     def record(self, stats: IterationStats) -> None:
         if stats.num_prompt_tokens:
             self.prompt_tokens.inc(stats.num_prompt_tokens)
         if stats.num_generation_tokens:
             self.generation_tokens.inc(stats.num_generation_tokens)
+            self.num_generation_tokens += stats.num_generation_tokens
         for t in stats.ttfts:
             self.ttft.observe(t)
         for t in stats.itls:
@@ -89,6 +145,13 @@ class ServerMetrics:
         for reason, e2e in stats.finished:
             self.request_success.labels(finished_reason=reason, **self.labels).inc()
             self.e2e.observe(e2e)
+        for num_generated, max_tokens in stats.lengths:
+            self.generation_len.observe(num_generated)
+            if max_tokens is not None:
+                self.max_tokens.observe(max_tokens)
+        for num_prompt, n in stats.requests:
+            self.prompt_len.observe(num_prompt)
+            self.n.observe(n)
 
     def record_aborted(self, num_choices: int) -> None:
         """Requests the client left (disconnects): counted, not timed."""
@@ -123,6 +186,8 @@ class _EngineStatsCollector:
         for name, doc, value in (
             ("ladle:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries),
             ("ladle:prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits),
+            ("ladle:num_preemptions", "Requests preempted (KV blocks freed, recomputed later).",
+             s.get("num_preemptions", 0)),
             ("ladle:grammar_compiles", "Structured-output grammars compiled.",
              s.get("grammar_compiles", 0)),
             ("ladle:grammar_cache_hits", "Structured-output requests that reused a compiled "

@@ -98,3 +98,17 @@ def merge_deltas(deltas: Iterable[DeltaMessage]) -> ExtractedMessage:
         content=join_or_none(content),
         tool_calls=[calls[index] for index in sorted(calls)],
     )
+
+
+def merge_pieces(a: DeltaMessage, b: DeltaMessage) -> DeltaMessage:
+    """Two consecutive deltas as one (e.g. the last feed and finish, sent in one chunk)."""
+    calls = list(a.tool_calls)
+    for piece in b.tool_calls:  # each call index once per chunk
+        if calls and calls[-1].index == piece.index and piece.id is None:
+            calls[-1] = DeltaToolCall(calls[-1].index, calls[-1].id, calls[-1].name,
+                                      (calls[-1].arguments or "") + (piece.arguments or ""))
+        else:
+            calls.append(piece)
+    return DeltaMessage(reasoning=join_or_none(filter(None, [a.reasoning, b.reasoning])),
+                        content=join_or_none(filter(None, [a.content, b.content])),
+                        tool_calls=calls)

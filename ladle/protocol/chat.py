@@ -58,7 +58,10 @@ class ChatCompletionRequest(SamplingFields):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     reasoning_effort: str | None = None
-    """Passed to the chat template (templates of reasoning models read it)."""
+    """none, minimal, low, medium or high: passed to the chat template (templates of reasoning
+    models read it) and sets its thinking switch (enable_thinking: false for "none")."""
+    include_reasoning: bool = True
+    """vLLM extra: false leaves the reasoning out of the response (it is still parsed out)."""
 
     # vLLM's chat extras.
     echo: bool = False

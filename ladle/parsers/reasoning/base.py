@@ -15,6 +15,7 @@ Conventions (shared by every tag-based parser):
 
 import copy
 import enum
+from typing import ClassVar
 
 from ladle.parsers.types import DeltaMessage, join_or_none, partial_tag_len
 
@@ -37,18 +38,11 @@ class ReasoningParser:
     end_tag = "</think>"
 
     def __init__(self, prompt_ends_in_think: bool = False):
-        # True when the chat template already opened the think block (the prompt ends in <think>,
-        # see thinking_started_in_prompt), so the output starts inside reasoning.
+        # True when the output starts inside the think block (the prompt opened it, or Qwen3's
+        # hybrid template left it to the model): parsers/choice.py's
+        # output_starts_in_reasoning decides it, once per request.
         self.prompt_ends_in_think = prompt_ends_in_think
         self.reset()
-
-    @classmethod
-    def thinking_started_in_prompt(cls, prompt_text: str) -> bool:
-        """True when the rendered prompt ends with an open start tag (e.g. "...assistant\\n<think>\\n").
-
-        The server passes this as `prompt_ends_in_think`.
-        """
-        return prompt_text.rstrip().endswith(cls.start_tag)
 
     def _phase_without_start_tag(self) -> _Phase:
         """Where output that does not open with the start tag goes."""
@@ -122,3 +116,40 @@ class ReasoningParser:
         if phase is _Phase.REASONING:
             return DeltaMessage(reasoning=held)
         return DeltaMessage(content=held)
+
+
+class ReasoningParserManager:
+    """Reasoning parsers by name (`--reasoning-parser`). Built-ins register on import; a plugin
+    file (`--reasoning-parser-plugin FILE.py`) registers its own with the same decorator:
+
+        @ReasoningParserManager.register_module("my_model")
+        class MyParser(ReasoningParser):
+            start_tag, end_tag = "<reason>", "</reason>"
+    """
+
+    parsers: ClassVar[dict[str, type[ReasoningParser]]] = {}
+
+    @classmethod
+    def register_module(cls, name: str | list[str], force: bool = True):
+        names = [name] if isinstance(name, str) else list(name)
+
+        def register(parser: type[ReasoningParser]) -> type[ReasoningParser]:
+            if not (isinstance(parser, type) and issubclass(parser, ReasoningParser)):
+                raise TypeError(f"reasoning parser {names}: must be a subclass of "
+                                "ReasoningParser")
+            for n in names:
+                if n in cls.parsers and not force:
+                    raise KeyError(f"reasoning parser {n!r} is already registered")
+                cls.parsers[n] = parser
+            return parser
+
+        return register
+
+    @classmethod
+    def get(cls, name: str) -> type[ReasoningParser]:
+        try:
+            return cls.parsers[name]
+        except KeyError:
+            available = ", ".join(sorted(cls.parsers))
+            raise ValueError(f"unknown reasoning parser {name!r}; available: {available}") \
+                from None

@@ -9,12 +9,14 @@
 The one stream/non-stream difference: when neither the prompt nor the output opened a think
 block but a bare </think> appears, `extract` treats the text before it as reasoning (the prompt
 must have opened the block), while a stream has already sent that text as content; it only drops
-the tag. Pass `prompt_ends_in_think` (see `thinking_started_in_prompt`) to avoid the case.
+the tag. Pass `prompt_ends_in_think` (see parsers/choice.py's output_starts_in_reasoning) to avoid
+the case.
 """
 
-from ladle.parsers.reasoning.base import ReasoningParser, _Phase
+from ladle.parsers.reasoning.base import ReasoningParser, ReasoningParserManager, _Phase
 
 
+@ReasoningParserManager.register_module("qwen3")
 class Qwen3ReasoningParser(ReasoningParser):
     def _phase_without_start_tag(self) -> _Phase:
         return _Phase.REASONING if self.prompt_ends_in_think else _Phase.IMPLICIT_CONTENT

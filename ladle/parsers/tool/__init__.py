@@ -1,31 +1,27 @@
-"""Tool-call parsers by name (`--tool-call-parser`): each finds function calls in the content."""
+"""Tool-call parsers by name (`--tool-call-parser`): each finds function calls in the content.
+Importing this package registers the built-in formats with ToolParserManager."""
 
-from collections.abc import Mapping
-from types import MappingProxyType
-
-from ladle.parsers.tool.base import ToolParser, random_tool_call_id
+from ladle.parsers.tool.base import ToolParser, ToolParserManager, random_tool_call_id
 from ladle.parsers.tool.hermes import HermesToolParser
-
-TOOL_PARSERS: Mapping[str, type[ToolParser]] = MappingProxyType(
-    {
-        "hermes": HermesToolParser,
-    }
-)
+from ladle.parsers.tool.llama3_json import Llama3JsonToolParser
+from ladle.parsers.tool.mistral import MistralToolParser
+from ladle.parsers.tool.pythonic import PythonicToolParser
+from ladle.parsers.tool.qwen3_coder import Qwen3CoderToolParser
 
 
 def get_tool_parser(name: str) -> type[ToolParser]:
-    """The parser class registered under `name`; make one instance per request."""
-    try:
-        return TOOL_PARSERS[name]
-    except KeyError:
-        available = ", ".join(sorted(TOOL_PARSERS))
-        raise ValueError(f"unknown tool parser {name!r}; available: {available}") from None
+    """The parser class registered under `name`; make one instance per choice."""
+    return ToolParserManager.get(name)
 
 
 __all__ = [
-    "TOOL_PARSERS",
     "HermesToolParser",
+    "Llama3JsonToolParser",
+    "MistralToolParser",
+    "PythonicToolParser",
+    "Qwen3CoderToolParser",
     "ToolParser",
+    "ToolParserManager",
     "get_tool_parser",
     "random_tool_call_id",
 ]
