@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ladle.sampling_params import DEFAULT_MAX_N, INT64_MAX, INT64_MIN
+from ladle.spec_decode.config import SpeculativeConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
@@ -34,6 +35,9 @@ class EngineConfig:
     logits_processors: list[str] = field(default_factory=list)  # "module:Class"
     structured_outputs_backend: str = "auto"  # auto | xgrammar | guidance
     reasoning_parser: str | None = None
+    # Speculative decoding, off when None: {"method": "ngram", "num_speculative_tokens": k, ...}
+    # as a dict or JSON string; checked into a SpeculativeConfig here.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -53,6 +57,7 @@ class EngineConfig:
                 f"structured_outputs_backend: {self.structured_outputs_backend!r}; "
                 "accepted: auto, xgrammar, guidance"
             )
+        self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -338,6 +338,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         logits_processors=list(args.logits_processors or []),
         structured_outputs_backend=args.structured_outputs_backend,
         reasoning_parser=args.reasoning_parser,
+        speculative_config=getattr(args, "speculative_config", None),
     )
 
 

@@ -47,6 +47,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--structured-outputs-backend", default=_DEFAULTS.structured_outputs_backend,
                    choices=["auto", "xgrammar", "guidance"])
     p.add_argument("--reasoning-parser", default=None, help="e.g. qwen3, deepseek_r1")
+    p.add_argument("--speculative-config", default=None,
+                   help='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 3}')
     p.add_argument("--enable-auto-tool-choice", action="store_true")
     p.add_argument("--tool-call-parser", default=None, help="e.g. hermes")
     # Limits and overload (README: "Limits and errors").
