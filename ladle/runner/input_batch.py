@@ -109,11 +109,20 @@ class InputBatch:
         self.req_id_to_row[req.req_id] = dst
 
     def set_blocks(self, row: int, blocks: list[int]) -> None:
-        """Record blocks appended since the last step (a request only ever appends blocks)."""
-        have = self.num_blocks[row]
+        """Record blocks appended since the last step. A request only appends blocks, except
+        that speculative decoding gives back the blocks of rejected drafts at the tail."""
+        have = min(self.num_blocks[row], len(blocks))
+        self.num_blocks[row] = have
         if len(blocks) > have:
             self.block_table[row, have : len(blocks)] = blocks[have:]
             self.num_blocks[row] = len(blocks)
+
+    def write_drafts(self, row: int, drafts: list[int]) -> None:
+        """Place draft tokens after the row's known tokens, as the forward's inputs; they stay
+        outside num_tokens, so the accepted ones are appended over themselves and the rest are
+        overwritten later."""
+        n = self.num_tokens[row]
+        self.token_ids[row, n : n + len(drafts)] = drafts
 
     def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Vectorised append of one token to each of `rows`."""

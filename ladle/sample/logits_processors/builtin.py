@@ -25,6 +25,9 @@ class AllowedTokenIdsProcessor(RowStateProcessor):
         self.rows: torch.Tensor | None = None
         self.banned: torch.Tensor | None = None  # (active rows, V) bool
 
+    def supports_positions(self) -> bool:
+        return True  # reads the live output list or per-request constants only
+
     def is_argmax_invariant(self) -> bool:
         return False
 
@@ -51,6 +54,9 @@ class BadWordsProcessor(RowStateProcessor):
     """A single-token bad word is always banned; a multi-token one bans its last token only
     when the output so far ends with the word's other tokens."""
 
+    def supports_positions(self) -> bool:
+        return True  # reads the live output list or per-request constants only
+
     def is_argmax_invariant(self) -> bool:
         return False
 
@@ -73,6 +79,9 @@ class BadWordsProcessor(RowStateProcessor):
 
 class MinTokensProcessor(RowStateProcessor):
     """EOS and stop_token_ids get -inf until the row has min_tokens output tokens."""
+
+    def supports_positions(self) -> bool:
+        return True  # reads the live output list or per-request constants only
 
     def is_argmax_invariant(self) -> bool:
         return False
@@ -103,6 +112,9 @@ class LogitBiasProcessor(RowStateProcessor):
         super().__init__(config)
         self.index: tuple[torch.Tensor, torch.Tensor] | None = None
         self.values: torch.Tensor | None = None
+
+    def supports_positions(self) -> bool:
+        return True  # reads the live output list or per-request constants only
 
     def is_argmax_invariant(self) -> bool:
         return False
@@ -138,6 +150,9 @@ class MinPProcessor(RowStateProcessor):
         super().__init__(config)
         self.log_min_p = torch.full((config.max_num_reqs,), NEG_INF, device=config.device)
 
+    def supports_positions(self) -> bool:
+        return True  # reads the live output list or per-request constants only
+
     def is_argmax_invariant(self) -> bool:
         return True
 
@@ -167,6 +182,9 @@ class ThinkingBudgetProcessor(RowStateProcessor):
     def __init__(self, config: ProcessorConfig, reasoning: ReasoningConfig | None):
         super().__init__(config)
         self.reasoning = reasoning
+
+    def supports_positions(self) -> bool:
+        return True  # reads the live output list or per-request constants only
 
     def is_argmax_invariant(self) -> bool:
         return False
