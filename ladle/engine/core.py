@@ -321,6 +321,9 @@ class EngineCore:
             # Every token but the last sampled one has its KV computed now.
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
             self.kv_cache.trim(req, req.num_tokens)
+            row = self.runner.input_batch.req_id_to_row.get(req.req_id)
+            if row is not None:  # (absent after a batch reset: rebuilt from the blocks then)
+                self.runner.input_batch.trim_blocks(row, len(self.kv_cache.get_blocks(req.req_id)))
             self.kv_cache.cache_full_blocks(req, req.num_computed_tokens)
         self.num_accepted_tokens = sum(self.accepted_per_position)
 
