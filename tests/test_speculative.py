@@ -15,8 +15,10 @@ from ladle.config import EngineConfig
 from ladle.engine.core import EngineCore
 from ladle.llm import LLM
 from ladle.messages import EngineCoreRequest
+from ladle.models.demo import ensure_demo_model
 from ladle.sample.logits_processors.custom import AdapterLogitsProcessor
 from ladle.sampling_params import SamplingParams, StructuredOutputsParams
+from ladle.tokenizer import load_tokenizer
 
 PROMPT = [11, 12, 13, 14, 15]
 # Prompts the tiny model's greedy decoding loops on (505 x 33, then 279 ...; ... then 501 x 24),
@@ -263,3 +265,62 @@ def test_constraints_and_thinking_budget_identical_on_demo_model():
     assert outs[3][3][1] in ("red", "green", "blue")
     assert end_id in outs[3][6][0][:7]  # the budget closed the thinking
     assert stats["spec_decode_num_draft_tokens"] > 0
+
+
+# ---- through the server -----------------------------------------------------------------------
+SERVER_PROMPTS = ["1, 2, 3, 1, 2,", "the the the the the", "a b a b a b a b"]
+
+
+@pytest.fixture(scope="module")
+def spec_server():
+    from test_server import RemoteServer
+
+    s = RemoteServer("--max-model-len", "512", "--dtype", "float32", "--disable-access-log",
+                     "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+    yield s
+    assert s.stop() == 0, s.log()
+
+
+def test_server_stream_equals_non_stream_equals_no_speculation(spec_server):
+    from test_server import MODEL
+
+    # Prompts under one KV block: no prefix-cache hit changes the numerics between runs.
+    ref = LLM("ladle-demo", dtype="float32", max_model_len=512)
+    client = spec_server.client()
+    for i, prompt in enumerate(SERVER_PROMPTS):
+        for temperature, seed in ((0.0, None), (0.8, 100 + i)):
+            # top_p / top_k explicit: the server would take the checkpoint's generation_config.
+            params = SamplingParams(temperature=temperature, seed=seed, max_tokens=40,
+                                    top_p=0.9, top_k=50)
+            want = ref.generate(prompt, params)[0].outputs[0]
+            kw = dict(model=MODEL, prompt=prompt, max_tokens=40, temperature=temperature,
+                      seed=seed, top_p=0.9, extra_body={"top_k": 50})
+            full = client.completions.create(
+                **kw | {"extra_body": {"top_k": 50, "return_token_ids": True}})
+            assert full.choices[0].token_ids == want.token_ids, (prompt, seed)
+            assert full.choices[0].text == want.text
+            assert full.usage.completion_tokens == len(want.token_ids)
+            text, usage = "", None
+            for chunk in client.completions.create(**kw, stream=True,
+                                                   stream_options={"include_usage": True}):
+                text += "".join(c.text for c in chunk.choices)
+                usage = chunk.usage or usage
+            assert text == want.text and usage.completion_tokens == len(want.token_ids)
+
+
+def test_server_stop_strings_with_drafts(spec_server):
+    from test_server import MODEL, _stop_strings
+
+    client = spec_server.client()
+    tokenizer = load_tokenizer(ensure_demo_model())
+    prompt = SERVER_PROMPTS[0]
+    kw = dict(model=MODEL, prompt=prompt, temperature=0, max_tokens=120)
+    ref = client.completions.create(**{**kw, "max_tokens": 40},
+                                    extra_body={"return_token_ids": True})
+    ids, text = ref.choices[0].token_ids, ref.choices[0].text
+    for span, (stop, start) in _stop_strings(tokenizer, ids, text).items():
+        full = client.completions.create(**kw, stop=[stop])
+        assert (full.choices[0].text, full.choices[0].finish_reason) == (text[:start], "stop")
+        deltas = [c.text for chunk in client.completions.create(**kw, stop=[stop], stream=True)
+                  for c in chunk.choices]
+        assert "".join(deltas) == text[:start], (span, deltas)
