@@ -235,6 +235,11 @@ def demo_requests() -> list[tuple[str, SamplingParams]]:
                                 structured_outputs=so(json=SCHEMA))),
         (ANSWER, SamplingParams(temperature=0.9, seed=12, max_tokens=20,
                                 structured_outputs=so(regex=r"(ab|cd){2,10}x"))),
+        # Repetitive constraints, so drafts inside the grammar get accepted.
+        (ANSWER, SamplingParams(temperature=0, max_tokens=24,
+                                structured_outputs=so(regex=r"(abc){5,12}"))),
+        (ANSWER, SamplingParams(temperature=0.8, seed=16, max_tokens=30,
+                                structured_outputs=so(regex=r"\[(1, ){8,12}1\]"))),
         (ANSWER, SamplingParams(temperature=1.0, seed=13, max_tokens=10,
                                 structured_outputs=so(choice=["red", "green", "blue"]))),
         (ANSWER, SamplingParams(temperature=0, max_tokens=20, bad_words=["a b", " b"])),
@@ -252,6 +257,13 @@ def test_constraints_and_thinking_budget_identical_on_demo_model():
     for k in (None, 3):
         llm = LLM("ladle-demo", reasoning_parser="qwen3", max_num_seqs=16, dtype="float32",
                   speculative_config=None if k is None else ngram(k))
+        step, widest = llm.engine.step, [0]
+
+        def recording_step(step=step, widest=widest):
+            outs = step()
+            widest[0] = max([widest[0]] + [len(o.new_token_ids) for o in outs])
+            return outs
+        llm.engine.step = recording_step
         res = llm.generate([p for p, _ in reqs], [sp for _, sp in reqs])
         outs[k] = [(o.outputs[0].token_ids, o.outputs[0].text,
                     [x and sorted(x.items()) for x in (o.outputs[0].logprobs or [])])
@@ -262,9 +274,11 @@ def test_constraints_and_thinking_budget_identical_on_demo_model():
     for i, (a, b) in enumerate(zip(outs[None], outs[3], strict=True)):
         assert a[0] == b[0], (i, a[1], b[1])
         assert len(a[2]) == len(b[2])
-    assert outs[3][3][1] in ("red", "green", "blue")
-    assert end_id in outs[3][6][0][:7]  # the budget closed the thinking
-    assert stats["spec_decode_num_draft_tokens"] > 0
+    assert outs[3][5][1] in ("red", "green", "blue")
+    assert outs[3][3][1].startswith("abcabcabc") and outs[3][4][1].startswith("[1, 1, 1,")
+    assert end_id in outs[3][8][0][:7]  # the budget closed the thinking
+    assert stats["spec_decode_num_accepted_tokens"] >= 10, stats
+    assert widest[0] >= 3  # a step emitted several tokens of one request
 
 
 # ---- through the server -----------------------------------------------------------------------
