@@ -162,6 +162,41 @@ def test_fewer_steps_when_drafts_are_accepted(ckpt):
     assert spec.num_steps < plain.num_steps * 0.6, (spec.num_steps, plain.num_steps)
 
 
+def test_rejected_draft_slots_are_given_back_and_never_published(ckpt):
+    bs = 4
+    eng = engine(ckpt, speculative_config=ngram(5), block_size=bs)
+    eng.add_request(EngineCoreRequest("r", LOOP7, _p(temperature=0, max_tokens=40), [2], 0.0))
+    req = eng.scheduler.requests["r"]
+    saw_rejection = False
+    while eng.has_unfinished_requests():
+        drafts_before = eng.num_draft_tokens
+        accepted_before = eng.num_accepted_tokens
+        eng.step()
+        if req.is_finished:
+            break
+        saw_rejection |= (eng.num_draft_tokens - drafts_before
+                          > eng.num_accepted_tokens - accepted_before)
+        # KV counts only accepted tokens; blocks past the known tokens went back to the pool.
+        assert req.num_computed_tokens == req.num_tokens - 1
+        held = len(eng.kv_cache.get_blocks("r"))
+        assert -(-req.num_computed_tokens // bs) <= held <= -(-req.num_tokens // bs)
+        # Every published block is named by a hash over known tokens only.
+        published = {h for h, b in eng.kv_cache.cached.items() if b in eng.kv_cache.get_blocks("r")}
+        assert published <= set(req.block_hashes[: (req.num_tokens - 1) // bs])
+    assert saw_rejection and eng.num_accepted_tokens > 0
+
+
+def test_ngram_proposer():
+    from ladle.spec_decode.ngram import NgramProposer
+
+    p = NgramProposer(1, 3, 3)
+    assert p.propose([1, 2, 3, 4, 1, 2], 5) == [3, 4, 1]  # longest suffix (1, 2) matched
+    assert p.propose([1, 2, 3, 4, 1, 2], 2) == [3, 4]  # capped by the room left
+    assert p.propose([1, 2, 3, 4, 5], 5) == []  # no earlier occurrence
+    assert p.propose([9, 5, 6, 7, 8, 5, 6, 7, 8, 5], 5) == [6, 7, 8]  # latest with k after it
+    assert NgramProposer(2, 3, 3).propose([4, 1, 2, 1], 5) == []  # below prompt_lookup_min
+
+
 class BanOneProcessor(AdapterLogitsProcessor):
     """A custom processor that does not declare position support: bans token extra_args["ban"]
     once the output has 3 tokens."""
