@@ -1,7 +1,8 @@
 """Speculative decoding on a random-weight checkpoint shaped like Qwen3-0.6B (bfloat16), single
 stream, in one script:
   (a) the cost of one verification step with 1 + k tokens relative to a plain decode step,
-      k = 0..8 (drafts that are always rejected, so every step verifies all k);
+      k = 0..8 (drafts that are always rejected, so every step verifies all k), and the
+      per-draft acceptance rate at which that step cost breaks even;
   (b) an oracle drafter that proposes the true continuation (the upper bound; benchmark only):
       tokens/s with k = 4 against no speculation;
   (c) ngram prompt lookup on a prompt made of a repeated span: acceptance rate and tokens/s
@@ -72,6 +73,17 @@ def decode(eng: EngineCore, prompt: list[int], n: int, rid: str) -> tuple[list[i
     return toks, time.perf_counter() - t, eng.num_steps - steps0
 
 
+def break_even(k: int, cost_ratio: float) -> float:
+    """The per-draft acceptance rate a at which a step's expected tokens, (1 - a^(k+1)) / (1 - a)
+    (drafts accepted while they agree, plus the one sampled token), pay for its cost."""
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        a = (lo + hi) / 2
+        tokens = sum(a**i for i in range(k + 1))
+        lo, hi = (a, hi) if tokens < cost_ratio else (lo, a)
+    return hi
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=12)
@@ -88,7 +100,10 @@ def main():
         _, secs, steps = decode(eng, PROMPT, args.steps + 1, f"a{k}")
         per_step = secs / steps
         base = base or per_step
-        print(f"  k={k}: {per_step * 1e3:7.1f} ms/step  ratio {per_step / base:5.2f}")
+        ratio = per_step / base
+        print(f"  k={k}: {per_step * 1e3:7.1f} ms/step  ratio {ratio:5.2f}  break-even "
+              f"acceptance {break_even(k, ratio):.2f}" if k else f"  k=0: {per_step * 1e3:7.1f} "
+              "ms/step  ratio  1.00")
 
     print(f"(b) oracle drafts, k=4, {args.tokens} tokens")
     eng.scheduler.proposer = None
