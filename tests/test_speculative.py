@@ -245,6 +245,18 @@ def test_bad_config_is_a_startup_error_naming_the_field(config, field):
         LLM("ladle-demo", speculative_config=config)
 
 
+def test_serve_rejects_a_bad_speculative_config_before_loading():
+    import subprocess
+    import sys
+
+    bad = '{"method": "ngram", "num_speculative_tokens": 0}'
+    proc = subprocess.run([sys.executable, "-m", "ladle.entrypoints.cli", "serve",
+                           "--speculative-config", bad], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert "--speculative-config: speculative_config.num_speculative_tokens" in proc.stderr
+
+
 def test_draft_model_is_not_supported_yet(tmp_path):
     with pytest.raises(ValueError, match="draft_model.*not supported"):
         EngineConfig(speculative_config={"method": "draft_model", "model": str(tmp_path),

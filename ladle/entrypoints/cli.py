@@ -47,7 +47,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--structured-outputs-backend", default=_DEFAULTS.structured_outputs_backend,
                    choices=["auto", "xgrammar", "guidance"])
     p.add_argument("--reasoning-parser", default=None, help="e.g. qwen3, deepseek_r1")
-    p.add_argument("--speculative-config", default=None,
+    p.add_argument("--speculative-config", type=_speculative_config, default=None,
                    help='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 3}')
     p.add_argument("--enable-auto-tool-choice", action="store_true")
     p.add_argument("--tool-call-parser", default=None, help="e.g. hermes")
@@ -82,6 +82,16 @@ def _size(text: str) -> int:
     try:
         return parse_bytes(text)
     except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _speculative_config(text: str):
+    """The --speculative-config JSON, checked here so a bad field is a usage error."""
+    from ladle.spec_decode.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.from_value(text)
+    except (ValueError, TypeError) as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
