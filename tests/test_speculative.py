@@ -329,7 +329,7 @@ def test_constraints_and_thinking_budget_identical_on_demo_model():
 
 
 # ---- through the server -----------------------------------------------------------------------
-SERVER_PROMPTS = ["1, 2, 3, 1, 2,", "the the the the the", "a b a b a b a b"]
+SERVER_PROMPTS = ["1, 2, 3, 1, 2,", "a b a b a b a b"]
 
 
 @pytest.fixture(scope="module")
