@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ladle.sampling_params import DEFAULT_MAX_N, INT64_MAX, INT64_MIN
+from ladle.spec_decode.config import SpeculativeConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
@@ -45,6 +46,9 @@ class EngineConfig:
     # Compiled grammars kept for reuse, in bytes (least recently used evicted first); 0 = none.
     structured_outputs_cache_bytes: int = 512 * 2**20
     reasoning_parser: str | None = None
+    # Speculative decoding, off when None: {"method": "ngram", "num_speculative_tokens": k, ...}
+    # as a dict or JSON string; checked into a SpeculativeConfig here.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -76,6 +80,7 @@ class EngineConfig:
                 self.structured_outputs_cache_bytes < 0:
             raise ValueError(f"structured_outputs_cache_bytes: must be an integer >= 0, got "
                              f"{self.structured_outputs_cache_bytes!r}")
+        self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -25,6 +25,7 @@ from ladle.models.loader import load_model, read_hf_config, resolve_dtype, resol
 from ladle.reasoning import ReasoningConfig
 from ladle.runner.model_runner import ModelRunner, RunnerOutput
 from ladle.sampling_params import RequestLimits
+from ladle.spec_decode.ngram import NgramProposer
 from ladle.structured_output.manager import GrammarRejectedError, StructuredOutputManager
 from ladle.tokenizer import eos_token_ids, has_tokenizer, load_tokenizer
 
@@ -76,9 +77,21 @@ class EngineCore:
                 "lower max_model_len"
             )
         self.kv_cache = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        spec = config.speculative_config
+        proposer = None if spec is None else NgramProposer(
+            spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
         self.scheduler = Scheduler(
-            self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+            self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+            proposer,
         )
+        # Speculative decoding counters: drafts proposed and accepted, and accepted per draft
+        # position (index 0 = the first draft of a step).
+        self.spec_k = 0 if spec is None else spec.num_speculative_tokens
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_drafted_steps = 0  # (request, step) pairs that had drafts
+        self.accepted_per_position = [0] * self.spec_k
+        self._undrafted_logged: set[str] = set()
         # The engine needs the tokenizer only for facts about the vocabulary (thinking tokens,
         # grammars); text never passes through this process. A checkpoint without tokenizer
         # files still serves token-id requests.
@@ -132,12 +145,28 @@ class EngineCore:
             proc.validate_params(params)
         request = Request(req.req_id, req.prompt_token_ids, params, req.eos_token_ids,
                           req.priority, req.cache_salt, req.arrival_time)
+        if self.spec_k:
+            request.can_draft = self._can_draft(params)
         room = self.max_model_len - n_prompt
         request.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if params.structured_outputs is not None:
             self.structured.add_request(request)  # compiles in the background
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.scheduler.add_request(request)
+
+    def _can_draft(self, params) -> bool:
+        """False when a custom processor that cannot see draft positions applies to the
+        request: it then decodes one token per step (logged once per processor)."""
+        for proc in self.runner.custom_processors:
+            if not proc.supports_positions() and proc.applies_to(params):
+                name = type(proc).__qualname__
+                if name not in self._undrafted_logged:
+                    self._undrafted_logged.add(name)
+                    logger.warning("logits processor %s does not declare supports_positions(); "
+                                   "the requests it applies to run without speculative drafts",
+                                   name)
+                return False
+        return True
 
     def abort_request(self, req_id: str) -> None:
         req = self.scheduler.requests.get(req_id)
@@ -187,7 +216,7 @@ class EngineCore:
         self.scheduler.update_after_step(sched)
         if out.logits is not None:
             self.last_logits, self.last_req_ids = out.logits, out.req_ids
-        return self._update(sched.scheduled, out)
+        return self._update(sched, out)
 
     def _fail(self, req: Request, e: Exception) -> EngineCoreOutput:
         """End one request with the exception that only it causes."""
@@ -199,20 +228,52 @@ class EngineCore:
         return EngineCoreOutput(req_id=req.req_id, new_token_ids=[],
                                 finish_reason=int(FinishReason.ERROR), error=req.error)
 
-    def _update(self, scheduled: list[Request], out: RunnerOutput) -> list[EngineCoreOutput]:
-        """Accept the sampled token of every row that finished its prompt; stop what is done."""
-        rows = self.runner.input_batch.req_id_to_row
-        sampled = out.sampled_token_ids
-        lp_index = {int(r): i for i, r in enumerate(out.logprob_rows)}
-        outputs = []
-        accepted_rows, accepted_tokens = [], []
-        for req in scheduled:
+    def _update(self, sched: SchedulerOutput, out: RunnerOutput) -> list[EngineCoreOutput]:
+        """Accept the sampled token of every row that finished its prompt; stop what is done.
+        Rows with drafts go on position by position while the sampled token equals the draft
+        (each position sampled with the state after the tokens before it)."""
+        outputs: dict[str, EngineCoreOutput] = {}
+        sampling = []
+        for req in sched.scheduled:
             if req.req_id in out.prompt_logprobs:
                 if out.prompt_logprobs[req.req_id].start == 0:
                     req.prompt_logprobs_parts = []  # first chunk (again, after a preemption)
                 req.prompt_logprobs_parts.append(out.prompt_logprobs[req.req_id])
-            if req.num_computed_tokens < req.num_tokens:
-                continue  # a prompt chunk: its sample is not a token of the output
+            if req.num_computed_tokens >= req.num_tokens:
+                sampling.append(req)  # else a prompt chunk: its sample is not an output token
+        going = self._accept(sampling, out, outputs, 0)
+        if sched.draft_token_ids:
+            self._verify(going, outputs)
+            self._settle_drafts(sched)
+        return list(outputs.values())
+
+    def _verify(self, going: list[Request], outputs: dict[str, EngineCoreOutput]) -> None:
+        """Sample the further draft positions of the rows still agreeing with their drafts."""
+        rows = self.runner.input_batch.req_id_to_row
+        position = 1
+        while going:
+            try:
+                out = self.runner.sample_verify(position, [rows[r.req_id] for r in going],
+                                                self.structured)
+            except Exception as e:
+                if is_device_fault(e):
+                    raise
+                # What was accepted so far is exact; the rest of the drafts are dropped.
+                logger.exception("verifying draft position %d failed", position)
+                self.runner.reset_batch()
+                return
+            going = self._accept(going, out, outputs, position)
+            position += 1
+
+    def _accept(self, reqs: list[Request], out: RunnerOutput,
+                outputs: dict[str, EngineCoreOutput], position: int) -> list[Request]:
+        """Append each request's token sampled at draft `position` (0: the plain decode
+        position); returns the requests whose token equals their draft there and go on."""
+        rows = self.runner.input_batch.req_id_to_row
+        sampled = out.sampled_token_ids
+        lp_index = {int(r): i for i, r in enumerate(out.logprob_rows)}
+        accepted_rows, accepted_tokens, going = [], [], []
+        for req in reqs:
             row = rows[req.req_id]
             token = int(sampled[row])
             req.append_output_token(token)
@@ -228,17 +289,36 @@ class EngineCore:
                     req.error, status = str(e), RequestStatus.FINISHED_ERROR
             if status is not None:
                 self.scheduler.finish(req, status)
-            outputs.append(EngineCoreOutput(
-                req_id=req.req_id,
-                new_token_ids=[token],
-                finish_reason=None if status is None else int(req.finish_reason),
-                stop_reason=req.stop_reason,
-                ended_by_stop_token=by_token,
-                num_cached_tokens=req.num_cached_tokens,
-                logprobs=_token_logprobs(out, lp_index.get(row), int(out.num_logprobs[row])),
-                prompt_logprobs=_prompt_logprobs(req),
-                error=req.error,
-            ))
+            lp = _token_logprobs(out, lp_index.get(row), int(out.num_logprobs[row]))
+            o = outputs.get(req.req_id)
+            if o is None:
+                outputs[req.req_id] = EngineCoreOutput(
+                    req_id=req.req_id,
+                    new_token_ids=[token],
+                    finish_reason=None if status is None else int(req.finish_reason),
+                    stop_reason=req.stop_reason,
+                    ended_by_stop_token=by_token,
+                    num_cached_tokens=req.num_cached_tokens,
+                    logprobs=lp,
+                    prompt_logprobs=_prompt_logprobs(req),
+                    error=req.error,
+                )
+            else:  # a further position of a speculative step
+                o.new_token_ids.append(token)
+                o.finish_reason = None if status is None else int(req.finish_reason)
+                o.stop_reason = req.stop_reason
+                o.ended_by_stop_token = by_token
+                o.error = req.error
+                if lp is not None:
+                    for mine, more in ((o.logprobs.token_ids, lp.token_ids),
+                                       (o.logprobs.values, lp.values),
+                                       (o.logprobs.sampled_values, lp.sampled_values),
+                                       (o.logprobs.sampled_ranks, lp.sampled_ranks)):
+                        mine.extend(more)
+            drafts = req.draft_token_ids
+            if status is None and position < len(drafts) and token == drafts[position]:
+                going.append(req)
+                self.accepted_per_position[position] += 1
         if accepted_rows:
             try:
                 self.runner.accept_tokens(np.array(accepted_rows), np.array(accepted_tokens))
@@ -248,7 +328,30 @@ class EngineCore:
                 # The tokens are the requests' own now; the batch state is rebuilt from them.
                 logger.exception("updating the batch state with this step's tokens failed")
                 self.runner.reset_batch()
-        return outputs
+                return []
+        return going
+
+    def _settle_drafts(self, sched: SchedulerOutput) -> None:
+        """After verification: KV counts only the accepted tokens, the slots of rejected drafts
+        are given back, and full blocks of accepted tokens are published to the prefix cache
+        (rejected drafts never are: hashes cover known tokens only)."""
+        for req in sched.scheduled:
+            drafts = sched.draft_token_ids.get(req.req_id)
+            if not drafts:
+                continue
+            self.num_drafted_steps += 1
+            self.num_draft_tokens += len(drafts)
+            req.draft_token_ids = []
+            if req.is_finished:
+                continue
+            # Every token but the last sampled one has its KV computed now.
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+            self.kv_cache.trim(req, req.num_tokens)
+            row = self.runner.input_batch.req_id_to_row.get(req.req_id)
+            if row is not None:  # (absent after a batch reset: rebuilt from the blocks then)
+                self.runner.input_batch.trim_blocks(row, len(self.kv_cache.get_blocks(req.req_id)))
+            self.kv_cache.cache_full_blocks(req, req.num_computed_tokens)
+        self.num_accepted_tokens = sum(self.accepted_per_position)
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
@@ -276,6 +379,17 @@ class EngineCore:
             "failed_requests": self.num_failed_requests,
             "num_preemptions": self.scheduler.num_preemptions,
             "latencies": self.scheduler.take_latencies(),  # drained: call once per message
+        } | self._spec_stats()
+
+    def _spec_stats(self) -> dict:
+        """vLLM's spec_decode counters (only when speculative decoding is on)."""
+        if not self.spec_k:
+            return {}
+        return {
+            "spec_decode_num_drafts": self.num_drafted_steps,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_position),
         }
 
 
@@ -295,6 +409,8 @@ def _sub_schedule(sched: SchedulerOutput, part: list[Request]) -> SchedulerOutpu
     return SchedulerOutput(
         scheduled=part,
         num_scheduled_tokens={r.req_id: sched.num_scheduled_tokens[r.req_id] for r in part},
+        draft_token_ids={r.req_id: sched.draft_token_ids[r.req_id] for r in part
+                         if r.req_id in sched.draft_token_ids},
     )
 
 

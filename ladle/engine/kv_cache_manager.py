@@ -120,6 +120,19 @@ class KVCacheManager:
                 self.cached[h] = b
         self.num_cached_blocks[request.req_id] = max(start, end)
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the request's blocks past the first num_tokens tokens (slots of rejected
+        draft tokens). They were never published: only full blocks of known tokens are."""
+        blocks = self.req_blocks.get(request.req_id)
+        if not blocks:
+            return
+        keep = -(-num_tokens // self.block_size)
+        while len(blocks) > keep:
+            b = blocks.pop()
+            self.ref_cnt[b] -= 1
+            if self.ref_cnt[b] == 0:
+                self.free_queue[b] = None
+
     def free(self, request: Request) -> None:
         """Release the request's blocks at once. Its tail blocks are queued for eviction before
         its head blocks, since a later request is likelier to share the head."""

@@ -73,6 +73,11 @@ class Request:
         self.grammar = None  # structured-output matcher, when the request has a constraint
         self.prompt_logprobs_parts: list = []  # per prefill chunk, until the first output token
         self.max_tokens = sampling_params.max_tokens  # resolved against max_model_len on add
+        # Speculative decoding: this step's proposed tokens (verified in the same forward), and
+        # whether the request may be drafted at all (not when a custom logits processor that
+        # cannot see draft positions applies to it).
+        self.draft_token_ids: list[int] = []
+        self.can_draft = True
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from ladle.engine.kv_cache_manager import KVCacheManager
 from ladle.engine.request import Request, RequestStatus
+from ladle.spec_decode.ngram import NgramProposer
 
 
 @dataclass(slots=True)
@@ -25,6 +26,9 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)  # left the batch since last step
     failed: list[Request] = field(default_factory=list)  # e.g. grammar compile errors
+    # Speculative decoding: draft tokens of decoding rows, run after the row's last token and
+    # counted in num_scheduled_tokens (1 + len(drafts)).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -49,8 +53,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        proposer: NgramProposer | None = None,
     ):
         self.kv_cache = kv_cache
+        self.proposer = proposer  # speculative decoding, when configured
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -96,7 +102,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            drafts = self._propose(req, budget) if num_new == 1 else []
+            num_new += len(drafts)
             while not self.kv_cache.allocate_slots(req, num_new):
+                if drafts:  # drop the drafts before preempting anyone
+                    drafts, num_new = [], 1
+                    continue
                 victim = max(self.running[i:], key=lambda r: (r.priority, r.arrival_time))
                 budget += self._preempt(victim, out)
                 if victim is req:
@@ -105,6 +116,9 @@ class Scheduler:
                 continue  # req was preempted itself; self.running shrank at or after i
             out.scheduled.append(req)
             out.num_scheduled_tokens[req.req_id] = num_new
+            req.draft_token_ids = drafts
+            if drafts:
+                out.draft_token_ids[req.req_id] = drafts
             budget -= num_new
             i += 1
 
@@ -140,6 +154,22 @@ class Scheduler:
             budget -= num_new
         return out
 
+    def _propose(self, req: Request, budget: int) -> list[int]:
+        """Draft tokens for a decoding request: no more than the budget, the tokens it may
+        still produce, or the room left in max_model_len allow (the step also samples one
+        token after the drafts), cut at the first one its grammar would reject."""
+        if self.proposer is None or not req.can_draft:
+            return []
+        room = min(budget - 1, req.max_tokens - req.num_output_tokens - 1,
+                   self.max_model_len - req.num_tokens - 1)
+        drafts = self.proposer.propose(req.all_token_ids, room)
+        slot = req.grammar
+        if drafts and slot is not None and slot.matcher is not None and slot.reasoning_ended:
+            # Only an optimisation: a rejected draft could never be sampled (the bitmask of its
+            # position forbids it), so verifying it would be wasted work.
+            drafts = slot.matcher.validate_tokens(drafts)
+        return drafts
+
     @staticmethod
     def _grammar_ready(req: Request) -> bool:
         if req.status != RequestStatus.WAITING_FOR_GRAMMAR:
@@ -159,6 +189,8 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted.append(req)
         heapq.heappush(self.waiting, req)
+        req.draft_token_ids = []
+        out.draft_token_ids.pop(req.req_id, None)
         if req in out.scheduled:
             out.scheduled.remove(req)
             return out.num_scheduled_tokens.pop(req.req_id)

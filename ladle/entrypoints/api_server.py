@@ -369,6 +369,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         # The engine knows the built-in reasoning formats only (a plugin's tags are text to it).
         reasoning_parser=(args.reasoning_parser if args.reasoning_parser in ENGINE_REASONING
                           else None),
+        speculative_config=getattr(args, "speculative_config", None),
     )
 
 

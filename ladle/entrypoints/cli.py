@@ -200,6 +200,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    default=_DEFAULTS.structured_outputs_cache_bytes,
                    help="bytes of compiled grammars kept for reuse (LRU; 0 = no cache)")
 
+    g = p.add_argument_group("SpeculativeConfig")
+    g.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   help='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 3}')
+
     g = p.add_argument_group("Limits and overload", 'README: "Limits and errors"')
     g.add_argument("--max-n", type=int, default=_DEFAULTS.max_n,
                    help="most choices per request (n, best_of); OpenAI's limit is 128")
@@ -225,6 +229,16 @@ def _size(text: str) -> int:
     try:
         return parse_bytes(text)
     except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _speculative_config(text: str):
+    """The --speculative-config JSON, checked here so a bad field is a usage error."""
+    from ladle.spec_decode.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.from_value(text)
+    except (ValueError, TypeError) as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 

@@ -55,11 +55,12 @@ class InputBatch:
     def update(self, scheduled: list[Request], reset: set[str] = frozenset()) -> BatchUpdate | None:
         """Make the rows hold exactly `scheduled`; requests in `reset` (preempted since their row
         was written) get a fresh row. Returns None when nothing changed."""
-        wanted = {r.req_id for r in scheduled} - set(reset)
+        # By identity: a finished request's id may come back as a new request at once.
+        wanted = {r.req_id: r for r in scheduled if r.req_id not in reset}
         upd = BatchUpdate(batch_size=0)
         for row in range(self.num_reqs):
             req = self.requests[row]
-            if req is not None and req.req_id not in wanted:
+            if req is not None and wanted.get(req.req_id) is not req:
                 del self.req_id_to_row[req.req_id]
                 self.requests[row] = None
                 upd.removed.append(row)
@@ -109,11 +110,23 @@ class InputBatch:
         self.req_id_to_row[req.req_id] = dst
 
     def set_blocks(self, row: int, blocks: list[int]) -> None:
-        """Record blocks appended since the last step (a request only ever appends blocks)."""
+        """Record blocks appended since the last step (a request only appends blocks; the tail
+        that speculative decoding gives back is dropped with trim_blocks first)."""
         have = self.num_blocks[row]
         if len(blocks) > have:
             self.block_table[row, have : len(blocks)] = blocks[have:]
             self.num_blocks[row] = len(blocks)
+
+    def trim_blocks(self, row: int, num_blocks: int) -> None:
+        """The KV manager gave back the row's blocks past the first num_blocks."""
+        self.num_blocks[row] = min(self.num_blocks[row], num_blocks)
+
+    def write_drafts(self, row: int, drafts: list[int]) -> None:
+        """Place draft tokens after the row's known tokens, as the forward's inputs; they stay
+        outside num_tokens, so the accepted ones are appended over themselves and the rest are
+        overwritten later."""
+        n = self.num_tokens[row]
+        self.token_ids[row, n : n + len(drafts)] = drafts
 
     def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Vectorised append of one token to each of `rows`."""

@@ -4,7 +4,13 @@ Inputs are built with array ops over the persistent batch (token ids, positions 
 of every scheduled token), the forward runs on the flat token stream, logits are computed only at
 each row's last scheduled position (plus prompt positions of rows that asked for prompt
 logprobs), and the sampler draws one token per row. Rows still in the middle of their prompt
-sample too; the engine discards those tokens."""
+sample too; the engine discards those tokens.
+
+Speculative decoding: a row with d draft tokens runs its last token plus the drafts in the same
+forward, and logits are kept at all 1 + d positions. execute() samples the first position as
+always; the engine then calls sample_verify() once per further position, for the rows whose
+earlier drafts were all accepted, so every position is sampled by the same sampler with the
+state (penalty counts, processors' output lists, grammar) as of the tokens accepted before it."""
 
 from __future__ import annotations
 
@@ -71,6 +77,10 @@ class ModelRunner:
         self.logits_processor_names = list(logits_processors or [])
         self.reasoning = reasoning
         self.keep_logits = keep_logits
+        # Logits at the draft positions of the last step: (drafts, V), and per row the index of
+        # its first draft position there (-1: no drafts).
+        self.verify_logits: torch.Tensor | None = None
+        self.verify_start = np.zeros(0, dtype=np.int64)
         self.reset_batch()
 
     def reset_batch(self) -> None:
@@ -106,8 +116,13 @@ class ModelRunner:
         meta = self.sampling_metadata
         R = batch.num_reqs
         reqs = batch.requests[:R]
+        drafts = sched.draft_token_ids
+        num_drafts = np.zeros(R, dtype=np.int64)
         for row, req in enumerate(reqs):
             batch.set_blocks(row, kv_blocks[req.req_id])
+            if req.req_id in drafts:
+                batch.write_drafts(row, drafts[req.req_id])
+                num_drafts[row] = len(drafts[req.req_id])
         num_sched = np.array([sched.num_scheduled_tokens[r.req_id] for r in reqs], dtype=np.int64)
         num_computed = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
 
@@ -133,7 +148,9 @@ class ModelRunner:
             attn,
             self.kv_caches,
         )
-        logits = self.model.compute_logits(hidden[torch.from_numpy(ends - 1).to(self.device)])
+        last = ends - 1 - num_drafts  # each row's last known token: it samples the next one
+        logits = self.model.compute_logits(hidden[torch.from_numpy(last).to(self.device)])
+        self._keep_verify_logits(hidden, last, num_drafts)
         kept = logits.float().clone() if self.keep_logits else None
         if mask_job is not None:
             apply_bitmask(logits, *mask_job.result())
@@ -154,6 +171,53 @@ class ModelRunner:
             logprobs=lp,
             prompt_logprobs=prompt_lp,
             logits=kept,
+        )
+
+    def _keep_verify_logits(self, hidden, last: np.ndarray, num_drafts: np.ndarray) -> None:
+        """Logits at every draft position (the positions after each row's last token)."""
+        self.verify_logits = None
+        if not num_drafts.any():
+            return
+        rows = np.nonzero(num_drafts)[0]
+        flat = np.concatenate([np.arange(last[r] + 1, last[r] + 1 + num_drafts[r]) for r in rows])
+        self.verify_logits = self.model.compute_logits(hidden[torch.from_numpy(flat).to(self.device)])
+        self.verify_start = np.full(len(last), -1, dtype=np.int64)
+        self.verify_start[rows] = np.cumsum(num_drafts[rows]) - num_drafts[rows]
+
+    @torch.inference_mode()
+    def sample_verify(self, position: int, rows: list[int],
+                      structured: StructuredOutputManager | None = None) -> RunnerOutput:
+        """Sample draft position `position` (1 = the token after the first draft) for `rows`,
+        whose drafts before it were all accepted, exactly as a plain decode step would: same
+        processors, penalties, grammar bitmask and seeded noise for that output position. The
+        other rows get neutral logits and their samples mean nothing."""
+        batch = self.input_batch
+        meta = self.sampling_metadata
+        R = batch.num_reqs
+        idx = torch.from_numpy(self.verify_start[rows] + position - 1).to(self.device)
+        logits = torch.zeros((R, self.vocab_size), dtype=self.verify_logits.dtype,
+                             device=self.device)
+        logits[torch.tensor(rows, device=self.device)] = self.verify_logits[idx]
+        if structured is not None:
+            active = np.zeros(R, dtype=bool)
+            active[rows] = True
+            job = structured.submit_bitmask(batch.requests[:R], active.tolist())
+            if job is not None:
+                apply_bitmask(logits, *job.result())
+        output_positions = torch.from_numpy(
+            batch.num_tokens[:R] - batch.num_prompt_tokens[:R]
+        ).to(self.device)
+        out = self.sampler(logits, meta, output_positions, verify=True)
+        lp = out.logprobs
+        if lp is not None:
+            lp = LogprobsTensors(lp.token_ids.cpu(), lp.values.cpu(), lp.sampled_values.cpu(),
+                                 lp.sampled_ranks.cpu())
+        return RunnerOutput(
+            req_ids=[r.req_id for r in batch.requests[:R]],
+            sampled_token_ids=out.sampled_token_ids.cpu().numpy(),
+            logprob_rows=meta.logprob_rows.cpu().numpy(),
+            num_logprobs=meta.num_logprobs,
+            logprobs=lp,
         )
 
     def _prompt_logprobs(self, hidden, reqs, num_sched, num_computed, starts):

@@ -106,10 +106,12 @@ class Sampler:
         self.penalties.accept(rows, token_ids)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
-                 output_positions: torch.Tensor) -> SamplerOutput:
+                 output_positions: torch.Tensor, verify: bool = False) -> SamplerOutput:
         """logits: (R, V) in batch-row order, owned by the sampler from here on (stages work in
         place); output_positions: (R,) index of the token being sampled within each request's
-        output (the counter of the seeded noise)."""
+        output (the counter of the seeded noise). verify: a further draft position of a
+        speculative step; processors that do not support positions are skipped (their
+        requests are never drafted, so none of their rows is verified)."""
         raw = None
         if meta.any_raw_logprobs:
             if meta.logprob_rows.shape[0] == meta.num_rows:
@@ -119,7 +121,8 @@ class Sampler:
                 raw = logits[meta.logprob_rows].float()
         logits = logits.float()
         for p in self.argmax_changing:
-            logits = p.apply(logits)
+            if not verify or p.supports_positions():
+                logits = p.apply(logits)
         if not meta.no_penalties:
             logits = self.penalties.apply(logits, meta.presence, meta.frequency, meta.repetition,
                                           meta.penalties_used)
@@ -131,7 +134,8 @@ class Sampler:
         else:
             logits.div_(meta.temperature[:, None])
             for p in self.argmax_invariant:
-                logits = p.apply(logits)
+                if not verify or p.supports_positions():
+                    logits = p.apply(logits)
             sampled, processed = self._sample_random(logits, meta, output_positions)
             if greedy is not None:
                 sampled = torch.where(meta.is_greedy, greedy, sampled)

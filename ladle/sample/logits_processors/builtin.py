@@ -25,6 +25,9 @@ class AllowedTokenIdsProcessor(RowStateProcessor):
         self.rows: torch.Tensor | None = None
         self.banned: torch.Tensor | None = None  # (active rows, V) bool
 
+    def supports_positions(self) -> bool:
+        return True  # reads the live output list or per-request constants only
+
     def is_argmax_invariant(self) -> bool:
         return False
 
@@ -51,6 +54,9 @@ class BadWordsProcessor(RowStateProcessor):
     """A single-token bad word is always banned; a multi-token one bans its last token only
     when the output so far ends with the word's other tokens."""
 
+    def supports_positions(self) -> bool:
+        return True  # reads the live output list or per-request constants only
+
     def is_argmax_invariant(self) -> bool:
         return False
 
@@ -76,6 +82,9 @@ class MinTokensProcessor(RowStateProcessor):
     are all the row has left: a hard constraint applied before this one (a grammar that can only
     end, allowed_token_ids, bad_words) wins over min_tokens, so no row is ever left with every
     token at -inf (which would sample an arbitrary token the constraint forbids)."""
+
+    def supports_positions(self) -> bool:
+        return True  # reads the live output list or per-request constants only
 
     def is_argmax_invariant(self) -> bool:
         return False
@@ -123,6 +132,9 @@ class LogitBiasProcessor(RowStateProcessor):
         self.index: tuple[torch.Tensor, torch.Tensor] | None = None
         self.values: torch.Tensor | None = None
 
+    def supports_positions(self) -> bool:
+        return True  # reads the live output list or per-request constants only
+
     def is_argmax_invariant(self) -> bool:
         return False
 
@@ -157,6 +169,9 @@ class MinPProcessor(RowStateProcessor):
         super().__init__(config)
         self.log_min_p = torch.full((config.max_num_reqs,), NEG_INF, device=config.device)
 
+    def supports_positions(self) -> bool:
+        return True  # reads the live output list or per-request constants only
+
     def is_argmax_invariant(self) -> bool:
         return True
 
@@ -186,6 +201,9 @@ class ThinkingBudgetProcessor(RowStateProcessor):
     def __init__(self, config: ProcessorConfig, reasoning: ReasoningConfig | None):
         super().__init__(config)
         self.reasoning = reasoning
+
+    def supports_positions(self) -> bool:
+        return True  # reads the live output list or per-request constants only
 
     def is_argmax_invariant(self) -> bool:
         return False

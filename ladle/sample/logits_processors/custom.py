@@ -38,6 +38,9 @@ class AdapterLogitsProcessor(RowStateProcessor):
     def is_argmax_invariant(self) -> bool:
         return False  # an arbitrary function may change anything
 
+    def applies_to(self, params) -> bool:
+        return self.new_req_logits_processor(params) is not None
+
     def new_state(self, a: AddedRow):
         fn = self.new_req_logits_processor(a.params)
         return None if fn is None else (fn, a.output_token_ids)

@@ -55,6 +55,19 @@ class LogitsProcessor(ABC):
         """Raise ValueError (naming the field) for a request this processor cannot serve."""
         return None
 
+    def supports_positions(self) -> bool:
+        """True if apply() may run several times in one step, once per verified draft position
+        of speculative decoding, reading per-row state that already includes the tokens
+        accepted before that position (the live output_token_ids lists do). False (the
+        default): the requests this processor applies to are never drafted."""
+        return False
+
+    def applies_to(self, params: SamplingParams) -> bool:
+        """Whether this processor acts on a request with these params (rows it does not apply
+        to must come out of apply() unchanged). Used to keep only those requests undrafted
+        when the processor does not support positions; the default assumes every request."""
+        return True
+
     @abstractmethod
     def is_argmax_invariant(self) -> bool:
         """True if apply() never changes which token has the highest logit; such processors
