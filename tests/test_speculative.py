@@ -367,6 +367,12 @@ def test_server_stream_equals_non_stream_equals_no_speculation(spec_server):
                 text += "".join(c.text for c in chunk.choices)
                 usage = chunk.usage or usage
             assert text == want.text and usage.completion_tokens == len(want.token_ids)
+    m = spec_server.metrics()  # vLLM's spec_decode series, with ladle's prefix
+    drafted = m["ladle:spec_decode_num_draft_tokens_total"]
+    accepted = m["ladle:spec_decode_num_accepted_tokens_total"]
+    assert m["ladle:spec_decode_num_drafts_total"] > 0 and drafted > 0
+    assert 0 <= accepted <= drafted
+    assert m["ladle:spec_decode_num_accepted_tokens_per_pos_total"] == accepted
 
 
 def test_server_stop_strings_with_drafts(spec_server):

@@ -223,8 +223,32 @@ class _EngineStatsCollector:
             m = family(name, doc, labels=["model_name"])
             m.add_metric(lv, float(s.get(key, 0)))
             yield m
+        yield from _spec_decode_metrics(s, lv)
         g = GaugeMetricFamily("ladle:prefix_cache_hit_rate",
                               "Prefix-cache hits / queries since start, in tokens.",
                               labels=["model_name"])
         g.add_metric(lv, hits / queries if queries else 0.0)
         yield g
+
+
+def _spec_decode_metrics(s: dict, lv: list[str]):
+    """vLLM's spec_decode series (with ladle's prefix), when the engine speculates."""
+    if "spec_decode_num_drafts" not in s:
+        return
+    for name, doc, key in (
+        ("ladle:spec_decode_num_drafts", "Request steps that carried speculative drafts.",
+         "spec_decode_num_drafts"),
+        ("ladle:spec_decode_num_draft_tokens", "Draft tokens proposed.",
+         "spec_decode_num_draft_tokens"),
+        ("ladle:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+         "spec_decode_num_accepted_tokens"),
+    ):
+        c = CounterMetricFamily(name, doc, labels=["model_name"])
+        c.add_metric(lv, float(s.get(key, 0)))
+        yield c
+    c = CounterMetricFamily("ladle:spec_decode_num_accepted_tokens_per_pos",
+                            "Draft tokens accepted at each draft position (0 = first).",
+                            labels=["model_name", "position"])
+    for pos, n in enumerate(s.get("spec_decode_num_accepted_tokens_per_pos", [])):
+        c.add_metric([*lv, str(pos)], float(n))
+    yield c
