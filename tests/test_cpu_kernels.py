@@ -115,3 +115,65 @@ def test_paged_decode_attention_matches_torch(kernels, dtype, monkeypatch):
     monkeypatch.setitem(cpu_kernels._loaded, "module", None)  # the torch path
     want = decode_attention(q, k_cache, v_cache, batch, D**-0.5)
     torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_apply_bitmask_matches_torch(kernels, dtype):
+    """Rows of a larger batch, a vocabulary that is not a multiple of 32, words all set."""
+    from ladle.structured_output.manager import apply_bitmask, apply_bitmask_torch
+
+    torch.manual_seed(4)
+    V, rows = 1000, [0, 2, 3]
+    mask = torch.randint(-(2**31), 2**31 - 1, (len(rows), -(-V // 32)), dtype=torch.int32)
+    mask[1, 5:10] = -1  # every token of those words allowed
+    logits = torch.randn(5, V).to(dtype)
+    want = logits.clone()
+    apply_bitmask_torch(want, rows, mask)
+    apply_bitmask(logits, rows, mask)  # the kernel path
+    assert torch.equal(logits, want)
+    assert torch.isinf(logits[2]).any() and torch.isfinite(logits[1]).all()
+
+
+def _rope_tables(D, P=64):
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    freqs = torch.outer(torch.arange(P).float(), inv)
+    return freqs.cos(), freqs.sin()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rotary_matches_torch(kernels, dtype):
+    torch.manual_seed(5)
+    T, H, KVH, D = 4, 4, 2, 32
+    cos, sin = _rope_tables(D)
+    pos = torch.tensor([0, 9, 33, 2])
+    qkv = torch.randn(T, (H + 2 * KVH) * D).to(dtype)
+    q = qkv[:, : H * D].view(T, H, D)
+    k = qkv[:, H * D : (H + KVH) * D].view(T, KVH, D)
+    wq, wk = torch.randn(D).to(dtype), torch.randn(D).to(dtype)
+    got_q, got_k = kernels.qk_norm_rotary(q, k, wq, wk, 1e-6, pos, cos, sin)
+    want_q, want_k = cpu_kernels.rotary_torch(pos, cpu_kernels.rms_norm_torch(q, wq, 1e-6),
+                                              cpu_kernels.rms_norm_torch(k, wk, 1e-6), cos, sin)
+    torch.testing.assert_close(got_q, want_q, **TOL[dtype])
+    torch.testing.assert_close(got_k, want_k, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_cache_matches_index_put(kernels, dtype):
+    torch.manual_seed(6)
+    T, KVH, D, bs, nb = 5, 2, 16, 4, 6
+    kv = torch.randn(T, 3 * KVH * D).to(dtype)  # k and v as views of a wider qkv row
+    k = kv[:, KVH * D : 2 * KVH * D].view(T, KVH, D)
+    v = kv[:, 2 * KVH * D :].view(T, KVH, D)
+    blocks, offsets = torch.tensor([0, 0, 5, 3, 3]), torch.tensor([0, 1, 3, 2, 0])
+    caches = [torch.zeros(nb, KVH, bs, D).to(dtype) for _ in range(4)]
+    kernels.write_kv_cache(k, v, caches[0], caches[1], blocks, offsets)
+    caches[2][blocks, :, offsets] = k
+    caches[3][blocks, :, offsets] = v
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_torch(kernels, dtype):
+    torch.manual_seed(7)
+    x = (3 * torch.randn(3, 2 * 96)).to(dtype)
+    torch.testing.assert_close(kernels.silu_mul(x), cpu_kernels.silu_mul_torch(x), **TOL[dtype])

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ladle.runner import cpu_kernels
@@ -70,6 +69,11 @@ class RotaryEmbedding(nn.Module):
         # q: (T, H, D), k: (T, KVH, D); positions: (T,). The kernel rotates in place.
         return cpu_kernels.rotary(positions, q, k, self.cos, self.sin)
 
+    def with_qk_norm(self, positions, q, k, q_norm: RMSNorm, k_norm: RMSNorm):
+        """Qwen3: RMSNorm of every q and k head, then rotary, as one op where the kernel runs."""
+        return cpu_kernels.qk_norm_rotary(positions, q, k, q_norm.weight, k_norm.weight,
+                                          q_norm.eps, self.cos, self.sin)
+
 
 class GatedMLP(nn.Module):
     """SwiGLU MLP with gate and up projections fused into one matmul."""
@@ -81,5 +85,5 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.gate_up_proj
-        gate, up = cpu_kernels.linear(x, p.weight, p.bias).chunk(2, dim=-1)
-        return cpu_kernels.linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
+        h = cpu_kernels.silu_mul(cpu_kernels.linear(x, p.weight, p.bias))
+        return cpu_kernels.linear(h, self.down_proj.weight, self.down_proj.bias)

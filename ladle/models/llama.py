@@ -84,8 +84,9 @@ class Attention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+            q, k = rotary.with_qk_norm(positions, q, k, self.q_norm, self.k_norm)
+        else:
+            q, k = rotary(positions, q, k)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # (T, H, D)
         return linear(out.reshape(T, self.q_size), self.o_proj.weight, self.o_proj.bias)
 

@@ -155,7 +155,8 @@ def _remove_stale_builds(root: Path) -> None:
             pass
 
 
-def _kernels_for(*tensors: torch.Tensor):
+def kernels_for(*tensors: torch.Tensor):
+    """The kernel module when every tensor is a CPU tensor of one supported dtype, else None."""
     x = tensors[0]
     if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
         return None
@@ -174,7 +175,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x (..., K) @ weight (N, K)^T + bias; the kernel for a few rows (decode), torch otherwise."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if 0 < rows <= MAX_LINEAR_ROWS and weight.is_contiguous():
-        k = _kernels_for(x, weight) if bias is None else _kernels_for(x, weight, bias)
+        k = kernels_for(x, weight) if bias is None else kernels_for(x, weight, bias)
         if k is not None:
             x2 = x.reshape(rows, x.shape[-1])
             if x2.stride(-1) != 1:
@@ -185,7 +186,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of x: (R, D), or (T, H, D) heads read in place."""
-    k = _kernels_for(x, weight)
+    k = kernels_for(x, weight)
     if k is not None and _rows_in_place(x):
         return k.rms_norm(x, None, weight, eps)
     return rms_norm_torch(x, weight, eps)
@@ -193,7 +194,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """(RMSNorm(residual + x), residual + x); the kernel writes the sum into `residual`."""
-    k = _kernels_for(x, residual, weight)
+    k = kernels_for(x, residual, weight)
     if k is not None and _rows_in_place(x) and residual.is_contiguous():
         return k.rms_norm(x, residual, weight, eps), residual
     residual = residual + x
@@ -215,7 +216,7 @@ def _rows_in_place(x: torch.Tensor) -> bool:
 
 def rotary(positions, q, k, cos, sin):
     """Neox rotary on q (T, H, D) and k (T, KVH, D); the kernel rotates both in place."""
-    kern = _kernels_for(q, k)
+    kern = kernels_for(q, k)
     if (kern is not None and cos.dtype == torch.float32 and q.stride(1) == q.shape[2]
             and k.stride(1) == k.shape[2] and q.stride(2) == 1 and k.stride(2) == 1):
         kern.rotary(q, k, positions, cos, sin)
@@ -232,3 +233,43 @@ def rotary_torch(positions, q, k, cos, sin):
 def _rotate(x, cos, sin):
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def qk_norm_rotary(positions, q, k, wq, wk, eps: float, cos, sin):
+    """Qwen3's per-head RMSNorm of q and k, then rotary: one op on the kernel path. q: (T, H, D)
+    and k: (T, KVH, D) may be views into the qkv output; returns new (q, k)."""
+    kern = kernels_for(q, k, wq, wk)
+    if (kern is not None and cos.dtype == torch.float32 and _heads_adjacent(q)
+            and _heads_adjacent(k)):
+        return tuple(kern.qk_norm_rotary(q, k, wq, wk, eps, positions, cos, sin))
+    return rotary_torch(positions, rms_norm_torch(q, wq, eps), rms_norm_torch(k, wk, eps),
+                        cos, sin)
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_blocks, slot_offsets) -> None:
+    """k, v: (T, KVH, D) into caches (num_blocks, KVH, bs, D) at (slot_blocks[t], :,
+    slot_offsets[t])."""
+    kern = kernels_for(k, v, k_cache, v_cache)
+    if (kern is not None and _heads_adjacent(k) and _heads_adjacent(v)
+            and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        kern.write_kv_cache(k, v, k_cache, v_cache, slot_blocks, slot_offsets)
+        return
+    k_cache[slot_blocks, :, slot_offsets] = k
+    v_cache[slot_blocks, :, slot_offsets] = v
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(R, 2I) = [gate | up] -> silu(gate) * up, (R, I)."""
+    kern = kernels_for(gate_up)
+    if kern is not None and gate_up.dim() == 2 and gate_up.stride(1) == 1:
+        return kern.silu_mul(gate_up)
+    return silu_mul_torch(gate_up)
+
+
+def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _heads_adjacent(x: torch.Tensor) -> bool:
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]

@@ -398,6 +398,164 @@ void rotary(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Te
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Grammar bitmask: logits[rows[i], t] = -inf where bit t % 32 of bitmask[i, t / 32] is clear.
+// In place and without the (rows, vocab) temporaries that unpacking the bits in torch needs;
+// words with every bit set (most of a permissive grammar's mask) are skipped.
+
+template <typename T>
+static void bitmask_kernel(T* logits, int64_t ld, const int64_t* rows, const int32_t* mask,
+                           int64_t R, int64_t W, int64_t V) {
+  const T neg_inf = static_cast<T>(-INFINITY);
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      T* row = logits + rows[i] * ld;
+      const uint32_t* m = reinterpret_cast<const uint32_t*>(mask + i * W);
+      for (int64_t w = 0; w < W; ++w) {
+        uint32_t blocked = ~m[w];
+        while (blocked) {
+          const int64_t t = w * 32 + __builtin_ctz(blocked);
+          if (t >= V) break;
+          row[t] = neg_inf;
+          blocked &= blocked - 1;
+        }
+      }
+    }
+  });
+}
+
+void apply_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask) {
+  // logits: (N, V) unit stride in V; rows: (R,) int64 rows of logits; bitmask: (R, W) int32.
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "apply_bitmask: logits layout");
+  TORCH_CHECK(bitmask.is_contiguous() && bitmask.scalar_type() == at::kInt, "apply_bitmask: mask");
+  TORCH_CHECK(rows.is_contiguous() && rows.scalar_type() == at::kLong, "apply_bitmask: rows");
+  const int64_t R = bitmask.size(0), W = bitmask.size(1), V = logits.size(1);
+  TORCH_CHECK(rows.numel() == R && W * 32 >= V, "apply_bitmask: shapes");
+  if (logits.scalar_type() == at::kBFloat16) {
+    bitmask_kernel<at::BFloat16>(logits.data_ptr<at::BFloat16>(), logits.stride(0),
+                                 rows.data_ptr<int64_t>(), bitmask.data_ptr<int32_t>(), R, W, V);
+  } else {
+    TORCH_CHECK(logits.scalar_type() == at::kFloat, "apply_bitmask: bfloat16 or float32");
+    bitmask_kernel<float>(logits.data_ptr<float>(), logits.stride(0), rows.data_ptr<int64_t>(),
+                          bitmask.data_ptr<int32_t>(), R, W, V);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode-path glue, one op each instead of several: Qwen3's per-head q/k RMSNorm followed by
+// rotary, the KV-cache write, and SwiGLU's silu(gate) * up.
+
+template <typename T>
+static void qk_norm_rotary_kernel(const T* q, const T* k, T* q_out, T* k_out, const T* wq,
+                                  const T* wk, const int64_t* pos, const float* cos,
+                                  const float* sin, int64_t Tn, int64_t H, int64_t KVH, int64_t D,
+                                  int64_t ldq, int64_t ldk, float eps) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, Tn, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(D);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos + pos[t] * half;
+      const float* s = sin + pos[t] * half;
+      auto one = [&](const T* x, T* o, const T* w) {
+        float ss = 0.f;
+        for (int64_t d = 0; d < D; ++d) { row[d] = to_f(x[d]); ss += row[d] * row[d]; }
+        const float inv = 1.f / std::sqrt(ss / D + eps);
+        // The norm's output is rounded to T (as the unfused layers store it), then rotated.
+        for (int64_t d = 0; d < D; ++d)
+          row[d] = to_f(static_cast<T>(to_f(w[d]) * to_f(static_cast<T>(row[d] * inv))));
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = row[i], x2 = row[i + half];
+          o[i] = static_cast<T>(x1 * c[i] - x2 * s[i]);
+          o[i + half] = static_cast<T>(x2 * c[i] + x1 * s[i]);
+        }
+      };
+      for (int64_t h = 0; h < H; ++h) one(q + t * ldq + h * D, q_out + (t * H + h) * D, wq);
+      for (int64_t h = 0; h < KVH; ++h) one(k + t * ldk + h * D, k_out + (t * KVH + h) * D, wk);
+    }
+  });
+}
+
+std::vector<torch::Tensor> qk_norm_rotary(torch::Tensor q, torch::Tensor k, torch::Tensor wq,
+                                          torch::Tensor wk, double eps, torch::Tensor positions,
+                                          torch::Tensor cos, torch::Tensor sin) {
+  // q: (T, H, D), k: (T, KVH, D) with heads adjacent (views into the qkv output are fine).
+  // Returns new contiguous (q, k): RMSNorm per head with wq / wk, then neox rotary.
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "qk_norm_rotary: q layout");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2), "qk_norm_rotary: k layout");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(),
+              "qk_norm_rotary: tables");
+  const int64_t Tn = q.size(0), H = q.size(1), KVH = k.size(1), D = q.size(2);
+  auto qo = torch::empty({Tn, H, D}, q.options());
+  auto ko = torch::empty({Tn, KVH, D}, k.options());
+  if (q.scalar_type() == at::kBFloat16) {
+    using T = at::BFloat16;
+    qk_norm_rotary_kernel<T>(q.data_ptr<T>(), k.data_ptr<T>(), qo.data_ptr<T>(), ko.data_ptr<T>(),
+                             wq.data_ptr<T>(), wk.data_ptr<T>(), positions.data_ptr<int64_t>(),
+                             cos.data_ptr<float>(), sin.data_ptr<float>(), Tn, H, KVH, D,
+                             q.stride(0), k.stride(0), (float)eps);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "qk_norm_rotary: bfloat16 or float32");
+    qk_norm_rotary_kernel<float>(q.data_ptr<float>(), k.data_ptr<float>(), qo.data_ptr<float>(),
+                                 ko.data_ptr<float>(), wq.data_ptr<float>(), wk.data_ptr<float>(),
+                                 positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
+                                 sin.data_ptr<float>(), Tn, H, KVH, D, q.stride(0), k.stride(0),
+                                 (float)eps);
+  }
+  return {qo, ko};
+}
+
+void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                    torch::Tensor slot_blocks, torch::Tensor slot_offsets) {
+  // k, v: (T, KVH, D) heads contiguous; caches: (num_blocks, KVH, bs, D) contiguous.
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 &&
+              v.stride(1) == v.size(2), "write_kv_cache: k/v layout");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "write_kv_cache: caches");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
+              "write_kv_cache: dtypes");
+  const int64_t Tn = k.size(0), KVH = k.size(1), D = k.size(2), bs = k_cache.size(2);
+  const int64_t esz = k.element_size();
+  const int64_t* blk = slot_blocks.data_ptr<int64_t>();
+  const int64_t* off = slot_offsets.data_ptr<int64_t>();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  for (int64_t t = 0; t < Tn; ++t)
+    for (int64_t h = 0; h < KVH; ++h) {
+      const int64_t dst = ((blk[t] * KVH + h) * bs + off[t]) * D * esz;
+      std::memcpy(kc + dst, kp + (t * k.stride(0) + h * D) * esz, D * esz);
+      std::memcpy(vc + dst, vp + (t * v.stride(0) + h * D) * esz, D * esz);
+    }
+}
+
+template <typename T>
+static void silu_mul_kernel(const T* x, T* out, int64_t R, int64_t I, int64_t ldx) {
+  at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t i = 0; i < I; ++i) {
+        // Like torch: silu rounded to T, then the product rounded to T.
+        const float g = to_f(x[r * ldx + i]);
+        const float sg = to_f(static_cast<T>(g / (1.f + std::exp(-g))));
+        out[r * I + i] = static_cast<T>(sg * to_f(x[r * ldx + I + i]));
+      }
+  });
+}
+
+torch::Tensor silu_mul(torch::Tensor x) {
+  // x: (R, 2I) = [gate | up] per row, unit stride; returns silu(gate) * up, (R, I).
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "silu_mul: layout");
+  const int64_t R = x.size(0), I = x.size(1) / 2;
+  auto out = torch::empty({R, I}, x.options());
+  if (x.scalar_type() == at::kBFloat16) {
+    silu_mul_kernel<at::BFloat16>(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), R, I,
+                                  x.stride(0));
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "silu_mul: bfloat16 or float32");
+    silu_mul_kernel<float>(x.data_ptr<float>(), out.data_ptr<float>(), R, I, x.stride(0));
+  }
+  return out;
+}
+
 // What this build was compiled for, logged at engine start.
 std::string isa() {
 #if defined(__AVX512BF16__)
@@ -415,5 +573,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm with optional residual add", py::arg("x"),
         py::arg("residual"), py::arg("w"), py::arg("eps"));
   m.def("rotary", &rotary, "neox rotary embedding in place");
+  m.def("apply_bitmask", &apply_bitmask, "grammar bitmask applied in place");
+  m.def("qk_norm_rotary", &qk_norm_rotary, "per-head q/k RMSNorm then rotary");
+  m.def("write_kv_cache", &write_kv_cache, "k and v into their cache slots");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("isa", &isa, "instruction set this build uses");
 }
