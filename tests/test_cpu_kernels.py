@@ -177,3 +177,45 @@ def test_silu_mul_matches_torch(kernels, dtype):
     torch.manual_seed(7)
     x = (3 * torch.randn(3, 2 * 96)).to(dtype)
     torch.testing.assert_close(kernels.silu_mul(x), cpu_kernels.silu_mul_torch(x), **TOL[dtype])
+
+
+def test_penalties_match_torch(kernels):
+    from ladle.sample.penalties import PenaltyState
+
+    torch.manual_seed(8)
+    R, V = 3, 1000
+    state = PenaltyState(4, V, torch.device("cpu"))
+    state._allocate()
+    state.counts[:R] = torch.randint(0, 3, (R, V)).float()
+    state.present[:R] = (state.counts[:R] > 0).float()
+    state.seen[:R] = torch.rand(R, V) < 0.3
+    rep, freq, pres = torch.tensor([1.3, 1.0, 0.7]), torch.tensor([0.2, 0.0, 0.5]), \
+        torch.tensor([0.0, 0.4, 0.1])
+    logits = torch.randn(R, V)
+    want = state.apply_torch(logits.clone(), pres, freq, rep, (True, True, True))
+    got = state.apply(logits.clone(), pres, freq, rep, (True, True, True))
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_logprob_stats_match_torch(kernels):
+    from ladle.sample.sampler import logprob_stats, logprob_stats_torch
+
+    torch.manual_seed(9)
+    src = torch.randn(4, 5000) * 3
+    src[1, ::2] = float("-inf")  # masked tokens
+    src[2, 7] = src[2, 9]  # a tie with the chosen token does not count as better
+    chosen = torch.tensor([0, 4, 9, 4999])
+    for got, want in zip(logprob_stats(src, chosen), logprob_stats_torch(src, chosen),
+                         strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_min_p_matches_torch(kernels):
+    torch.manual_seed(10)
+    logits = torch.randn(3, 2000) * 2
+    log_min_p = torch.tensor([float("-inf"), -1.0, -0.1])  # row 0 has no min_p
+    want = logits.clone()
+    cutoff = want.max(dim=-1, keepdim=True).values + log_min_p[:, None]
+    want.masked_fill_(want < cutoff, float("-inf"))
+    kernels.min_p(logits, log_min_p)
+    assert torch.equal(logits, want)
