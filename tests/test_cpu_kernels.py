@@ -219,3 +219,14 @@ def test_min_p_matches_torch(kernels):
     want.masked_fill_(want < cutoff, float("-inf"))
     kernels.min_p(logits, log_min_p)
     assert torch.equal(logits, want)
+
+
+@pytest.mark.parametrize("k", [1, 5, 50])
+def test_topk_matches_torch(kernels, k):
+    torch.manual_seed(11)
+    x = torch.randn(4, 3000)
+    x[1, 100:] = float("-inf")  # fewer finite values than some k
+    vals, ids = kernels.topk_rows(x, k)
+    want_vals, _ = x.topk(k, dim=-1)
+    assert torch.equal(vals, want_vals)
+    assert torch.equal(x.gather(1, ids), vals)  # ids point at their values

@@ -273,3 +273,17 @@ def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 
 def _heads_adjacent(x: torch.Tensor) -> bool:
     return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+# Above this k a heap per row stops paying off against torch.topk's selection.
+MAX_TOPK_KERNEL = 256
+
+
+def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) of the k largest per row of x (R, V), sorted descending, like
+    torch.topk (its twin); ties may come in another order."""
+    kern = kernels_for(x)
+    if (kern is not None and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()
+            and 1 <= k <= min(MAX_TOPK_KERNEL, x.shape[1])):
+        return tuple(kern.topk_rows(x, k))
+    return x.topk(k, dim=-1)

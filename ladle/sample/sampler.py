@@ -194,7 +194,8 @@ class Sampler:
         if meta.any_logit_mode:
             shift = shift.masked_fill(meta.logprobs_as_logits, 0.0)
         k = max(meta.max_num_logprobs, 0)
-        values, token_ids = src.topk(k, dim=-1) if k else (src[:, :0], chosen[:, None][:, :0])
+        values, token_ids = (cpu_kernels.topk(src, k) if k
+                             else (src[:, :0], chosen[:, None][:, :0]))
         values = values - shift[:, None]
         sampled_values = chosen_logits - shift
         return LogprobsTensors(token_ids, values, sampled_values, ranks)

@@ -4,6 +4,7 @@
 // macros of the CPU the build is for; every function also has a portable scalar loop.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -650,6 +651,46 @@ void min_p(torch::Tensor logits, torch::Tensor log_min_p) {
   });
 }
 
+std::vector<torch::Tensor> topk_rows(torch::Tensor x, int64_t k) {
+  // x: (R, V) float32 contiguous; the k largest of each row, sorted descending, and their ids.
+  // One pass with a k-entry min-heap: most elements lose one comparison against its root, where
+  // torch.topk on a wide row does several passes.
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && x.dim() == 2, "topk_rows");
+  const int64_t R = x.size(0), V = x.size(1);
+  TORCH_CHECK(k >= 1 && k <= V, "topk_rows: k");
+  auto vals = torch::empty({R, k}, x.options());
+  auto ids = torch::empty({R, k}, x.options().dtype(at::kLong));
+  const float* X = x.data_ptr<float>();
+  float* ov = vals.data_ptr<float>();
+  int64_t* oi = ids.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    std::vector<std::pair<float, int64_t>> heap;
+    // Root = the smallest kept (value, then the larger id, so lower ids win ties).
+    auto worse = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+      return a.first > b.first || (a.first == b.first && a.second < b.second);
+    };
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = X + r * V;
+      heap.clear();
+      for (int64_t v = 0; v < k; ++v) heap.emplace_back(row[v], v);
+      std::make_heap(heap.begin(), heap.end(), worse);
+      for (int64_t v = k; v < V; ++v) {
+        if (row[v] > heap.front().first) {
+          std::pop_heap(heap.begin(), heap.end(), worse);
+          heap.back() = {row[v], v};
+          std::push_heap(heap.begin(), heap.end(), worse);
+        }
+      }
+      std::sort_heap(heap.begin(), heap.end(), worse);  // best first
+      for (int64_t j = 0; j < k; ++j) {
+        ov[r * k + j] = heap[j].first;
+        oi[r * k + j] = heap[j].second;
+      }
+    }
+  });
+  return {vals, ids};
+}
+
 // What this build was compiled for, logged at engine start.
 std::string isa() {
 #if defined(__AVX512BF16__)
@@ -674,5 +715,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_penalties", &apply_penalties, "repetition/frequency/presence in one pass");
   m.def("logprob_stats", &logprob_stats, "logsumexp, chosen value and rank per row");
   m.def("min_p", &min_p, "min-p filter in place");
+  m.def("topk_rows", &topk_rows, "k largest per row, sorted");
   m.def("isa", &isa, "instruction set this build uses");
 }
