@@ -23,10 +23,11 @@ ln -sfn "llama_cpp_python-$VERSION" src
 [ -x venv/bin/python ] || "$PY" -m venv venv
 if ! venv/bin/python -c "import llama_cpp" 2>/dev/null; then
   venv/bin/pip install -q --upgrade pip
-  # Native build for this CPU (AVX-512 etc.), as ladle's own kernels are.
+  # Native build for this CPU (AVX-512 etc.), as ladle's own kernels are; the server extra is
+  # the fallback server when llama-server is not built (it runs one request at a time).
   CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
   CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
-    venv/bin/pip install -v "./llama_cpp_python-$VERSION" > build.log 2>&1
+    venv/bin/pip install -v "./llama_cpp_python-$VERSION[server]" > build.log 2>&1
 fi
 if [ ! -x server-build/bin/llama-server ]; then
   cmake -S "llama_cpp_python-$VERSION/vendor/llama.cpp" -B server-build -G Ninja \

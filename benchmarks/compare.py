@@ -218,7 +218,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(cmd: list[str], url: str, log: Path, timeout=600) -> subprocess.Popen:
+def start_server(cmd: list[str], url: str, log: Path, timeout=600,
+                 ready_path="/health") -> subprocess.Popen:
     import httpx
 
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
@@ -228,7 +229,7 @@ def start_server(cmd: list[str], url: str, log: Path, timeout=600) -> subprocess
         if proc.poll() is not None:
             raise RuntimeError(f"server exited: {log.read_text()[-2000:]}")
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
+            if httpx.get(url + ready_path, timeout=1).status_code == 200:
                 return proc
         except httpx.HTTPError:
             pass
@@ -247,14 +248,21 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def drive_streams(url: str, clients: int, rounds: int, out_tokens: int) -> dict:
+def text_prompts(path: Path, n: int) -> list[str]:
+    """Prompts as text (llama-cpp-python's server takes no token ids): random token ids decoded
+    by the checkpoint's tokenizer, about PROMPT_LEN tokens each when encoded again."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    return [tok.decode(p) for p in prompts(n, seed=1)]
+
+
+def drive_streams(url: str, ps: list[str], clients: int, rounds: int, out_tokens: int) -> dict:
     """`clients` concurrent streaming clients, each sending `rounds` requests one after another;
     returns aggregate output tok/s, TTFT and inter-token latency statistics."""
     import asyncio
 
     import httpx
-
-    ps = prompts(clients * rounds, seed=1)
     model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
     async def one(client, prompt):
@@ -291,7 +299,7 @@ def drive_streams(url: str, clients: int, rounds: int, out_tokens: int) -> dict:
             "itl_med_ms": 1e3 * statistics.median(itls), "chunks": n}
 
 
-def server_ladle(path, dtype, parallel, out_tokens, rounds, log_dir):
+def server_ladle(path, dtype, ps, parallel, out_tokens, rounds, log_dir):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "ladle.entrypoints.cli", "serve", str(path), "--port",
@@ -299,28 +307,45 @@ def server_ladle(path, dtype, parallel, out_tokens, rounds, log_dir):
            "--kv-cache-memory", "2GiB", "--disable-access-log", "--uvicorn-log-level", "warning"]
     proc = start_server(cmd, url, log_dir / "ladle-serve.log")
     try:
-        return drive_streams(url, parallel, rounds, out_tokens)
+        return drive_streams(url, ps, parallel, rounds, out_tokens)
     finally:
         stop_server(proc)
 
 
-def server_llama(gguf_path, parallel, out_tokens, rounds, log_dir):
+def server_llama(gguf_path, ps, parallel, out_tokens, rounds, log_dir, allow_serial=False):
+    """llama-server with `parallel` slots; without that binary, llama-cpp-python's server
+    (one request at a time) when allow_serial, else None."""
     binary = LLAMA_DIR / "server-build" / "bin" / "llama-server"
-    if not binary.exists():
-        return None
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [str(binary), "-m", str(gguf_path), "--port", str(port), "--host", "127.0.0.1",
-           "-np", str(parallel), "-c", str(parallel * 512), "-t", str(os.cpu_count()),
-           "--cont-batching", "--no-webui"]
-    proc = start_server(cmd, url, log_dir / "llama-server.log")
+    if binary.exists():
+        cmd = [str(binary), "-m", str(gguf_path), "--port", str(port), "--host", "127.0.0.1",
+               "-np", str(parallel), "-c", str(parallel * 512), "-t", str(os.cpu_count()),
+               "--cont-batching", "--no-webui"]
+        ready = "/health"
+    elif allow_serial:
+        cmd = [str(LLAMA_DIR / "venv" / "bin" / "python"), "-m", "llama_cpp.server", "--model",
+               str(gguf_path), "--port", str(port), "--host", "127.0.0.1", "--n_ctx", "2048",
+               "--n_threads", str(os.cpu_count()), "--interrupt_requests", "False"]
+        ready = "/v1/models"
+    else:
+        return None
+    proc = start_server(cmd, url, log_dir / "llama-server.log", ready_path=ready)
     try:
-        return drive_streams(url, parallel, rounds, out_tokens)
+        return drive_streams(url, ps, parallel, rounds, out_tokens)
     finally:
         stop_server(proc)
 
 
 # --- Driver ----------------------------------------------------------------------------------
+
+def guarded(fn, *args, **kw):
+    """A failed case is reported and left out of the table; the run goes on."""
+    try:
+        return fn(*args, **kw)
+    except Exception as e:
+        print(f"  {fn.__name__} failed: {type(e).__name__}: {str(e)[:500]}", file=sys.stderr)
+        return None
 
 def run_worker(python: str, args: list[str], env=None) -> dict:
     out = subprocess.run([python, str(Path(__file__).resolve()), "--worker", *args],
@@ -365,6 +390,9 @@ def main():
         return
 
     llama_py = LLAMA_DIR / "venv" / "bin" / "python"
+    if not (LLAMA_DIR / "server-build" / "bin" / "llama-server").exists():
+        print("llama-server not built: no llama.cpp batched row; its server row is "
+              "llama-cpp-python's server, which runs one request at a time")
     has_llama = not args.skip_llama and llama_py.exists() and subprocess.run(
         [str(llama_py), "-c", "import llama_cpp"], capture_output=True).returncode == 0
     if not args.skip_llama and not has_llama:
@@ -382,6 +410,7 @@ def main():
         path = checkpoint(name)
         model_gguf = gguf(path, outtype) if has_llama else None
         results: dict[str, list[dict]] = {"ladle": [], "transformers": [], "llama.cpp": []}
+        texts = text_prompts(path, max(BATCH, SERVER_CLIENTS * SERVER_ROUNDS))
         for rep in range(args.reps):
             print(f"[{name}] repetition {rep + 1}/{args.reps}", flush=True)
             results["ladle"].append(run_worker(sys.executable,
@@ -391,16 +420,17 @@ def main():
                     sys.executable, ["hf", str(path), dtype, "single,batch"]))
             if has_llama:
                 r = run_worker(str(llama_py), ["llama", str(model_gguf), outtype, "single"])
-                b = server_llama(model_gguf, BATCH, BATCH_OUT, 1, log_dir)
+                b = guarded(server_llama, model_gguf, texts, BATCH, BATCH_OUT, 1, log_dir)
                 if b:
                     r["batch_tps"] = b["server_tps"]
                 results["llama.cpp"].append(r)
             if not args.skip_server:
-                s = server_ladle(path, dtype, SERVER_CLIENTS, SERVER_OUT, SERVER_ROUNDS, log_dir)
-                results["ladle"][-1].update({"srv_" + k: v for k, v in s.items()})
+                s = guarded(server_ladle, path, dtype, texts, SERVER_CLIENTS, SERVER_OUT,
+                            SERVER_ROUNDS, log_dir)
+                results["ladle"][-1].update({"srv_" + k: v for k, v in (s or {}).items()})
                 if has_llama:
-                    s = server_llama(model_gguf, SERVER_CLIENTS, SERVER_OUT, SERVER_ROUNDS,
-                                     log_dir)
+                    s = guarded(server_llama, model_gguf, texts, SERVER_CLIENTS, SERVER_OUT,
+                                SERVER_ROUNDS, log_dir, allow_serial=True)
                     if s:
                         results["llama.cpp"][-1].update({"srv_" + k: v for k, v in s.items()})
         report(name, dtype, path, results, limits)
