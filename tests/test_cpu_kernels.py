@@ -1,9 +1,13 @@
 """Each CPU kernel against its pure-torch twin, on the shapes and layouts the model passes it.
 
-The kernels are built once for this module into a private cache directory (never the shared
-~/.cache/ladle), so this also checks that the build works on the machine running the tests."""
+The kernels are built into a test cache under the system temp directory (never the shared
+~/.cache/ladle; reused by later runs on the same machine, its key follows the source), so this
+also checks that the build works on the machine running the tests."""
 
 from __future__ import annotations
+
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,9 +23,9 @@ TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2
 
 
 @pytest.fixture(scope="module")
-def kernels(tmp_path_factory):
+def kernels():
     mp = pytest.MonkeyPatch()
-    mp.setenv("LADLE_KERNEL_CACHE_DIR", str(tmp_path_factory.mktemp("kernels")))
+    mp.setenv("LADLE_KERNEL_CACHE_DIR", str(Path(tempfile.gettempdir()) / "ladle-test-kernels"))
     mp.delenv("LADLE_DISABLE_CPU_KERNELS", raising=False)
     cpu_kernels._loaded.clear()
     module = cpu_kernels.load_cpu_kernels()
