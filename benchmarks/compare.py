@@ -433,6 +433,10 @@ def main():
                                 SERVER_ROUNDS, log_dir, allow_serial=True)
                     if s:
                         results["llama.cpp"][-1].update({"srv_" + k: v for k, v in s.items()})
+            for system, runs in results.items():  # raw numbers as they come
+                if runs:
+                    print(f"  {system}: " + json.dumps({k: round(v, 2) for k, v in
+                                                       runs[-1].items()}), flush=True)
         report(name, dtype, path, results, limits)
 
 
