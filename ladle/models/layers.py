@@ -1,13 +1,16 @@
 """Layers shared by the decoder architectures: RMSNorm, rotary embedding (with HF rope scaling),
-the gated MLP. Paged attention lives in runner/attention.py because it depends on the KV cache."""
+the gated MLP. Paged attention lives in runner/attention.py because it depends on the KV cache.
+The arithmetic goes through runner/cpu_kernels.py, which uses the fused CPU kernels where they
+apply and their pure-torch twins elsewhere."""
 
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from ladle.runner import cpu_kernels
 
 
 class RMSNorm(nn.Module):
@@ -16,12 +19,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 like the HF reference, then cast back before the weight multiply.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """RMSNorm(x); with a residual, returns (RMSNorm(residual + x), residual + x), the sum
+        formed in one pass with the norm (the kernel updates `residual` in place)."""
+        if residual is None:
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)
+        return cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
@@ -63,16 +66,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", (freqs.sin() * attn_factor), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q: (T, H, D), k: (T, KVH, D); positions: (T,)
-        cos = self.cos[positions].unsqueeze(1)  # (T, 1, D/2)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        # q: (T, H, D), k: (T, KVH, D); positions: (T,). The kernel rotates in place.
+        return cpu_kernels.rotary(positions, q, k, self.cos, self.sin)
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+    def with_qk_norm(self, positions, q, k, q_norm: RMSNorm, k_norm: RMSNorm):
+        """Qwen3: RMSNorm of every q and k head, then rotary, as one op where the kernel runs."""
+        return cpu_kernels.qk_norm_rotary(positions, q, k, q_norm.weight, k_norm.weight,
+                                          q_norm.eps, self.cos, self.sin)
 
 
 class GatedMLP(nn.Module):
@@ -84,5 +84,6 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        p = self.gate_up_proj
+        h = cpu_kernels.silu_mul(cpu_kernels.linear(x, p.weight, p.bias))
+        return cpu_kernels.linear(h, self.down_proj.weight, self.down_proj.bias)

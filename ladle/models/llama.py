@@ -12,6 +12,7 @@ from torch import nn
 
 from ladle.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from ladle.runner.attention import AttentionMetadata, paged_attention
+from ladle.runner.cpu_kernels import linear
 
 
 @dataclass(slots=True)
@@ -77,15 +78,17 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, rotary, meta: AttentionMetadata, kv_cache):
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(T, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+            q, k = rotary.with_qk_norm(positions, q, k, self.q_norm, self.k_norm)
+        else:
+            q, k = rotary(positions, q, k)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # (T, H, D)
-        return self.o_proj(out.reshape(T, self.q_size))
+        return linear(out.reshape(T, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -96,9 +99,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
 
-    def forward(self, x, positions, rotary, meta, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rotary, meta, kv_cache):
+        """Returns (this layer's MLP output, the residual stream before it). The residual add is
+        deferred into the next norm, so each add and norm is one pass (same sums, same order as
+        `x = x + f(norm(x))`)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rotary, meta, kv_cache)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -126,16 +137,16 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         """input_ids, positions: (T,). Returns final hidden states (T, hidden)."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, meta, kv_cache)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary, meta, kv_cache)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (N, hidden) for the positions that sample; the head is the most expensive
         matmul, so it runs only on those rows, never on every prompt token."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return hidden @ weight.t()
+        return linear(hidden, weight)
 
     # Checkpoint names that map into a fused parameter: name fragment -> (fused, shard index).
     stacked = {

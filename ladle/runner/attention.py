@@ -64,10 +64,11 @@ def paged_attention(q, k, v, kv_cache, meta: AttentionMetadata, scale: float) ->
     """q: (T, H, D); k, v: (T, KVH, D); kv_cache: (k_cache, v_cache) each
     (num_blocks, KVH, block_size, D). Returns (T, H, D)."""
     k_cache, v_cache = kv_cache
-    k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
-    v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
-    out = torch.empty_like(q)
+    cpu_kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
     d = meta.decode
+    if d is not None and not meta.prefills and d.rows.shape[0] == q.shape[0]:
+        return decode_attention(q, k_cache, v_cache, d, scale)  # every row decodes, in order
+    out = torch.empty_like(q)
     if d is not None:
         out[d.rows] = decode_attention(q[d.rows], k_cache, v_cache, d, scale)
     for c in meta.prefills:

@@ -1,183 +1,289 @@
-"""A fused paged-attention kernel for decoding on CPU, compiled once on first use.
+"""CPU kernels for the decode path (csrc/cpu_kernels.cpp) and their pure-torch twins.
 
-Decode attention is memory bound: each step must read every cached key and value once. In torch
-ops the paged cache first has to be gathered into a padded copy, which costs more than the
-attention itself. This kernel reads the blocks in place (one thread per sequence and KV head,
-online softmax in float32) so a step reads the cache once. When the compiler or the build is not
-available, ladle falls back to the torch path in attention.py, which computes the same thing."""
+Decode on a CPU is bound by memory and by the number of ops per step: it must stream every
+weight once per token, and in torch ops a layer is ~60 small dispatches. The C++ module reads the
+paged KV cache in place, multiplies one or a few rows by a weight matrix at close to memory speed
+(AVX512-BF16 `vdpbf16ps` where the CPU has it), and folds residual-add + RMSNorm and rotary into
+one op each. Every kernel has a pure-torch twin below: the path on other devices (CUDA keeps pure
+torch), without a compiler, after a failed build, or with LADLE_DISABLE_CPU_KERNELS=1; the tests
+compare the two.
+
+The module is built once per machine at engine start (ModelRunner), before the engine reports
+ready. Its cache directory is keyed by the source, the compiler flags, the compiler, torch's
+version and the CPU's feature flags (the build uses -march=native, so a cache shared with another
+CPU must not load it). A build runs in a private directory that is renamed into place when
+complete, so an engine killed mid-build leaves nothing a later start would wait on."""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <cmath>
-#include <cstring>
-#include <vector>
+_NAME = "ladle_cpu_kernels"
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+# Reassociation lets the dot products vectorise; no finite-math (softmax uses -inf).
+_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+           "-fno-trapping-math", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
+# Above this many rows a matmul has enough work per weight for torch's GEMM to win.
+MAX_LINEAR_ROWS = 8
+# A private build directory older than this belongs to a build that died.
+_STALE_BUILD_S = 3600
 
-static inline float to_f(float x) { return x; }
-static inline float to_f(at::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
+_loaded: dict[str, object] = {}  # "module" -> the extension once load_cpu_kernels() has run
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16(const at::BFloat16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-#endif
 
-// dots[g] = q[g] . k for the G query heads sharing one KV head (q: G rows of D floats).
-template <typename T>
-static inline void dots(const float* q, const T* k, int64_t G, int64_t D, float* out) {
-#ifdef __AVX512F__
-  if (D % 16 == 0 && G <= 8) {
-    __m512 acc[8];
-    for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m512 kv = load16(k + d);
-      for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(load16(q + g * D + d), kv, acc[g]);
-    }
-    for (int64_t g = 0; g < G; ++g) out[g] = _mm512_reduce_add_ps(acc[g]);
-    return;
-  }
-#endif
-  for (int64_t g = 0; g < G; ++g) {
-    float dot = 0.f;
-    for (int64_t d = 0; d < D; ++d) dot += q[g * D + d] * to_f(k[d]);
-    out[g] = dot;
-  }
-}
+def cache_root() -> Path:
+    """LADLE_KERNEL_CACHE_DIR, else LADLE_CACHE_DIR/kernels, else ~/.cache/ladle/kernels."""
+    if os.environ.get("LADLE_KERNEL_CACHE_DIR"):
+        return Path(os.environ["LADLE_KERNEL_CACHE_DIR"])
+    base = os.environ.get("LADLE_CACHE_DIR") or Path.home() / ".cache" / "ladle"
+    return Path(base) / "kernels"
 
-// acc[g] += p[g] * v for the G query heads.
-template <typename T>
-static inline void axpys(float* acc, const float* p, const T* v, int64_t G, int64_t D) {
-#ifdef __AVX512F__
-  if (D % 16 == 0) {
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m512 vv = load16(v + d);
-      for (int64_t g = 0; g < G; ++g) {
-        float* a = acc + g * D + d;
-        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(p[g]), vv, _mm512_loadu_ps(a)));
-      }
-    }
-    return;
-  }
-#endif
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p[g] * to_f(v[d]);
-}
 
-template <typename T>
-static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* bt,
-                          const int64_t* ctx, T* out, int64_t B, int64_t H, int64_t KVH,
-                          int64_t D, int64_t bs, int64_t max_blocks, float scale) {
-  const int64_t G = H / KVH;
-  // Cache layout: (num_blocks, KVH, bs, D); one block of one head is bs*D contiguous values.
-  // Two passes per (sequence, KV head): scores for every cached key (stored token-major as
-  // scores[t * G + g]), then the softmax-weighted sum of values. Each key and value is read
-  // once.
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores, mx(G), sum(G);
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t b = job / KVH, h = job % KVH;
-      const int64_t n = ctx[b];
-      scores.resize(G * n);
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          qf[g * D + d] = to_f(q[(b * H + h * G + g) * D + d]) * scale;
-      for (int64_t t = 0; t < n; ++t) {
-        const T* k = kc + ((bt[b * max_blocks + t / bs] * KVH + h) * bs + t % bs) * D;
-        dots(qf.data(), k, G, D, &scores[t * G]);
-      }
-      for (int64_t g = 0; g < G; ++g) { mx[g] = -INFINITY; sum[g] = 0.f; }
-      for (int64_t t = 0; t < n; ++t)
-        for (int64_t g = 0; g < G; ++g) mx[g] = std::max(mx[g], scores[t * G + g]);
-      for (int64_t t = 0; t < n; ++t)
-        for (int64_t g = 0; g < G; ++g) {
-          const float e = std::exp(scores[t * G + g] - mx[g]);
-          scores[t * G + g] = e;
-          sum[g] += e;
-        }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < n; ++t) {
-        const T* v = vc + ((bt[b * max_blocks + t / bs] * KVH + h) * bs + t % bs) * D;
-        axpys(acc.data(), &scores[t * G], v, G, D);
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        const float inv = 1.f / sum[g];
-        for (int64_t d = 0; d < D; ++d)
-          out[(b * H + h * G + g) * D + d] = static_cast<T>(acc[g * D + d] * inv);
-      }
-    }
-  });
-}
+def _cpu_features() -> str:
+    """The CPU's model and feature flags: what -march=native compiles for."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_table, torch::Tensor ctx_lens,
-                                     double scale) {
-  // q: (B, H, D); caches: (num_blocks, KVH, bs, D); block_table: (B, max_blocks) int64.
-  auto out = torch::empty_like(q);
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t KVH = k_cache.size(1), bs = k_cache.size(2);
-  if (q.scalar_type() == at::kBFloat16) {
-    decode_kernel<at::BFloat16>(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
-                                v_cache.data_ptr<at::BFloat16>(), block_table.data_ptr<int64_t>(),
-                                ctx_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H,
-                                KVH, D, bs, block_table.size(1), (float)scale);
-  } else {
-    decode_kernel<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                         block_table.data_ptr<int64_t>(), ctx_lens.data_ptr<int64_t>(),
-                         out.data_ptr<float>(), B, H, KVH, D, bs, block_table.size(1),
-                         (float)scale);
-  }
-  return out;
-}
-"""
+        return platform.machine() + " " + platform.processor()
+    wanted = ("model name", "flags", "Features", "CPU part")  # x86 and arm spellings
+    lines = {ln.split(":")[0].strip(): ln for ln in info.splitlines() if ":" in ln}
+    return "\n".join(lines.get(k, "") for k in wanted)
 
-_module = None
-_tried = False
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+        return cxx + " " + out.stdout.splitlines()[0] if out.stdout else cxx
+    except (OSError, subprocess.SubprocessError):
+        return cxx
+
+
+def build_key() -> str:
+    """What a built module depends on, hashed: a change in any part means a new build."""
+    h = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), " ".join(_CFLAGS + _LDFLAGS).encode(), _compiler().encode(),
+                 torch.__version__.encode(), _cpu_features().encode()):
+        h.update(part)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
 
 
 def load_cpu_kernels():
-    """The compiled module, or None when it cannot be built here (then torch ops are used).
-    LADLE_DISABLE_CPU_KERNELS=1 forces the torch path."""
-    global _module, _tried
-    if _tried:
-        return _module
-    _tried = True
+    """The compiled module, or None when it cannot be had here (then the torch twins run).
+    Builds it on first call when the cache has no build for this machine; later calls return
+    the same module."""
+    if "module" in _loaded:
+        return _loaded["module"]
+    module = None
     if os.environ.get("LADLE_DISABLE_CPU_KERNELS") == "1":
-        return None
-    try:
-        from torch.utils.cpp_extension import load_inline
+        logger.info("CPU kernels disabled (LADLE_DISABLE_CPU_KERNELS=1); using the torch path")
+    else:
+        try:
+            module = _load_or_build(cache_root())
+        except Exception as e:  # no compiler, no headers, read-only cache: all mean "use torch"
+            logger.warning("CPU kernels unavailable (%s: %s); using the slower torch path",
+                           type(e).__name__, e)
+    _loaded["module"] = module
+    return module
 
-        _module = load_inline(
-            name="ladle_cpu_kernels_v4",
-            cpp_sources=_SOURCE,
-            functions=["paged_decode_attention"],
-            # Reassociation lets the dot products vectorise; no finite-math (softmax uses -inf).
-            extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fassociative-math",
-                          "-fno-signed-zeros", "-fno-trapping-math", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as e:  # no compiler, no headers, read-only cache: all mean "use torch"
-        logger.warning("CPU attention kernel unavailable (%s); using the torch path", e)
-        _module = None
-    return _module
+
+def _load_or_build(root: Path):
+    key = build_key()
+    final = root / f"{_NAME}-{key}"
+    so = final / f"{_NAME}.so"
+    if so.exists():
+        module = _import(so)
+        logger.info("CPU kernels (%s) loaded from %s", module.isa(), final)
+        return module
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_builds(root)
+    from torch.utils.cpp_extension import load
+
+    private = Path(tempfile.mkdtemp(prefix=f".build-{key}-", dir=root))
+    logger.info("building CPU kernels (paged decode attention, small-M linear, RMSNorm, rotary) "
+                "with %s for this CPU into %s; once per machine, about a minute",
+                " ".join(_CFLAGS), final)
+    t = time.perf_counter()
+    try:
+        load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
+             build_directory=str(private), verbose=False)
+        try:
+            private.rename(final)  # atomic: a reader sees no directory or a complete one
+        except OSError:  # another engine finished first; use its build
+            pass
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+    module = _import(so)
+    logger.info("CPU kernels (%s) built in %.0f s", module.isa(), time.perf_counter() - t)
+    return module
+
+
+def _import(so: Path):
+    loader = importlib.machinery.ExtensionFileLoader(_NAME, str(so))
+    spec = importlib.util.spec_from_file_location(_NAME, str(so), loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def _remove_stale_builds(root: Path) -> None:
+    """Private directories of builds that were killed; harmless, but they take disk."""
+    now = time.time()
+    for d in root.glob(".build-*"):
+        try:
+            if now - d.stat().st_mtime > _STALE_BUILD_S:
+                shutil.rmtree(d, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def kernels_for(*tensors: torch.Tensor):
+    """The kernel module when every tensor is a CPU tensor of one supported dtype, else None."""
+    x = tensors[0]
+    if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    if any(t.dtype != x.dtype for t in tensors[1:]):
+        return None
+    return load_cpu_kernels()
 
 
 def supports(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float32)
+
+
+# --- The kernels as the model calls them; each falls back to its twin. -------------------------
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """x (..., K) @ weight (N, K)^T + bias; the kernel for a few rows (decode), torch otherwise."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if 0 < rows <= MAX_LINEAR_ROWS and weight.is_contiguous():
+        k = kernels_for(x, weight) if bias is None else kernels_for(x, weight, bias)
+        if k is not None:
+            x2 = x.reshape(rows, x.shape[-1])
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            return k.linear(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of x: (R, D), or (T, H, D) heads read in place."""
+    k = kernels_for(x, weight)
+    if k is not None and _rows_in_place(x):
+        return k.rms_norm(x, None, weight, eps)
+    return rms_norm_torch(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(RMSNorm(residual + x), residual + x); the kernel writes the sum into `residual`."""
+    k = kernels_for(x, residual, weight)
+    if k is not None and _rows_in_place(x) and residual.is_contiguous():
+        return k.rms_norm(x, residual, weight, eps), residual
+    residual = residual + x
+    return rms_norm_torch(residual, weight, eps), residual
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The twin: normalise in float32 like the HF reference, cast back, then weight multiply."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _rows_in_place(x: torch.Tensor) -> bool:
+    if x.stride(-1) != 1:
+        return False
+    return x.dim() == 2 or (x.dim() == 3 and x.stride(1) == x.shape[-1])
+
+
+def rotary(positions, q, k, cos, sin):
+    """Neox rotary on q (T, H, D) and k (T, KVH, D); the kernel rotates both in place."""
+    kern = kernels_for(q, k)
+    if (kern is not None and cos.dtype == torch.float32 and q.stride(1) == q.shape[2]
+            and k.stride(1) == k.shape[2] and q.stride(2) == 1 and k.stride(2) == 1):
+        kern.rotary(q, k, positions, cos, sin)
+        return q, k
+    return rotary_torch(positions, q, k, cos, sin)
+
+
+def rotary_torch(positions, q, k, cos, sin):
+    c = cos[positions].unsqueeze(1)  # (T, 1, D/2)
+    s = sin[positions].unsqueeze(1)
+    return _rotate(q, c, s), _rotate(k, c, s)
+
+
+def _rotate(x, cos, sin):
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def qk_norm_rotary(positions, q, k, wq, wk, eps: float, cos, sin):
+    """Qwen3's per-head RMSNorm of q and k, then rotary: one op on the kernel path. q: (T, H, D)
+    and k: (T, KVH, D) may be views into the qkv output; returns new (q, k)."""
+    kern = kernels_for(q, k, wq, wk)
+    if (kern is not None and cos.dtype == torch.float32 and _heads_adjacent(q)
+            and _heads_adjacent(k)):
+        return tuple(kern.qk_norm_rotary(q, k, wq, wk, eps, positions, cos, sin))
+    return rotary_torch(positions, rms_norm_torch(q, wq, eps), rms_norm_torch(k, wk, eps),
+                        cos, sin)
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_blocks, slot_offsets) -> None:
+    """k, v: (T, KVH, D) into caches (num_blocks, KVH, bs, D) at (slot_blocks[t], :,
+    slot_offsets[t])."""
+    kern = kernels_for(k, v, k_cache, v_cache)
+    if (kern is not None and _heads_adjacent(k) and _heads_adjacent(v)
+            and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        kern.write_kv_cache(k, v, k_cache, v_cache, slot_blocks, slot_offsets)
+        return
+    k_cache[slot_blocks, :, slot_offsets] = k
+    v_cache[slot_blocks, :, slot_offsets] = v
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(R, 2I) = [gate | up] -> silu(gate) * up, (R, I)."""
+    kern = kernels_for(gate_up)
+    if kern is not None and gate_up.dim() == 2 and gate_up.stride(1) == 1:
+        return kern.silu_mul(gate_up)
+    return silu_mul_torch(gate_up)
+
+
+def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _heads_adjacent(x: torch.Tensor) -> bool:
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+# Above this k a heap per row stops paying off against torch.topk's selection.
+MAX_TOPK_KERNEL = 256
+
+
+def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) of the k largest per row of x (R, V), sorted descending, like
+    torch.topk (its twin); ties may come in another order."""
+    kern = kernels_for(x)
+    if (kern is not None and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()
+            and 1 <= k <= min(MAX_TOPK_KERNEL, x.shape[1])):
+        return tuple(kern.topk_rows(x, k))
+    return x.topk(k, dim=-1)

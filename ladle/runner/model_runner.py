@@ -21,6 +21,7 @@ import torch
 
 from ladle.engine.scheduler import SchedulerOutput
 from ladle.reasoning import ReasoningConfig
+from ladle.runner import cpu_kernels
 from ladle.runner.attention import AttentionMetadata, DecodeBatch, build_prefill
 from ladle.runner.input_batch import InputBatch
 from ladle.sample.logits_processors.custom import load_custom_processors
@@ -59,6 +60,10 @@ class ModelRunner:
                  reasoning: ReasoningConfig | None = None):
         self.model = model
         self.device = device
+        if device.type == "cpu":
+            # Build (or load) the CPU kernels now, so the engine reports ready only when its
+            # first step will not stop to compile; a failed build logs and uses torch ops.
+            cpu_kernels.load_cpu_kernels()
         self.block_size = block_size
         self.max_model_len = max_model_len
         cfg = model.config

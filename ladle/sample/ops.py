@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ladle.runner import cpu_kernels
+
 NEG_INF = float("-inf")
 # When every random row has top_k at most this, the race runs on the top-k candidates only
 # (torch.topk) instead of sorting the whole vocabulary.
@@ -30,7 +32,7 @@ def restrict_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch
     if k is None:
         vals, ids = logits.sort(dim=-1, descending=True)
     else:
-        vals, ids = logits.topk(k, dim=-1)
+        vals, ids = cpu_kernels.topk(logits, k)
     K = vals.shape[1]
     limit = torch.where(top_k > 0, top_k, K)
     vals = vals.masked_fill(torch.arange(K, device=vals.device)[None, :] >= limit[:, None], NEG_INF)

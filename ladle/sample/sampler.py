@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ladle.reasoning import ReasoningConfig
+from ladle.runner import cpu_kernels
 from ladle.sample.logits_processors.builtin import (
     AllowedTokenIdsProcessor,
     BadWordsProcessor,
@@ -73,6 +74,7 @@ class Sampler:
         self.argmax_changing = argmax_changing
         self.thinking = thinking
         self.argmax_invariant = argmax_invariant
+        self.workspaces: dict[str, torch.Tensor] = {}  # per-step (rows, V) scratch, reused
 
     @classmethod
     def build(cls, vocab_size: int, device: torch.device, max_num_reqs: int,
@@ -90,6 +92,15 @@ class Sampler:
             (invariant if p.is_argmax_invariant() else changing).append(p)
         return cls(vocab_size, device, generator, PenaltyState(max_num_reqs, vocab_size, device),
                    changing, ThinkingBudgetProcessor(pcfg, reasoning), invariant)
+
+    def _workspace(self, name: str, shape) -> torch.Tensor:
+        """A float32 buffer of `shape` kept across steps (grown when a batch needs more)."""
+        n = shape[0] * shape[1]
+        buf = self.workspaces.get(name)
+        if buf is None or buf.numel() < n:
+            buf = self.workspaces[name] = torch.empty(n, dtype=torch.float32,
+                                                      device=self.noise.token_key.device)
+        return buf[:n].view(shape)
 
     @property
     def processors(self) -> list[LogitsProcessor]:
@@ -114,11 +125,11 @@ class Sampler:
         requests are never drafted, so none of their rows is verified)."""
         raw = None
         if meta.any_raw_logprobs:
-            if meta.logprob_rows.shape[0] == meta.num_rows:
-                raw = logits.float()
-                raw = raw.clone() if raw is logits else raw  # later stages work in place
-            else:
-                raw = logits[meta.logprob_rows].float()
+            # Later stages work in place, so the raw logits are copied, into a buffer reused
+            # across steps: a fresh (rows, V) tensor would page-fault its whole size on CPU.
+            rows = meta.logprob_rows
+            src = logits if rows.shape[0] == meta.num_rows else logits[rows]
+            raw = self._workspace("raw", src.shape).copy_(src)
         logits = logits.float()
         for p in self.argmax_changing:
             if not verify or p.supports_positions():
@@ -182,14 +193,28 @@ class Sampler:
             src = raw if raw is not None else processed
         # Top-k and ranks are the same on logits as on log_softmax(logits) (a per-row shift),
         # so no (rows, V) log_softmax is materialised: only the per-row logsumexp.
-        shift = torch.logsumexp(src, dim=-1)  # (N,)
+        chosen = sampled if all_rows else sampled[rows]
+        shift, chosen_logits, ranks = logprob_stats(src, chosen)
         if meta.any_logit_mode:
             shift = shift.masked_fill(meta.logprobs_as_logits, 0.0)
         k = max(meta.max_num_logprobs, 0)
-        chosen = sampled if all_rows else sampled[rows]
-        values, token_ids = src.topk(k, dim=-1) if k else (src[:, :0], chosen[:, None][:, :0])
+        values, token_ids = (cpu_kernels.topk(src, k) if k
+                             else (src[:, :0], chosen[:, None][:, :0]))
         values = values - shift[:, None]
-        chosen_logits = src.gather(1, chosen[:, None])[:, 0]
-        ranks = (src > chosen_logits[:, None]).sum(dim=-1) + 1
         sampled_values = chosen_logits - shift
         return LogprobsTensors(token_ids, values, sampled_values, ranks)
+
+
+def logprob_stats(src: torch.Tensor, chosen: torch.Tensor):
+    """Per row of src (N, V): logsumexp, src[chosen] and the rank of chosen (1 = largest). On
+    CPU one kernel pass per row; logprob_stats_torch is its twin."""
+    kernels = cpu_kernels.kernels_for(src)
+    if kernels is not None and src.dtype == torch.float32 and src.is_contiguous():
+        return tuple(kernels.logprob_stats(src, chosen))
+    return logprob_stats_torch(src, chosen)
+
+
+def logprob_stats_torch(src: torch.Tensor, chosen: torch.Tensor):
+    chosen_logits = src.gather(1, chosen[:, None])[:, 0]
+    ranks = (src > chosen_logits[:, None]).sum(dim=-1) + 1
+    return torch.logsumexp(src, dim=-1), chosen_logits, ranks

@@ -283,7 +283,19 @@ def _bit_table(device: torch.device) -> torch.Tensor:
 
 def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
     """Set to -inf, in place, the logits of tokens whose bit is clear.
-    bitmask: (len(rows), words) int32, bit t % 32 of word t // 32 = token t allowed."""
+    bitmask: (len(rows), words) int32, bit t % 32 of word t // 32 = token t allowed.
+    On CPU the kernel module does it in one pass; apply_bitmask_torch is its twin."""
+    from ladle.runner import cpu_kernels  # the runner imports this module
+
+    kernels = cpu_kernels.kernels_for(logits)
+    if kernels is not None and logits.stride(1) == 1 and bitmask.device.type == "cpu":
+        idx = torch.tensor(rows, dtype=torch.int64)
+        kernels.apply_bitmask(logits, idx, bitmask.to(torch.int32).contiguous())
+        return
+    apply_bitmask_torch(logits, rows, bitmask)
+
+
+def apply_bitmask_torch(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
     R, V = len(rows), logits.shape[1]
     table = _bit_table(logits.device)
     # Unpack through a byte lookup table: one gather instead of 32 shift-and-mask passes.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ladle.reasoning import ReasoningConfig
+from ladle.runner import cpu_kernels
 from ladle.sample.logits_processors.interface import (
     AddedRow,
     BatchUpdate,
@@ -188,8 +189,12 @@ class MinPProcessor(RowStateProcessor):
     def apply(self, logits):
         if self.states:
             R = logits.shape[0]
-            cutoff = logits.max(dim=-1, keepdim=True).values + self.log_min_p[:R, None]
-            logits.masked_fill_(logits < cutoff, NEG_INF)
+            kernels = cpu_kernels.kernels_for(logits, self.log_min_p)
+            if kernels is not None and logits.is_contiguous():
+                kernels.min_p(logits, self.log_min_p[:R])  # one read per row, no (R, V) mask
+            else:
+                cutoff = logits.max(dim=-1, keepdim=True).values + self.log_min_p[:R, None]
+                logits.masked_fill_(logits < cutoff, NEG_INF)
         return logits
 
 

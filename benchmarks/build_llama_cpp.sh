@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Builds llama.cpp for benchmarks/compare.py, outside the repository: llama-cpp-python (from its
+# PyPI sdist, into a virtual environment) for the in-process single-stream numbers, and the
+# llama-server binary from the llama.cpp sources vendored in that same sdist, for the batched
+# and server comparisons (it batches parallel slots; llama-cpp-python's own server runs one
+# request at a time). The sdist also ships llama.cpp's HF -> GGUF converter and gguf-py, which
+# compare.py runs to convert the random checkpoints. Takes many minutes on a small machine; run
+# it early:
+#     nice -n 19 benchmarks/build_llama_cpp.sh
+# Environment: LLAMA_CPP_DIR (default ~/.cache/ladle-bench/llama-cpp), LLAMA_CPP_VERSION, PYTHON.
+set -euo pipefail
+DIR=${LLAMA_CPP_DIR:-$HOME/.cache/ladle-bench/llama-cpp}
+VERSION=${LLAMA_CPP_VERSION:-0.3.36}
+PY=${PYTHON:-python3}
+JOBS=${CMAKE_BUILD_PARALLEL_LEVEL:-2}
+mkdir -p "$DIR"
+cd "$DIR"
+if [ ! -d "llama_cpp_python-$VERSION" ]; then
+  "$PY" -m pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d .
+  tar xzf "llama_cpp_python-$VERSION.tar.gz"
+fi
+ln -sfn "llama_cpp_python-$VERSION" src
+[ -x venv/bin/python ] || "$PY" -m venv venv
+if ! venv/bin/python -c "import llama_cpp" 2>/dev/null; then
+  venv/bin/pip install -q --upgrade pip
+  # Native build for this CPU (AVX-512 etc.), as ladle's own kernels are; the server extra is
+  # the fallback server when llama-server is not built (it runs one request at a time).
+  CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+  CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
+    venv/bin/pip install -v "./llama_cpp_python-$VERSION[server]" > build.log 2>&1
+fi
+if [ ! -x server-build/bin/llama-server ]; then
+  cmake -S "llama_cpp_python-$VERSION/vendor/llama.cpp" -B server-build -G Ninja \
+    -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
+    > server-build.log 2>&1
+  cmake --build server-build --target llama-server -j "$JOBS" >> server-build.log 2>&1
+fi
+echo "llama.cpp ready in $DIR: python $DIR/venv/bin/python, server $DIR/server-build/bin/llama-server"

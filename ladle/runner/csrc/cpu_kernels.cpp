@@ -1,0 +1,720 @@
+// CPU kernels for ladle's decode path, built once per (source, flags, CPU) by cpu_kernels.py.
+// Each function here has a pure-torch twin in ladle/runner/cpu_kernels.py that tests compare it
+// with. Built with -march=native: the AVX-512 (and AVX512-BF16) paths are chosen by the compiler
+// macros of the CPU the build is for; every function also has a portable scalar loop.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+static inline float to_f(float x) { return x; }
+static inline float to_f(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const at::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+// dots[g] = q[g] . k for the G query heads sharing one KV head (q: G rows of D floats).
+template <typename T>
+static inline void dots(const float* q, const T* k, int64_t G, int64_t D, float* out) {
+#ifdef __AVX512F__
+  if (D % 16 == 0 && G <= 8) {
+    __m512 acc[8];
+    for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 kv = load16(k + d);
+      for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(load16(q + g * D + d), kv, acc[g]);
+    }
+    for (int64_t g = 0; g < G; ++g) out[g] = _mm512_reduce_add_ps(acc[g]);
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < G; ++g) {
+    float dot = 0.f;
+    for (int64_t d = 0; d < D; ++d) dot += q[g * D + d] * to_f(k[d]);
+    out[g] = dot;
+  }
+}
+
+// acc[g] += p[g] * v for the G query heads.
+template <typename T>
+static inline void axpys(float* acc, const float* p, const T* v, int64_t G, int64_t D) {
+#ifdef __AVX512F__
+  if (D % 16 == 0) {
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 vv = load16(v + d);
+      for (int64_t g = 0; g < G; ++g) {
+        float* a = acc + g * D + d;
+        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(p[g]), vv, _mm512_loadu_ps(a)));
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p[g] * to_f(v[d]);
+}
+
+template <typename T>
+static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* bt,
+                          const int64_t* ctx, T* out, int64_t B, int64_t H, int64_t KVH,
+                          int64_t D, int64_t bs, int64_t max_blocks, float scale) {
+  const int64_t G = H / KVH;
+  // Cache layout: (num_blocks, KVH, bs, D); one block of one head is bs*D contiguous values.
+  // Two passes per (sequence, KV head): scores for every cached key (stored token-major as
+  // scores[t * G + g]), then the softmax-weighted sum of values. Each key and value is read
+  // once.
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), scores, mx(G), sum(G);
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t b = job / KVH, h = job % KVH;
+      const int64_t n = ctx[b];
+      scores.resize(G * n);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d)
+          qf[g * D + d] = to_f(q[(b * H + h * G + g) * D + d]) * scale;
+      for (int64_t t = 0; t < n; ++t) {
+        const T* k = kc + ((bt[b * max_blocks + t / bs] * KVH + h) * bs + t % bs) * D;
+        dots(qf.data(), k, G, D, &scores[t * G]);
+      }
+      for (int64_t g = 0; g < G; ++g) { mx[g] = -INFINITY; sum[g] = 0.f; }
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t g = 0; g < G; ++g) mx[g] = std::max(mx[g], scores[t * G + g]);
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t g = 0; g < G; ++g) {
+          const float e = std::exp(scores[t * G + g] - mx[g]);
+          scores[t * G + g] = e;
+          sum[g] += e;
+        }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < n; ++t) {
+        const T* v = vc + ((bt[b * max_blocks + t / bs] * KVH + h) * bs + t % bs) * D;
+        axpys(acc.data(), &scores[t * G], v, G, D);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = 1.f / sum[g];
+        for (int64_t d = 0; d < D; ++d)
+          out[(b * H + h * G + g) * D + d] = static_cast<T>(acc[g * D + d] * inv);
+      }
+    }
+  });
+}
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_table, torch::Tensor ctx_lens,
+                                     double scale) {
+  // q: (B, H, D); caches: (num_blocks, KVH, bs, D); block_table: (B, max_blocks) int64.
+  auto out = torch::empty_like(q);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = k_cache.size(1), bs = k_cache.size(2);
+  if (q.scalar_type() == at::kBFloat16) {
+    decode_kernel<at::BFloat16>(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
+                                v_cache.data_ptr<at::BFloat16>(), block_table.data_ptr<int64_t>(),
+                                ctx_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H,
+                                KVH, D, bs, block_table.size(1), (float)scale);
+  } else {
+    decode_kernel<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                         block_table.data_ptr<int64_t>(), ctx_lens.data_ptr<int64_t>(),
+                         out.data_ptr<float>(), B, H, KVH, D, bs, block_table.size(1),
+                         (float)scale);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Small-M linear: y (M, N) = x (M, K) @ w (N, K)^T + b. Decode multiplies one (or a few) rows by
+// every weight matrix, so the cost is streaming the weights once; torch's bf16 path reaches a
+// fraction of the memory bandwidth for a single row. Threads split N; each block of 4 weight rows
+// is used for every row of x while it is in L1, so the weights are read from memory once.
+
+template <typename T>
+static inline void dot_block_scalar(const T* x, const T* w, int64_t M, int64_t K, int64_t ldx,
+                                    int64_t nb, float* out /* (M, nb) */) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < nb; ++j) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc += to_f(x[m * ldx + k]) * to_f(w[j * K + k]);
+      out[m * nb + j] = acc;
+    }
+}
+
+#if defined(__AVX512F__)
+// out[m * 4 + j] = x[m] . w[j] for up to 4 rows of x and 4 rows of w.
+template <int MB>
+static inline void dot4_f32(const float* x, const float* w, int64_t K, int64_t ldx, float* out) {
+  __m512 acc[MB][4];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[4];
+    for (int j = 0; j < 4; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (j + 4) * K + k), _MM_HINT_T0);
+      wv[j] = _mm512_loadu_ps(w + j * K + k);
+    }
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * ldx + k);
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < 4; ++j) {
+      float s = _mm512_reduce_add_ps(acc[m][j]);
+      for (int64_t kk = k; kk < K; ++kk) s += x[m * ldx + kk] * w[j * K + kk];
+      out[m * 4 + j] = s;
+    }
+}
+
+template <int MB>
+static inline void dot4_bf16(const at::BFloat16* x, const at::BFloat16* w, int64_t K,
+                             int64_t ldx, float* out) {
+  __m512 acc[MB][4];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+#if defined(__AVX512BF16__)
+  // vdpbf16ps: 32 bf16 products per instruction, summed in pairs into 16 float lanes.
+  for (; k + 32 <= K; k += 32) {
+    __m512i wv[4];
+    for (int j = 0; j < 4; ++j) {
+      // The next block of rows (same offset): streams from memory get ahead of the loads.
+      _mm_prefetch(reinterpret_cast<const char*>(w + (j + 4) * K + k), _MM_HINT_T0);
+      wv[j] = _mm512_loadu_si512(reinterpret_cast<const void*>(w + j * K + k));
+    }
+    for (int m = 0; m < MB; ++m) {
+      const __m512i xv = _mm512_loadu_si512(reinterpret_cast<const void*>(x + m * ldx + k));
+      for (int j = 0; j < 4; ++j)
+        acc[m][j] = _mm512_dpbf16_ps(acc[m][j], (__m512bh)xv, (__m512bh)wv[j]);
+    }
+  }
+#else
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = load16(w + j * K + k);
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xv = load16(x + m * ldx + k);
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+    }
+  }
+#endif
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < 4; ++j) {
+      float s = _mm512_reduce_add_ps(acc[m][j]);
+      for (int64_t kk = k; kk < K; ++kk) s += to_f(x[m * ldx + kk]) * to_f(w[j * K + kk]);
+      out[m * 4 + j] = s;
+    }
+}
+
+template <int MB>
+static inline void dot4(const float* x, const float* w, int64_t K, int64_t ldx, float* out) {
+  dot4_f32<MB>(x, w, K, ldx, out);
+}
+template <int MB>
+static inline void dot4(const at::BFloat16* x, const at::BFloat16* w, int64_t K, int64_t ldx,
+                        float* out) {
+  dot4_bf16<MB>(x, w, K, ldx, out);
+}
+#endif
+
+template <typename T>
+static void linear_kernel(const T* x, const T* w, const T* b, T* y, int64_t M, int64_t N,
+                          int64_t K, int64_t ldx) {
+  // Grain: 64 weight rows per task at least, so small matrices do not pay for thread wake-ups.
+  at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
+    float out[4 * 4];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n0 = blk * 4, nb = std::min<int64_t>(4, N - n0);
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int64_t mb = std::min<int64_t>(4, M - m0);
+        const T* xm = x + m0 * ldx;
+#if defined(__AVX512F__)
+        if (nb == 4) {
+          switch (mb) {
+            case 1: dot4<1>(xm, w + n0 * K, K, ldx, out); break;
+            case 2: dot4<2>(xm, w + n0 * K, K, ldx, out); break;
+            case 3: dot4<3>(xm, w + n0 * K, K, ldx, out); break;
+            default: dot4<4>(xm, w + n0 * K, K, ldx, out); break;
+          }
+        } else {
+          dot_block_scalar(xm, w + n0 * K, mb, K, ldx, nb, out);
+          // dot_block_scalar writes (mb, nb); spread to the (mb, 4) layout used below.
+          for (int64_t m = mb - 1; m >= 0; --m)
+            for (int64_t j = nb - 1; j >= 0; --j) out[m * 4 + j] = out[m * nb + j];
+        }
+#else
+        float tmp[16];
+        dot_block_scalar(xm, w + n0 * K, mb, K, ldx, nb, tmp);
+        for (int64_t m = 0; m < mb; ++m)
+          for (int64_t j = 0; j < nb; ++j) out[m * 4 + j] = tmp[m * nb + j];
+#endif
+        for (int64_t m = 0; m < mb; ++m)
+          for (int64_t j = 0; j < nb; ++j) {
+            float v = out[m * 4 + j];
+            if (b != nullptr) v += to_f(b[n0 + j]);  // in float32, one rounding to T
+            y[(m0 + m) * N + n0 + j] = static_cast<T>(v);
+          }
+      }
+    }
+  });
+}
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> b) {
+  // x: (M, K) with unit stride in K; w: (N, K) contiguous; b: (N,) or None. Returns (M, N).
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: shapes");
+  TORCH_CHECK(x.stride(1) == 1 && w.is_contiguous(), "linear: layout");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "linear: dtypes");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const bool has_b = b.has_value() && b->defined();
+  if (x.scalar_type() == at::kBFloat16) {
+    linear_kernel<at::BFloat16>(x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(),
+                                has_b ? b->data_ptr<at::BFloat16>() : nullptr,
+                                y.data_ptr<at::BFloat16>(), M, N, K, x.stride(0));
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "linear: bfloat16 or float32");
+    linear_kernel<float>(x.data_ptr<float>(), w.data_ptr<float>(),
+                         has_b ? b->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, N, K,
+                         x.stride(0));
+  }
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm over the last dimension, optionally after adding a residual (in place), in one pass per
+// row instead of eight torch ops. Numerics follow the HF reference: normalise in float32, round
+// to T, then multiply by the weight in T.
+
+template <typename T>
+static void rms_norm_kernel(const T* x, T* residual, const T* w, T* out, int64_t R, int64_t D,
+                            int64_t inner, int64_t ld_outer, float eps) {
+  // Row r of x starts at (r / inner) * ld_outer + (r % inner) * D: a (T, H, D) view of a wider
+  // matrix (q or k heads inside the qkv output) is read in place.
+  at::parallel_for(0, R, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(D);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + (r / inner) * ld_outer + (r % inner) * D;
+      float ss = 0.f;
+      if (residual != nullptr) {
+        T* rr = residual + r * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const T s = static_cast<T>(to_f(rr[d]) + to_f(xr[d]));  // x + residual, rounded to T
+          rr[d] = s;
+          row[d] = to_f(s);
+        }
+      } else {
+        for (int64_t d = 0; d < D; ++d) row[d] = to_f(xr[d]);
+      }
+      for (int64_t d = 0; d < D; ++d) ss += row[d] * row[d];
+      const float inv = 1.f / std::sqrt(ss / D + eps);
+      T* o = out + r * D;
+      for (int64_t d = 0; d < D; ++d)
+        o[d] = static_cast<T>(to_f(w[d]) * to_f(static_cast<T>(row[d] * inv)));
+    }
+  });
+}
+
+torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor w,
+                       double eps) {
+  // x: (R, D) or (T, H, D), unit stride in D and heads adjacent; residual: contiguous, same
+  // number of rows, updated in place to residual + x; w: (D,). Returns a contiguous x's shape.
+  TORCH_CHECK(x.dim() == 2 || x.dim() == 3, "rms_norm: 2 or 3 dims");
+  const int64_t D = x.size(-1);
+  const int64_t inner = x.dim() == 3 ? x.size(1) : 1;
+  TORCH_CHECK(x.stride(-1) == 1 && (x.dim() == 2 || x.stride(1) == D) && w.is_contiguous(),
+              "rms_norm: layout");
+  const int64_t R = x.numel() / D;
+  auto out = torch::empty(x.sizes(), x.options());
+  const bool has_r = residual.has_value() && residual->defined();
+  if (has_r) TORCH_CHECK(residual->is_contiguous() && residual->numel() == x.numel(),
+                         "rms_norm: residual");
+  if (x.scalar_type() == at::kBFloat16) {
+    rms_norm_kernel<at::BFloat16>(x.data_ptr<at::BFloat16>(),
+                                  has_r ? residual->data_ptr<at::BFloat16>() : nullptr,
+                                  w.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), R, D,
+                                  inner, x.stride(0), (float)eps);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "rms_norm: bfloat16 or float32");
+    rms_norm_kernel<float>(x.data_ptr<float>(), has_r ? residual->data_ptr<float>() : nullptr,
+                           w.data_ptr<float>(), out.data_ptr<float>(), R, D, inner, x.stride(0),
+                           (float)eps);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Neox rotary embedding applied in place to q (T, H, D) and k (T, KVH, D), one op for both.
+// cos/sin tables are float32 (P, D/2); the rotation is computed in float32 and rounded to T.
+
+template <typename T>
+static void rotary_kernel(T* q, T* k, const int64_t* pos, const float* cos, const float* sin,
+                          int64_t Tn, int64_t H, int64_t KVH, int64_t D, int64_t ldq,
+                          int64_t ldk) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, Tn, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos + pos[t] * half;
+      const float* s = sin + pos[t] * half;
+      auto rot = [&](T* x) {
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
+          x[i] = static_cast<T>(x1 * c[i] - x2 * s[i]);
+          x[i + half] = static_cast<T>(x2 * c[i] + x1 * s[i]);
+        }
+      };
+      for (int64_t h = 0; h < H; ++h) rot(q + t * ldq + h * D);
+      for (int64_t h = 0; h < KVH; ++h) rot(k + t * ldk + h * D);
+    }
+  });
+}
+
+void rotary(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos,
+            torch::Tensor sin) {
+  // q: (T, H, D), k: (T, KVH, D), each head contiguous; positions: (T,) int64.
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "rotary: q layout");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2), "rotary: k layout");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(),
+              "rotary: tables");
+  const int64_t Tn = q.size(0), H = q.size(1), KVH = k.size(1), D = q.size(2);
+  if (q.scalar_type() == at::kBFloat16) {
+    rotary_kernel<at::BFloat16>(q.data_ptr<at::BFloat16>(), k.data_ptr<at::BFloat16>(),
+                                positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
+                                sin.data_ptr<float>(), Tn, H, KVH, D, q.stride(0), k.stride(0));
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "rotary: bfloat16 or float32");
+    rotary_kernel<float>(q.data_ptr<float>(), k.data_ptr<float>(), positions.data_ptr<int64_t>(),
+                         cos.data_ptr<float>(), sin.data_ptr<float>(), Tn, H, KVH, D,
+                         q.stride(0), k.stride(0));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Grammar bitmask: logits[rows[i], t] = -inf where bit t % 32 of bitmask[i, t / 32] is clear.
+// In place and without the (rows, vocab) temporaries that unpacking the bits in torch needs;
+// words with every bit set (most of a permissive grammar's mask) are skipped.
+
+template <typename T>
+static void bitmask_kernel(T* logits, int64_t ld, const int64_t* rows, const int32_t* mask,
+                           int64_t R, int64_t W, int64_t V) {
+  const T neg_inf = static_cast<T>(-INFINITY);
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      T* row = logits + rows[i] * ld;
+      const uint32_t* m = reinterpret_cast<const uint32_t*>(mask + i * W);
+      for (int64_t w = 0; w < W; ++w) {
+        uint32_t blocked = ~m[w];
+        while (blocked) {
+          const int64_t t = w * 32 + __builtin_ctz(blocked);
+          if (t >= V) break;
+          row[t] = neg_inf;
+          blocked &= blocked - 1;
+        }
+      }
+    }
+  });
+}
+
+void apply_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask) {
+  // logits: (N, V) unit stride in V; rows: (R,) int64 rows of logits; bitmask: (R, W) int32.
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "apply_bitmask: logits layout");
+  TORCH_CHECK(bitmask.is_contiguous() && bitmask.scalar_type() == at::kInt, "apply_bitmask: mask");
+  TORCH_CHECK(rows.is_contiguous() && rows.scalar_type() == at::kLong, "apply_bitmask: rows");
+  const int64_t R = bitmask.size(0), W = bitmask.size(1), V = logits.size(1);
+  TORCH_CHECK(rows.numel() == R && W * 32 >= V, "apply_bitmask: shapes");
+  if (logits.scalar_type() == at::kBFloat16) {
+    bitmask_kernel<at::BFloat16>(logits.data_ptr<at::BFloat16>(), logits.stride(0),
+                                 rows.data_ptr<int64_t>(), bitmask.data_ptr<int32_t>(), R, W, V);
+  } else {
+    TORCH_CHECK(logits.scalar_type() == at::kFloat, "apply_bitmask: bfloat16 or float32");
+    bitmask_kernel<float>(logits.data_ptr<float>(), logits.stride(0), rows.data_ptr<int64_t>(),
+                          bitmask.data_ptr<int32_t>(), R, W, V);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode-path glue, one op each instead of several: Qwen3's per-head q/k RMSNorm followed by
+// rotary, the KV-cache write, and SwiGLU's silu(gate) * up.
+
+template <typename T>
+static void qk_norm_rotary_kernel(const T* q, const T* k, T* q_out, T* k_out, const T* wq,
+                                  const T* wk, const int64_t* pos, const float* cos,
+                                  const float* sin, int64_t Tn, int64_t H, int64_t KVH, int64_t D,
+                                  int64_t ldq, int64_t ldk, float eps) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, Tn, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(D);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos + pos[t] * half;
+      const float* s = sin + pos[t] * half;
+      auto one = [&](const T* x, T* o, const T* w) {
+        float ss = 0.f;
+        for (int64_t d = 0; d < D; ++d) { row[d] = to_f(x[d]); ss += row[d] * row[d]; }
+        const float inv = 1.f / std::sqrt(ss / D + eps);
+        // The norm's output is rounded to T (as the unfused layers store it), then rotated.
+        for (int64_t d = 0; d < D; ++d)
+          row[d] = to_f(static_cast<T>(to_f(w[d]) * to_f(static_cast<T>(row[d] * inv))));
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = row[i], x2 = row[i + half];
+          o[i] = static_cast<T>(x1 * c[i] - x2 * s[i]);
+          o[i + half] = static_cast<T>(x2 * c[i] + x1 * s[i]);
+        }
+      };
+      for (int64_t h = 0; h < H; ++h) one(q + t * ldq + h * D, q_out + (t * H + h) * D, wq);
+      for (int64_t h = 0; h < KVH; ++h) one(k + t * ldk + h * D, k_out + (t * KVH + h) * D, wk);
+    }
+  });
+}
+
+std::vector<torch::Tensor> qk_norm_rotary(torch::Tensor q, torch::Tensor k, torch::Tensor wq,
+                                          torch::Tensor wk, double eps, torch::Tensor positions,
+                                          torch::Tensor cos, torch::Tensor sin) {
+  // q: (T, H, D), k: (T, KVH, D) with heads adjacent (views into the qkv output are fine).
+  // Returns new contiguous (q, k): RMSNorm per head with wq / wk, then neox rotary.
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "qk_norm_rotary: q layout");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2), "qk_norm_rotary: k layout");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(),
+              "qk_norm_rotary: tables");
+  const int64_t Tn = q.size(0), H = q.size(1), KVH = k.size(1), D = q.size(2);
+  auto qo = torch::empty({Tn, H, D}, q.options());
+  auto ko = torch::empty({Tn, KVH, D}, k.options());
+  if (q.scalar_type() == at::kBFloat16) {
+    using T = at::BFloat16;
+    qk_norm_rotary_kernel<T>(q.data_ptr<T>(), k.data_ptr<T>(), qo.data_ptr<T>(), ko.data_ptr<T>(),
+                             wq.data_ptr<T>(), wk.data_ptr<T>(), positions.data_ptr<int64_t>(),
+                             cos.data_ptr<float>(), sin.data_ptr<float>(), Tn, H, KVH, D,
+                             q.stride(0), k.stride(0), (float)eps);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "qk_norm_rotary: bfloat16 or float32");
+    qk_norm_rotary_kernel<float>(q.data_ptr<float>(), k.data_ptr<float>(), qo.data_ptr<float>(),
+                                 ko.data_ptr<float>(), wq.data_ptr<float>(), wk.data_ptr<float>(),
+                                 positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
+                                 sin.data_ptr<float>(), Tn, H, KVH, D, q.stride(0), k.stride(0),
+                                 (float)eps);
+  }
+  return {qo, ko};
+}
+
+void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                    torch::Tensor slot_blocks, torch::Tensor slot_offsets) {
+  // k, v: (T, KVH, D) heads contiguous; caches: (num_blocks, KVH, bs, D) contiguous.
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 &&
+              v.stride(1) == v.size(2), "write_kv_cache: k/v layout");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "write_kv_cache: caches");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
+              "write_kv_cache: dtypes");
+  const int64_t Tn = k.size(0), KVH = k.size(1), D = k.size(2), bs = k_cache.size(2);
+  const int64_t esz = k.element_size();
+  const int64_t* blk = slot_blocks.data_ptr<int64_t>();
+  const int64_t* off = slot_offsets.data_ptr<int64_t>();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  for (int64_t t = 0; t < Tn; ++t)
+    for (int64_t h = 0; h < KVH; ++h) {
+      const int64_t dst = ((blk[t] * KVH + h) * bs + off[t]) * D * esz;
+      std::memcpy(kc + dst, kp + (t * k.stride(0) + h * D) * esz, D * esz);
+      std::memcpy(vc + dst, vp + (t * v.stride(0) + h * D) * esz, D * esz);
+    }
+}
+
+template <typename T>
+static void silu_mul_kernel(const T* x, T* out, int64_t R, int64_t I, int64_t ldx) {
+  at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t i = 0; i < I; ++i) {
+        // Like torch: silu rounded to T, then the product rounded to T.
+        const float g = to_f(x[r * ldx + i]);
+        const float sg = to_f(static_cast<T>(g / (1.f + std::exp(-g))));
+        out[r * I + i] = static_cast<T>(sg * to_f(x[r * ldx + I + i]));
+      }
+  });
+}
+
+torch::Tensor silu_mul(torch::Tensor x) {
+  // x: (R, 2I) = [gate | up] per row, unit stride; returns silu(gate) * up, (R, I).
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "silu_mul: layout");
+  const int64_t R = x.size(0), I = x.size(1) / 2;
+  auto out = torch::empty({R, I}, x.options());
+  if (x.scalar_type() == at::kBFloat16) {
+    silu_mul_kernel<at::BFloat16>(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), R, I,
+                                  x.stride(0));
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "silu_mul: bfloat16 or float32");
+    silu_mul_kernel<float>(x.data_ptr<float>(), out.data_ptr<float>(), R, I, x.stride(0));
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sampler passes over (rows, vocab) float32 logits, one read of each row instead of one per
+// torch op (each pass over 64 x 152k floats is ~40 MB of memory traffic).
+
+void apply_penalties(torch::Tensor logits, torch::Tensor counts, torch::Tensor present,
+                     torch::Tensor seen, torch::Tensor repetition, torch::Tensor frequency,
+                     torch::Tensor presence, bool use_rep, bool use_freq, bool use_pres) {
+  // logits: (R, V) float32 contiguous, in place; counts / present: (>= R, V) float32; seen:
+  // (>= R, V) bool; penalties: (R,) float32. Same arithmetic as PenaltyState.apply's torch ops:
+  // seen logits times (1 / rep) if positive else rep, then minus freq * count and pres * present.
+  TORCH_CHECK(logits.is_contiguous() && logits.scalar_type() == at::kFloat, "penalties: logits");
+  TORCH_CHECK(counts.is_contiguous() && present.is_contiguous() && seen.is_contiguous(),
+              "penalties: state layout");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  float* L = logits.data_ptr<float>();
+  const float* C = counts.data_ptr<float>();
+  const float* P = present.data_ptr<float>();
+  const bool* S = seen.data_ptr<bool>();
+  const float* rep = repetition.data_ptr<float>();
+  const float* freq = frequency.data_ptr<float>();
+  const float* pres = presence.data_ptr<float>();
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* l = L + r * V;
+      const float* c = C + r * V;
+      const float* p = P + r * V;
+      const bool* sn = S + r * V;
+      const float rp = rep[r], inv_rp = 1.f / rep[r], f = freq[r], pr = pres[r];
+      if (use_rep)
+        for (int64_t v = 0; v < V; ++v)
+          if (sn[v]) l[v] *= l[v] > 0.f ? inv_rp : rp;
+      if (use_freq && f != 0.f)
+        for (int64_t v = 0; v < V; ++v) l[v] -= c[v] * f;
+      if (use_pres && pr != 0.f)
+        for (int64_t v = 0; v < V; ++v) l[v] -= p[v] * pr;
+    }
+  });
+}
+
+std::vector<torch::Tensor> logprob_stats(torch::Tensor src, torch::Tensor chosen) {
+  // src: (N, V) float32 contiguous; chosen: (N,) int64. Returns (logsumexp (N,), src[chosen]
+  // (N,), rank (N,) int64 = 1 + number of tokens with a larger value).
+  TORCH_CHECK(src.is_contiguous() && src.scalar_type() == at::kFloat, "logprob_stats: src");
+  const int64_t N = src.size(0), V = src.size(1);
+  auto lse = torch::empty({N}, src.options());
+  auto val = torch::empty({N}, src.options());
+  auto rank = torch::empty({N}, chosen.options());
+  const float* X = src.data_ptr<float>();
+  const int64_t* ch = chosen.data_ptr<int64_t>();
+  float* o_lse = lse.data_ptr<float>();
+  float* o_val = val.data_ptr<float>();
+  int64_t* o_rank = rank.data_ptr<int64_t>();
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const float* x = X + n * V;
+      float mx = -INFINITY;
+      for (int64_t v = 0; v < V; ++v) mx = std::max(mx, x[v]);
+      const float c = x[ch[n]];
+      float sum = 0.f;
+      int64_t above = 0;
+      if (mx == -INFINITY) {
+        o_lse[n] = -INFINITY;
+      } else {
+        for (int64_t v = 0; v < V; ++v) {
+          sum += std::exp(x[v] - mx);
+          above += x[v] > c;
+        }
+        o_lse[n] = mx + std::log(sum);
+      }
+      o_val[n] = c;
+      o_rank[n] = above + 1;
+    }
+  });
+  return {lse, val, rank};
+}
+
+void min_p(torch::Tensor logits, torch::Tensor log_min_p) {
+  // logits: (R, V) float32 contiguous, in place: -inf where logit < row max + log_min_p[r].
+  TORCH_CHECK(logits.is_contiguous() && logits.scalar_type() == at::kFloat, "min_p: logits");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  float* L = logits.data_ptr<float>();
+  const float* m = log_min_p.data_ptr<float>();
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* l = L + r * V;
+      float mx = -INFINITY;
+      for (int64_t v = 0; v < V; ++v) mx = std::max(mx, l[v]);
+      const float cutoff = mx + m[r];
+      for (int64_t v = 0; v < V; ++v)
+        if (l[v] < cutoff) l[v] = -INFINITY;
+    }
+  });
+}
+
+std::vector<torch::Tensor> topk_rows(torch::Tensor x, int64_t k) {
+  // x: (R, V) float32 contiguous; the k largest of each row, sorted descending, and their ids.
+  // One pass with a k-entry min-heap: most elements lose one comparison against its root, where
+  // torch.topk on a wide row does several passes.
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && x.dim() == 2, "topk_rows");
+  const int64_t R = x.size(0), V = x.size(1);
+  TORCH_CHECK(k >= 1 && k <= V, "topk_rows: k");
+  auto vals = torch::empty({R, k}, x.options());
+  auto ids = torch::empty({R, k}, x.options().dtype(at::kLong));
+  const float* X = x.data_ptr<float>();
+  float* ov = vals.data_ptr<float>();
+  int64_t* oi = ids.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    std::vector<std::pair<float, int64_t>> heap;
+    // Root = the smallest kept (value, then the larger id, so lower ids win ties).
+    auto worse = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+      return a.first > b.first || (a.first == b.first && a.second < b.second);
+    };
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = X + r * V;
+      heap.clear();
+      for (int64_t v = 0; v < k; ++v) heap.emplace_back(row[v], v);
+      std::make_heap(heap.begin(), heap.end(), worse);
+      for (int64_t v = k; v < V; ++v) {
+        if (row[v] > heap.front().first) {
+          std::pop_heap(heap.begin(), heap.end(), worse);
+          heap.back() = {row[v], v};
+          std::push_heap(heap.begin(), heap.end(), worse);
+        }
+      }
+      std::sort_heap(heap.begin(), heap.end(), worse);  // best first
+      for (int64_t j = 0; j < k; ++j) {
+        ov[r * k + j] = heap[j].first;
+        oi[r * k + j] = heap[j].second;
+      }
+    }
+  });
+  return {vals, ids};
+}
+
+// What this build was compiled for, logged at engine start.
+std::string isa() {
+#if defined(__AVX512BF16__)
+  return "avx512-bf16";
+#elif defined(__AVX512F__)
+  return "avx512";
+#else
+  return "portable";
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention");
+  m.def("linear", &linear, "small-M linear", py::arg("x"), py::arg("w"), py::arg("b"));
+  m.def("rms_norm", &rms_norm, "RMSNorm with optional residual add", py::arg("x"),
+        py::arg("residual"), py::arg("w"), py::arg("eps"));
+  m.def("rotary", &rotary, "neox rotary embedding in place");
+  m.def("apply_bitmask", &apply_bitmask, "grammar bitmask applied in place");
+  m.def("qk_norm_rotary", &qk_norm_rotary, "per-head q/k RMSNorm then rotary");
+  m.def("write_kv_cache", &write_kv_cache, "k and v into their cache slots");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("apply_penalties", &apply_penalties, "repetition/frequency/presence in one pass");
+  m.def("logprob_stats", &logprob_stats, "logsumexp, chosen value and rank per row");
+  m.def("min_p", &min_p, "min-p filter in place");
+  m.def("topk_rows", &topk_rows, "k largest per row, sorted");
+  m.def("isa", &isa, "instruction set this build uses");
+}

@@ -1,0 +1,236 @@
+"""Each CPU kernel against its pure-torch twin, on the shapes and layouts the model passes it.
+
+The kernels are built into a test cache under the system temp directory (never the shared
+~/.cache/ladle; reused by later runs on the same machine, its key follows the source), so this
+also checks that the build works on the machine running the tests."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ladle.runner import cpu_kernels
+from ladle.runner.attention import DecodeBatch, decode_attention
+
+DTYPES = [torch.float32, torch.bfloat16]
+# Tolerances: the kernels sum in a different order than torch (and bf16 products are summed in
+# float32 pairs by vdpbf16ps), so results agree to rounding of the output dtype.
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LADLE_KERNEL_CACHE_DIR", str(Path(tempfile.gettempdir()) / "ladle-test-kernels"))
+    mp.delenv("LADLE_DISABLE_CPU_KERNELS", raising=False)
+    cpu_kernels._loaded.clear()
+    module = cpu_kernels.load_cpu_kernels()
+    if module is None:
+        pytest.fail("the CPU kernels did not build on this machine (see the warning above)")
+    yield module
+    cpu_kernels._loaded.clear()
+    mp.undo()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8])
+@pytest.mark.parametrize("k_dim,n_dim", [(64, 128), (256, 768), (1024, 4096), (100, 37)])
+def test_linear_matches_torch(kernels, dtype, rows, k_dim, n_dim):
+    torch.manual_seed(rows * 1000 + k_dim + n_dim)
+    x = torch.randn(rows, k_dim).to(dtype)
+    w = (torch.randn(n_dim, k_dim) / k_dim**0.5).to(dtype)
+    b = torch.randn(n_dim).to(dtype)
+    torch.testing.assert_close(kernels.linear(x, w, None), F.linear(x, w), **TOL[dtype])
+    torch.testing.assert_close(kernels.linear(x, w, b), F.linear(x, w, b), **TOL[dtype])
+    # A row-strided view (a slice of a wider activation) is read in place.
+    wide = torch.randn(rows, k_dim + 16).to(dtype)
+    torch.testing.assert_close(kernels.linear(wide[:, 8 : 8 + k_dim], w, None),
+                               F.linear(wide[:, 8 : 8 + k_dim], w), **TOL[dtype])
+
+
+def test_linear_dispatch_uses_torch_for_many_rows(kernels):
+    """Above MAX_LINEAR_ROWS the model's linear is torch's GEMM, exactly."""
+    x = torch.randn(cpu_kernels.MAX_LINEAR_ROWS + 1, 64)
+    w = torch.randn(32, 64)
+    assert torch.equal(cpu_kernels.linear(x, w), F.linear(x, w))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_torch(kernels, dtype):
+    torch.manual_seed(0)
+    x = torch.randn(7, 256).to(dtype)
+    w = torch.randn(256).to(dtype)
+    torch.testing.assert_close(kernels.rms_norm(x, None, w, 1e-6),
+                               cpu_kernels.rms_norm_torch(x, w, 1e-6), **TOL[dtype])
+    # Heads of q inside the qkv output: (T, H, D) with a row stride wider than H * D.
+    qkv = torch.randn(5, 4 * 32 + 64).to(dtype)
+    q = qkv[:, : 4 * 32].view(5, 4, 32)
+    wq = torch.randn(32).to(dtype)
+    torch.testing.assert_close(kernels.rms_norm(q, None, wq, 1e-6),
+                               cpu_kernels.rms_norm_torch(q, wq, 1e-6), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_matches_torch(kernels, dtype):
+    torch.manual_seed(1)
+    x, res = torch.randn(6, 128).to(dtype), torch.randn(6, 128).to(dtype)
+    w = torch.randn(128).to(dtype)
+    want_out, want_sum = cpu_kernels.rms_norm_torch(res + x, w, 1e-6), res + x
+    res_k = res.clone()
+    out = kernels.rms_norm(x, res_k, w, 1e-6)
+    assert torch.equal(res_k, want_sum)  # the sum is rounded exactly like torch's add
+    torch.testing.assert_close(out, want_out, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_matches_torch(kernels, dtype):
+    torch.manual_seed(2)
+    T, H, KVH, D, P = 5, 4, 2, 32, 64
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    freqs = torch.outer(torch.arange(P).float(), inv)
+    cos, sin = freqs.cos(), freqs.sin()
+    pos = torch.tensor([0, 3, 17, 63, 1])
+    qkv = torch.randn(T, (H + 2 * KVH) * D).to(dtype)
+    q = qkv[:, : H * D].view(T, H, D)
+    k = qkv[:, H * D : (H + KVH) * D].view(T, KVH, D)
+    want_q, want_k = cpu_kernels.rotary_torch(pos, q.clone(), k.clone(), cos, sin)
+    v_before = qkv[:, (H + KVH) * D :].clone()
+    kernels.rotary(q, k, pos, cos, sin)  # in place, inside the qkv buffer
+    torch.testing.assert_close(q, want_q, **TOL[dtype])
+    torch.testing.assert_close(k, want_k, **TOL[dtype])
+    assert torch.equal(qkv[:, (H + KVH) * D :], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode_attention_matches_torch(kernels, dtype, monkeypatch):
+    torch.manual_seed(3)
+    B, H, KVH, D, bs, nblocks = 3, 8, 2, 64, 16, 12
+    k_cache = torch.randn(nblocks, KVH, bs, D).to(dtype)
+    v_cache = torch.randn(nblocks, KVH, bs, D).to(dtype)
+    q = torch.randn(B, H, D).to(dtype)
+    table = torch.tensor([[3, 7, 1, 0], [5, 2, 0, 0], [11, 10, 9, 8]])
+    batch = DecodeBatch(rows=torch.arange(B), block_table=table,
+                        ctx_lens=torch.tensor([40, 17, 64]))
+    got = decode_attention(q, k_cache, v_cache, batch, D**-0.5)
+    monkeypatch.setitem(cpu_kernels._loaded, "module", None)  # the torch path
+    want = decode_attention(q, k_cache, v_cache, batch, D**-0.5)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_apply_bitmask_matches_torch(kernels, dtype):
+    """Rows of a larger batch, a vocabulary that is not a multiple of 32, words all set."""
+    from ladle.structured_output.manager import apply_bitmask, apply_bitmask_torch
+
+    torch.manual_seed(4)
+    V, rows = 1000, [0, 2, 3]
+    mask = torch.randint(-(2**31), 2**31 - 1, (len(rows), -(-V // 32)), dtype=torch.int32)
+    mask[1, 5:10] = -1  # every token of those words allowed
+    logits = torch.randn(5, V).to(dtype)
+    want = logits.clone()
+    apply_bitmask_torch(want, rows, mask)
+    apply_bitmask(logits, rows, mask)  # the kernel path
+    assert torch.equal(logits, want)
+    assert torch.isinf(logits[2]).any() and torch.isfinite(logits[1]).all()
+
+
+def _rope_tables(D, P=64):
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    freqs = torch.outer(torch.arange(P).float(), inv)
+    return freqs.cos(), freqs.sin()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rotary_matches_torch(kernels, dtype):
+    torch.manual_seed(5)
+    T, H, KVH, D = 4, 4, 2, 32
+    cos, sin = _rope_tables(D)
+    pos = torch.tensor([0, 9, 33, 2])
+    qkv = torch.randn(T, (H + 2 * KVH) * D).to(dtype)
+    q = qkv[:, : H * D].view(T, H, D)
+    k = qkv[:, H * D : (H + KVH) * D].view(T, KVH, D)
+    wq, wk = torch.randn(D).to(dtype), torch.randn(D).to(dtype)
+    got_q, got_k = kernels.qk_norm_rotary(q, k, wq, wk, 1e-6, pos, cos, sin)
+    want_q, want_k = cpu_kernels.rotary_torch(pos, cpu_kernels.rms_norm_torch(q, wq, 1e-6),
+                                              cpu_kernels.rms_norm_torch(k, wk, 1e-6), cos, sin)
+    torch.testing.assert_close(got_q, want_q, **TOL[dtype])
+    torch.testing.assert_close(got_k, want_k, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_cache_matches_index_put(kernels, dtype):
+    torch.manual_seed(6)
+    T, KVH, D, bs, nb = 5, 2, 16, 4, 6
+    kv = torch.randn(T, 3 * KVH * D).to(dtype)  # k and v as views of a wider qkv row
+    k = kv[:, KVH * D : 2 * KVH * D].view(T, KVH, D)
+    v = kv[:, 2 * KVH * D :].view(T, KVH, D)
+    blocks, offsets = torch.tensor([0, 0, 5, 3, 3]), torch.tensor([0, 1, 3, 2, 0])
+    caches = [torch.zeros(nb, KVH, bs, D).to(dtype) for _ in range(4)]
+    kernels.write_kv_cache(k, v, caches[0], caches[1], blocks, offsets)
+    caches[2][blocks, :, offsets] = k
+    caches[3][blocks, :, offsets] = v
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_torch(kernels, dtype):
+    torch.manual_seed(7)
+    x = (3 * torch.randn(3, 2 * 96)).to(dtype)
+    torch.testing.assert_close(kernels.silu_mul(x), cpu_kernels.silu_mul_torch(x), **TOL[dtype])
+
+
+def test_penalties_match_torch(kernels):
+    from ladle.sample.penalties import PenaltyState
+
+    torch.manual_seed(8)
+    R, V = 3, 1000
+    state = PenaltyState(4, V, torch.device("cpu"))
+    state._allocate()
+    state.counts[:R] = torch.randint(0, 3, (R, V)).float()
+    state.present[:R] = (state.counts[:R] > 0).float()
+    state.seen[:R] = torch.rand(R, V) < 0.3
+    rep, freq, pres = torch.tensor([1.3, 1.0, 0.7]), torch.tensor([0.2, 0.0, 0.5]), \
+        torch.tensor([0.0, 0.4, 0.1])
+    logits = torch.randn(R, V)
+    want = state.apply_torch(logits.clone(), pres, freq, rep, (True, True, True))
+    got = state.apply(logits.clone(), pres, freq, rep, (True, True, True))
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_logprob_stats_match_torch(kernels):
+    from ladle.sample.sampler import logprob_stats, logprob_stats_torch
+
+    torch.manual_seed(9)
+    src = torch.randn(4, 5000) * 3
+    src[1, ::2] = float("-inf")  # masked tokens
+    src[2, 7] = src[2, 9]  # a tie with the chosen token does not count as better
+    chosen = torch.tensor([0, 4, 9, 4999])
+    for got, want in zip(logprob_stats(src, chosen), logprob_stats_torch(src, chosen),
+                         strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_min_p_matches_torch(kernels):
+    torch.manual_seed(10)
+    logits = torch.randn(3, 2000) * 2
+    log_min_p = torch.tensor([float("-inf"), -1.0, -0.1])  # row 0 has no min_p
+    want = logits.clone()
+    cutoff = want.max(dim=-1, keepdim=True).values + log_min_p[:, None]
+    want.masked_fill_(want < cutoff, float("-inf"))
+    kernels.min_p(logits, log_min_p)
+    assert torch.equal(logits, want)
+
+
+@pytest.mark.parametrize("k", [1, 5, 50])
+def test_topk_matches_torch(kernels, k):
+    torch.manual_seed(11)
+    x = torch.randn(4, 3000)
+    x[1, 100:] = float("-inf")  # fewer finite values than some k
+    vals, ids = kernels.topk_rows(x, k)
+    want_vals, _ = x.topk(k, dim=-1)
+    assert torch.equal(vals, want_vals)
+    assert torch.equal(x.gather(1, ids), vals)  # ids point at their values
