@@ -87,8 +87,17 @@ def test_every_output_validates(llm):
             params.append(so_params(i, **kind))
             names.append(name)
     outs = llm.generate(prompts, params)
+    # A random model may wander inside a free JSON string until max_tokens: that run honestly
+    # ends with "length" (never "stop" with invalid output). Such runs must be rare.
+    cut = [(n, o) for n, o in zip(names, outs, strict=True)
+           if o.outputs[0].finish_reason == "length"]
+    assert len(cut) <= len(outs) // 100, [(n, o.outputs[0].text[:80]) for n, o in cut]
+    for name, o in cut:
+        assert len(o.outputs[0].token_ids) == 1000, name
     for name, out in zip(names, outs, strict=True):
         text = out.outputs[0].text
+        if out.outputs[0].finish_reason == "length":
+            continue
         assert out.outputs[0].finish_reason == "stop", (name, text)
         if name.startswith("json:"):
             jsonschema.validate(json.loads(text), SCHEMAS[name[5:]])
