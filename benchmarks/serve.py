@@ -286,15 +286,8 @@ def main():
         print(f"offline ladle.LLM on the {len(prompts[top])} requests of the {top}-client "
               f"level: {offline:.1f} output tok/s", flush=True)
 
-    proc = None
-    url = args.url
-    if url is None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        proc, url = start_server(args.model, port, args.max_model_len, args.max_num_seqs)
+    proc, url = server_for(args)
     try:
-        asyncio.run(run_level(url, args.model, args.api_key, workload(4, (16, 32), 99), 8, 4))
         rows = []
         print(f"{'clients':>7} {'reqs':>5} {'TTFT ms med/p99':>17} {'ITL ms med/p99':>16} "
               f"{'req tok/s med/p99':>18} {'total tok/s':>11}")
@@ -328,15 +321,22 @@ def main():
             print("matplotlib is not installed (pip install -e '.[bench]'): no plot")
 
 
-def run_interference(args) -> None:
+def server_for(args) -> tuple[subprocess.Popen | None, str]:
+    """(the server process we started or None, its URL): --url, else a fresh `ladle serve`;
+    warmed up with a few short requests either way."""
     proc, url = None, args.url
     if url is None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         proc, url = start_server(args.model, port, args.max_model_len, args.max_num_seqs)
+    asyncio.run(run_level(url, args.model, args.api_key, workload(4, (16, 32), 99), 8, 4))
+    return proc, url
+
+
+def run_interference(args) -> None:
+    proc, url = server_for(args)
     try:
-        asyncio.run(run_level(url, args.model, args.api_key, workload(4, (16, 32), 99), 8, 4))
         row = asyncio.run(interference(url, args.model, args.api_key, args.output_len,
                                        args.arrivals))
     finally:

@@ -28,6 +28,7 @@ from ladle.entrypoints.serving_responses import (
     ChatStep,
     ChatTurn,
     chat_request,
+    checked_text,
     renamed_error,
 )
 from ladle.frontend.async_llm import OverloadedError
@@ -41,7 +42,6 @@ from ladle.protocol.anthropic import (
     anthropic_error_body,
 )
 from ladle.protocol.common import RequestError, unsupported
-from ladle.protocol.responses import MAX_TEXT_CHARS
 
 logger = logging.getLogger("ladle.server")
 
@@ -104,18 +104,9 @@ async def _parse(raw: Request, cls: type) -> Any:
 
 
 # ---- Messages -> chat -------------------------------------------------------------------------
-def _text(value: Any, path: str) -> str:
-    if not isinstance(value, str):
-        raise RequestError(f"{path}: must be a string", param=path)
-    if len(value) > MAX_TEXT_CHARS:
-        raise RequestError(f"{path}: {len(value)} characters; at most {MAX_TEXT_CHARS}",
-                           param=path)
-    return value
-
-
 def _blocks(content: str | list[Any], path: str) -> str | list[Any]:
     if isinstance(content, str):
-        return _text(content, path)
+        return checked_text(content, path)
     if not isinstance(content, list):
         raise RequestError(f"{path}: must be a string or a list of blocks", param=path)
     if len(content) > MAX_BLOCKS:
@@ -133,7 +124,7 @@ def _blocks_text(content: str | list[Any], path: str) -> str:
         if kind != "text":
             raise unsupported(f"{path}.{j}.type", f"{kind!r} blocks are not supported here "
                               "(text only)")
-        texts.append(_text(block.get("text"), f"{path}.{j}.text"))
+        texts.append(checked_text(block.get("text"), f"{path}.{j}.text"))
     return "".join(texts)
 
 
@@ -155,18 +146,18 @@ def chat_messages(request: CountTokensRequest) -> list[dict[str, Any]]:
             where = f"{path}.{j}"
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text":
-                texts.append(_text(block.get("text"), f"{where}.text"))
+                texts.append(checked_text(block.get("text"), f"{where}.text"))
             elif kind == "tool_use" and message.role == "assistant":
-                call_id = _text(block.get("id"), f"{where}.id")
+                call_id = checked_text(block.get("id"), f"{where}.id")
                 args = block.get("input")
                 if not isinstance(args, dict):
                     raise RequestError(f"{where}.input: must be an object", param=f"{where}.input")
                 known_calls.add(call_id)
                 calls.append({"id": call_id, "type": "function", "function": {
-                    "name": _text(block.get("name"), f"{where}.name"),
+                    "name": checked_text(block.get("name"), f"{where}.name"),
                     "arguments": json.dumps(args, ensure_ascii=False)}})
             elif kind == "tool_result" and message.role == "user":
-                call_id = _text(block.get("tool_use_id"), f"{where}.tool_use_id")
+                call_id = checked_text(block.get("tool_use_id"), f"{where}.tool_use_id")
                 if call_id not in known_calls:
                     raise RequestError(f"{where}.tool_use_id: no tool_use block with id "
                                        f"{call_id!r} comes before it", param=f"{where}.tool_use_id")
@@ -175,7 +166,7 @@ def chat_messages(request: CountTokensRequest) -> list[dict[str, Any]]:
                     content = "Error: " + content
                 out.append({"role": "tool", "tool_call_id": call_id, "content": content})
             elif kind == "thinking" and message.role == "assistant":
-                reasoning = _text(block.get("thinking"), f"{where}.thinking")
+                reasoning = checked_text(block.get("thinking"), f"{where}.thinking")
             elif kind in _UNSUPPORTED_BLOCKS:
                 raise unsupported(where, f"{_UNSUPPORTED_BLOCKS[kind]} are not supported by "
                                   "ladle")

@@ -143,7 +143,9 @@ _CHAT_NAMES = [
 _UNSUPPORTED_PARTS = {"input_image": "image", "input_file": "file", "input_audio": "audio"}
 
 
-def _text(value: Any, path: str) -> str:
+def checked_text(value: Any, path: str) -> str:
+    """`value` as text of at most MAX_TEXT_CHARS characters, else a RequestError on `path`
+    (shared with the Messages API)."""
     if not isinstance(value, str):
         raise RequestError(f"{path}: must be a string", param=path)
     if len(value) > MAX_TEXT_CHARS:
@@ -155,7 +157,7 @@ def _text(value: Any, path: str) -> str:
 def _content_text(content: Any, path: str) -> str:
     """Message content (a string, or text parts) as one string."""
     if isinstance(content, str):
-        return _text(content, path)
+        return checked_text(content, path)
     if not isinstance(content, list):
         raise RequestError(f"{path}: must be a string or a list of content parts", param=path)
     texts = []
@@ -167,7 +169,8 @@ def _content_text(content: Any, path: str) -> str:
         if kind not in ("input_text", "output_text", "text", "refusal"):
             raise RequestError(f"{path}.{j}.type: {kind!r} is not a content part ladle knows; "
                                "accepted: input_text, output_text", param=f"{path}.{j}.type")
-        texts.append(_text(part.get("refusal" if kind == "refusal" else "text"), f"{path}.{j}"))
+        texts.append(checked_text(part.get("refusal" if kind == "refusal" else "text"),
+                                  f"{path}.{j}"))
     return "".join(texts)
 
 
@@ -198,10 +201,10 @@ def input_messages(items: str | list[dict[str, Any]], history: list[dict[str, An
                 msg["reasoning_content"], reasoning = reasoning, None
             messages.append(msg)
         elif kind == "function_call":
-            call_id = _text(item.get("call_id"), f"{path}.call_id")
+            call_id = checked_text(item.get("call_id"), f"{path}.call_id")
             call = {"id": call_id, "type": "function", "function": {
-                "name": _text(item.get("name"), f"{path}.name"),
-                "arguments": _text(item.get("arguments"), f"{path}.arguments")}}
+                "name": checked_text(item.get("name"), f"{path}.name"),
+                "arguments": checked_text(item.get("arguments"), f"{path}.arguments")}}
             known_calls.add(call_id)
             if prev_kind in ("message", "function_call") and messages[-1]["role"] == "assistant":
                 messages[-1].setdefault("tool_calls", []).append(call)
@@ -211,7 +214,7 @@ def input_messages(items: str | list[dict[str, Any]], history: list[dict[str, An
                     msg["reasoning_content"], reasoning = reasoning, None
                 messages.append(msg)
         elif kind == "function_call_output":
-            call_id = _text(item.get("call_id"), f"{path}.call_id")
+            call_id = checked_text(item.get("call_id"), f"{path}.call_id")
             if call_id not in known_calls:
                 raise RequestError(f"{path}.call_id: no function_call with call_id {call_id!r} "
                                    "comes before it (in input or the previous response)",
@@ -222,7 +225,7 @@ def input_messages(items: str | list[dict[str, Any]], history: list[dict[str, An
             parts = item.get("content") or item.get("summary") or []
             if not isinstance(parts, list):
                 raise RequestError(f"{path}.content: must be a list", param=f"{path}.content")
-            reasoning = "".join(_text(p.get("text") if isinstance(p, dict) else None,
+            reasoning = "".join(checked_text(p.get("text") if isinstance(p, dict) else None,
                                       f"{path}.content.{j}") for j, p in enumerate(parts))
         else:
             raise unsupported(f"{path}.type", f"input items of type {kind!r} are not supported "
