@@ -106,6 +106,7 @@ class EngineCore:
             self.tokenizer, self.vocab_size, eos, config.structured_outputs_backend,
             self.reasoning, config.max_num_seqs, config.structured_outputs_compile_timeout,
             config.structured_outputs_cache_bytes)
+        self.structured.warm_up()  # before ready, not inside the first constrained step
         self.hf_config = hf_config
         self.num_steps = 0
         self.num_failed_runs = 0  # batches that raised (then split to find the request at fault)
