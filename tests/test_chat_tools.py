@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from test_server import API_KEY, MODEL, RemoteServer
+from test_server import MODEL, chat_server
 
 TOOLS = [
     {"type": "function", "function": {
@@ -60,9 +60,7 @@ CALL_RE = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Pari
 
 @pytest.fixture(scope="module")
 def server():
-    s = RemoteServer("--api-key", API_KEY, "--max-model-len", "2048", "--dtype", "float32",
-                     "--disable-access-log", "--reasoning-parser", "qwen3",
-                     "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    s = chat_server()
     yield s
     assert s.stop() == 0, s.log()
 

@@ -14,7 +14,7 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
-from test_server import API_KEY, MODEL, RemoteServer
+from test_server import API_KEY, MODEL, chat_server
 
 from ladle.protocol.anthropic import MAX_BLOCKS
 
@@ -34,9 +34,7 @@ CONVERSATION = [{"role": "user", "content": "Hi, who are you?"},
 
 @pytest.fixture(scope="module")
 def server():
-    s = RemoteServer("--api-key", API_KEY, "--max-model-len", "2048", "--dtype", "float32",
-                     "--disable-access-log", "--reasoning-parser", "qwen3",
-                     "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    s = chat_server()
     yield s
     assert s.stop() == 0, s.log()
 

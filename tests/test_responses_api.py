@@ -15,7 +15,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from test_server import API_KEY, MODEL, RemoteServer
+from test_server import API_KEY, MODEL, chat_server
 
 from ladle.entrypoints.serving_responses import ResponseStore, StoredResponse, input_messages
 from ladle.protocol.responses import MAX_INPUT_ITEMS, ResponseObject
@@ -39,9 +39,7 @@ TEXT_ORDER = ["response.output_item.added", "response.content_part.added",
 
 @pytest.fixture(scope="module")
 def server():
-    s = RemoteServer("--api-key", API_KEY, "--max-model-len", "2048", "--dtype", "float32",
-                     "--disable-access-log", "--reasoning-parser", "qwen3",
-                     "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    s = chat_server()
     yield s
     assert s.stop() == 0, s.log()
 

@@ -127,6 +127,14 @@ class RemoteServer:
         return self.proc.returncode
 
 
+def chat_server() -> RemoteServer:
+    """The server the chat, Responses and Messages tests share the setup of: reasoning (qwen3)
+    and hermes tool calls on ladle-demo, with an API key."""
+    return RemoteServer("--api-key", API_KEY, "--max-model-len", "2048", "--dtype", "float32",
+                        "--disable-access-log", "--reasoning-parser", "qwen3",
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+
+
 def _reason(labels: str) -> str:
     m = re.search(r'finished_reason="(\w+)"', labels)
     return f'{{finished_reason="{m.group(1)}"}}' if m else ""

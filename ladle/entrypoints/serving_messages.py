@@ -367,10 +367,8 @@ async def create_message(server: ServerState, raw: Request) -> Response:
                         "hold the full thinking text)", message_id)
         fields = to_chat_message_request(request)
         try:
-            chat = chat_request(fields, "messages")
-            with server.engine.admitting(1):
-                turn = await server.run_blocking(ChatTurn, server, chat,
-                                                 f"{message_id}-{base_request_id(raw)}")
+            turn = await ChatTurn.start(server, chat_request(fields, "messages"),
+                                        f"{message_id}-{base_request_id(raw)}")
         except RequestError as e:
             raise renamed_error(e, _CHAT_NAMES) from e
         message = Message(id=message_id, model=model,

@@ -81,6 +81,13 @@ class ChatTurn:
         self.num_cached_tokens = 0
         self.output_token_ids: list[int] = []
 
+    @classmethod
+    async def start(cls, server: ServerState, chat: ChatCompletionRequest,
+                    request_id: str) -> ChatTurn:
+        """Admission control, then the preprocessing off the event loop (as chat does)."""
+        with server.engine.admitting(1):
+            return await server.run_blocking(cls, server, chat, request_id)
+
     async def steps(self) -> AsyncIterator[ChatStep]:
         """Leaving the loop early aborts the request in the engine."""
         parser = choice_parser(self.server, self.processed, self.plan, self.chat)
@@ -610,10 +617,8 @@ async def create_response(server: ServerState, request: ResponsesRequest,
         history = previous.conversation
     fields, conversation = to_chat(request, history)
     try:
-        chat = chat_request(fields, "input")
-        with server.engine.admitting(1):
-            turn = await server.run_blocking(ChatTurn, server, chat,
-                                             f"{response_id}-{base_request_id(raw)}")
+        turn = await ChatTurn.start(server, chat_request(fields, "input"),
+                                    f"{response_id}-{base_request_id(raw)}")
     except RequestError as e:
         raise renamed_error(e, _CHAT_NAMES) from e
     response = ResponseObject(
