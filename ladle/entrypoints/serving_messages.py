@@ -18,18 +18,18 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from ladle.entrypoints.common import (
-    ServerState,
-    base_request_id,
-    log_request_fields,
-    until_disconnect,
-)
-from ladle.entrypoints.serving_responses import (
+from ladle.entrypoints.chat_turn import (
     ChatStep,
     ChatTurn,
     chat_request,
     checked_text,
     renamed_error,
+)
+from ladle.entrypoints.common import (
+    ServerState,
+    base_request_id,
+    log_request_fields,
+    until_disconnect,
 )
 from ladle.frontend.async_llm import OverloadedError
 from ladle.frontend.engine_client import EngineDeadError
