@@ -40,6 +40,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
     error: str | None = None  # why the request failed (FinishReason.ERROR)
+    # The failure is the server's (a crash in the step, a grammar rejecting its own sampled
+    # token), not the request's: the API answers 500, not 400.
+    is_server_error: bool = False
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

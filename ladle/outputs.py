@@ -21,6 +21,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None  # per output token: id -> Logprob
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    error: str | None = None  # why it failed, when finish_reason is "error"
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -5,6 +5,7 @@ and the engine serves new requests exactly as a fresh engine would afterwards.""
 
 from __future__ import annotations
 
+import os
 import sys
 import textwrap
 
@@ -126,3 +127,49 @@ def test_a_device_fault_still_ends_the_engine():
     assert is_device_fault(RuntimeError("CUDA error: an illegal memory access was encountered"))
     assert not is_device_fault(RuntimeError("faulty processor"))
     assert not is_device_fault(ValueError("CUDA error"))
+
+
+def test_a_server_fault_is_a_500_and_a_bad_request_a_400(tmp_path, monkeypatch):
+    """Through `ladle serve`: a request that crashes the engine's step (the faulty processor)
+    gets a 500 server_error, in a stream an error event with the same shape; one the engine
+    rejects (validate_params) gets a 400 naming the field; the server serves on."""
+    import openai
+    from test_server import API_KEY, RemoteServer
+
+    (tmp_path / "ladle_faulty_proc.py").write_text(FAULTY)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    server = RemoteServer("--dtype", "float32", "--max-model-len", "512", "--api-key", API_KEY,
+                          "--logits-processors", "ladle_faulty_proc:Faulty")
+    try:
+        client = server.client()
+        kw = dict(model="ladle-demo", prompt="Hello", max_tokens=4)
+        with pytest.raises(openai.InternalServerError) as crashed:
+            client.completions.create(**kw, extra_body={"vllm_xargs": {"explode": True}})
+        assert crashed.value.status_code == 500
+        assert crashed.value.body["type"] == "server_error"
+        assert "faulty processor" in crashed.value.body["message"]
+        with pytest.raises(openai.APIError) as in_stream:
+            for _ in client.chat.completions.create(
+                    model="ladle-demo", messages=[{"role": "user", "content": "hi"}],
+                    max_tokens=4, stream=True, extra_body={"vllm_xargs": {"explode": True}}):
+                pass
+        assert in_stream.value.body["type"] == "server_error"
+        with pytest.raises(openai.BadRequestError) as rejected:
+            client.completions.create(**kw, extra_body={"vllm_xargs": {"reject": True}})
+        assert "extra_args.reject" in rejected.value.body["message"]
+        assert client.completions.create(**kw).choices[0].finish_reason == "length"
+    finally:
+        server.stop()
+
+
+def test_the_offline_output_says_why_a_request_failed(ckpt):
+    from ladle import LLM
+
+    llm = LLM(str(ckpt), dtype="float32", kv_cache_memory="16MB",
+              logits_processors=["ladle_faulty_proc:Faulty"])
+    bad, good = llm.generate([{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[1]}],
+                             [params(1, explode=True), params(1)])
+    assert bad.outputs[0].finish_reason == "error"
+    assert "faulty processor" in bad.outputs[0].error
+    assert good.outputs[0].finish_reason == "length" and good.outputs[0].error is None

@@ -182,7 +182,8 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
         failed = [EngineCoreOutput(req_id=r.req_id, new_token_ids=[],
-                                   finish_reason=int(FinishReason.ERROR), error=r.error)
+                                   finish_reason=int(FinishReason.ERROR), error=r.error,
+                                   is_server_error=r.is_server_error)
                   for r in sched.failed]
         if sched.is_empty:
             if self.scheduler.waiting:  # only grammars still compiling: wait, do not spin
@@ -224,10 +225,12 @@ class EngineCore:
         logger.error("request %s failed in the engine", req.req_id,
                      exc_info=(type(e), e, e.__traceback__))
         req.error = f"the request failed in the engine: {type(e).__name__}: {e}"
+        req.is_server_error = True
         self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
         self.num_failed_requests += 1
         return EngineCoreOutput(req_id=req.req_id, new_token_ids=[],
-                                finish_reason=int(FinishReason.ERROR), error=req.error)
+                                finish_reason=int(FinishReason.ERROR), error=req.error,
+                                is_server_error=True)
 
     def _update(self, sched: SchedulerOutput, out: RunnerOutput) -> list[EngineCoreOutput]:
         """Accept the sampled token of every row that finished its prompt; stop what is done.
@@ -288,6 +291,7 @@ class EngineCore:
                         status = RequestStatus.FINISHED_STOPPED  # the constraint is complete
                 except GrammarRejectedError as e:  # never "stop" with output breaking it
                     req.error, status = str(e), RequestStatus.FINISHED_ERROR
+                    req.is_server_error = True  # the mask allowed it: ladle's fault
             if status is not None:
                 self.scheduler.finish(req, status)
             lp = _token_logprobs(out, lp_index.get(row), int(out.num_logprobs[row]))
@@ -303,13 +307,14 @@ class EngineCore:
                     logprobs=lp,
                     prompt_logprobs=_prompt_logprobs(req),
                     error=req.error,
+                    is_server_error=req.is_server_error,
                 )
             else:  # a further position of a speculative step
                 o.new_token_ids.append(token)
                 o.finish_reason = None if status is None else int(req.finish_reason)
                 o.stop_reason = req.stop_reason
                 o.ended_by_stop_token = by_token
-                o.error = req.error
+                o.error, o.is_server_error = req.error, req.is_server_error
                 if lp is not None:
                     for mine, more in ((o.logprobs.token_ids, lp.token_ids),
                                        (o.logprobs.values, lp.values),

@@ -130,7 +130,8 @@ class EngineCoreLoop:
                         logger.exception("adding request %s failed", req.req_id)
                     self.errors.append(EngineCoreOutput(
                         req_id=req.req_id, new_token_ids=[], finish_reason=int(FinishReason.ERROR),
-                        error=f"{e}" if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"))
+                        error=f"{e}" if isinstance(e, ValueError) else f"{type(e).__name__}: {e}",
+                        is_server_error=not isinstance(e, ValueError)))
             elif kind.bytes == RequestType.ABORT.value:
                 for req_id in self.abort_decoder.decode(payload.buffer):
                     self.engine.abort_request(req_id)

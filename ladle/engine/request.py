@@ -69,6 +69,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None  # the stop token id or stop string
         self.error: str | None = None
+        self.is_server_error = False  # the error is ladle's fault, not the request's
         self.block_hashes: list[int] = []  # hashes of this request's full blocks, in order
         self.grammar = None  # structured-output matcher, when the request has a constraint
         self.prompt_logprobs_parts: list = []  # per prefill chunk, until the first output token

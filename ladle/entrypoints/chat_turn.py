@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ladle.entrypoints.common import ServerState
+from ladle.entrypoints.common import ServerState, check_engine_error
 from ladle.entrypoints.serving_chat import choice_parser, process_chat
 from ladle.parsers.types import DeltaToolCall, merge_pieces
 from ladle.protocol.chat import ChatCompletionRequest
@@ -57,8 +57,7 @@ class ChatTurn:
         async for update in self.server.engine.generate(self.processed):
             self.num_cached_tokens = update.state.num_cached_tokens
             for d in update.deltas:
-                if d.error is not None:
-                    raise RequestError(d.error)
+                check_engine_error(d)
                 self.output_token_ids += d.token_ids
                 parsed = parser.feed(d.text)
                 if d.finish_reason is not None:

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 
 from ladle.frontend.async_llm import AsyncLLM
 from ladle.frontend.engine_client import EngineDeadError
+from ladle.frontend.output_processor import ChoiceDelta
 from ladle.protocol.common import ErrorInfo, ErrorResponse, RequestError
 from ladle.protocol.sampling import SamplingFields, _param_of
 
@@ -115,6 +116,16 @@ def as_request_error(e: ValueError) -> RequestError:
     if isinstance(e, RequestError):
         return e
     return RequestError(str(e), param=_param_of(str(e)))
+
+
+def check_engine_error(d: ChoiceDelta) -> None:
+    """Raise the error a choice ended with: 400 when the request was at fault (the engine checks
+    again what this process checked), 500 when ladle was (a crash in its step)."""
+    if d.error is None:
+        return
+    if d.is_server_error:
+        raise RequestError(d.error, status_code=500, type="server_error", code="engine_error")
+    raise RequestError(d.error)
 
 
 def base_request_id(raw: Request) -> str:

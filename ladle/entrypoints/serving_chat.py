@@ -19,6 +19,7 @@ from ladle.entrypoints.common import (
     ServerState,
     as_request_error,
     base_request_id,
+    check_engine_error,
     log_request_fields,
     sse,
     sse_error,
@@ -27,7 +28,7 @@ from ladle.entrypoints.common import (
 )
 from ladle.entrypoints.logprobs import TokenNames, chat_logprobs, prompt_logprobs
 from ladle.entrypoints.tools import ToolPlan, plan_tools
-from ladle.frontend.output_processor import ChoiceDelta, TokenLogprob
+from ladle.frontend.output_processor import TokenLogprob
 from ladle.frontend.processor import ProcessedRequest
 from ladle.parsers.choice import ChoiceOutputParser, output_starts_in_reasoning
 from ladle.parsers.types import DeltaMessage as ParsedDelta
@@ -226,7 +227,7 @@ class _Writer:
         async for update in self.engine.generate(self.processed):
             state = update.state
             for d in update.deltas:
-                _check_error(d)
+                check_engine_error(d)
                 texts[d.index].append(d.text)
                 parsed[d.index].append(parsers[d.index].feed(d.text))
                 if d.finish_reason is not None:
@@ -298,7 +299,7 @@ class _Writer:
             async for update in self.engine.generate(self.processed):
                 num_cached = update.state.num_cached_tokens
                 for d in update.deltas:
-                    _check_error(d)
+                    check_engine_error(d)
                     num_tokens[d.index] += len(d.token_ids)
                     parser = parsers[d.index]
                     parsed = parser.feed(d.text)
@@ -337,8 +338,3 @@ def _delta_message(parsed: ParsedDelta) -> DeltaMessage:
     return DeltaMessage(content=parsed.content, reasoning_content=parsed.reasoning,
                         reasoning=parsed.reasoning, tool_calls=calls or None)
 
-
-def _check_error(d: ChoiceDelta) -> None:
-    """The engine rejected the request (it checks again what the API process checked)."""
-    if d.error is not None:
-        raise RequestError(d.error)

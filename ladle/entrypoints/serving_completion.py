@@ -14,6 +14,7 @@ from ladle.entrypoints.common import (
     ServerState,
     as_request_error,
     base_request_id,
+    check_engine_error,
     log_request_fields,
     merge_streams,
     sse,
@@ -22,9 +23,9 @@ from ladle.entrypoints.common import (
     until_disconnect,
 )
 from ladle.entrypoints.logprobs import TokenNames, completion_logprobs, prompt_logprobs
-from ladle.frontend.output_processor import ChoiceDelta, RequestState, TokenLogprob
+from ladle.frontend.output_processor import RequestState, TokenLogprob
 from ladle.frontend.processor import ProcessedRequest
-from ladle.protocol.common import PromptTokensDetails, RequestError, UsageInfo
+from ladle.protocol.common import PromptTokensDetails, UsageInfo
 from ladle.protocol.completion import (
     CompletionRequest,
     CompletionResponse,
@@ -139,7 +140,7 @@ class _Writer:
         async for i, update in merge_streams([self.engine.generate(p) for p in self.processed]):
             states[i] = update.state
             for d in update.deltas:
-                _check_error(d)
+                check_engine_error(d)
                 c = choices.setdefault(i * self.n + d.index, _Choice())
                 c.text.append(d.text)
                 c.token_ids += d.token_ids
@@ -182,7 +183,7 @@ class _Writer:
             async for i, update in merge_streams(streams):
                 cached[i] = update.state.num_cached_tokens
                 for d in update.deltas:
-                    _check_error(d)
+                    check_engine_error(d)
                     index = i * self.n + d.index
                     text, ids, entries = d.text, d.token_ids, d.logprobs or []
                     first = index not in offsets
@@ -220,8 +221,3 @@ class _Writer:
             yield sse_error(e)
         yield SSE_DONE
 
-
-def _check_error(d: ChoiceDelta) -> None:
-    """The engine rejected the request (it checks again what the API process checked)."""
-    if d.error is not None:
-        raise RequestError(d.error)

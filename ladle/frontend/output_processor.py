@@ -56,6 +56,7 @@ class ChoiceDelta:
     finish_reason: str | None = None  # set once, on the choice's last delta
     stop_reason: int | str | None = None
     error: str | None = None
+    is_server_error: bool = False  # the error is ladle's fault (HTTP 500), not the request's
 
 
 @dataclass
@@ -71,6 +72,7 @@ class ChildState:
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
+    is_server_error: bool = False
     num_sent_tokens: int = 0  # tokens (and logprobs) already handed out in deltas
     is_finish_sent: bool = False
     last_token_time: float = 0.0
@@ -99,6 +101,7 @@ class ChildState:
             finish_reason=self.finish_reason if finish else None,
             stop_reason=self.stop_reason if finish else None,
             error=self.error if finish else None,
+            is_server_error=self.is_server_error,
         )
 
 
@@ -131,7 +134,8 @@ class RequestState:
                                  cumulative_logprob=(sum(x.logprob for x in c.logprobs)
                                                      if c.logprobs else None),
                                  logprobs=[self._logprob_dict(x) for x in c.logprobs] or None,
-                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                 error=c.error)
                 for c in self.children
             ],
             prompt_logprobs=(None if self.prompt_logprobs is None else
@@ -204,6 +208,7 @@ class OutputProcessor:
                 logger.exception("output processing failed for %s", out.req_id)
                 child.finish_reason = "error"
                 child.error = f"output processing failed: {type(e).__name__}: {e}"
+                child.is_server_error = True
                 if out.finish_reason is None:
                     to_abort.append(child.req_id)
             changed[state.request_id] = state
@@ -230,7 +235,7 @@ class OutputProcessor:
         elif out.finish_reason is not None:
             child.finish_reason = str(FinishReason(out.finish_reason))
             child.stop_reason = out.stop_reason
-            child.error = out.error
+            child.error, child.is_server_error = out.error, out.is_server_error
 
     def _add_prompt_logprobs(self, state: RequestState, lp: Logprobs) -> None:
         """Prompt logprobs may arrive in chunks (chunked prefill); row i scores the prompt token
