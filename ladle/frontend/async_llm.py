@@ -83,6 +83,8 @@ class AsyncLLM:
         llm = cls(client, processor, OutputProcessor(tokenizer),
                   ServerMetrics(model_name or config.model,
                                 num_engines=config.data_parallel_size))
+        for i, engine in enumerate(client.engines):  # the cache size is known before any step
+            llm.metrics.set_engine_stats(i, {"num_blocks": engine.ready.num_kv_blocks})
         llm._output_task = asyncio.create_task(llm._output_loop())
         return llm
 
