@@ -1,8 +1,9 @@
 """AsyncLLM: the server's engine, in the API process. It owns the tokenizer, the InputProcessor,
 the OutputProcessor and the EngineClient (one engine process, or --data-parallel-size of them).
-One background task reads every engine's outputs, detokenizes them (stop strings abort the request in the engine at once) and wakes the requests
-that changed; each request's async iterator then takes whatever accumulated since it last looked,
-so a slow client gets bigger deltas instead of a growing queue."""
+One background task reads every engine's outputs, detokenizes them (stop strings abort the
+request in its engine at once) and wakes the requests that changed; each request's async
+iterator then takes whatever accumulated since it last looked, so a slow client gets bigger
+deltas instead of a growing queue."""
 
 from __future__ import annotations
 
@@ -121,9 +122,9 @@ class AsyncLLM:
         """Admission control around a request's preprocessing: raises OverloadedError (a 503
         with Retry-After at the edge) when its n choices per prompt would put more requests in
         the engines than they run (--max-num-seqs each) plus --max-waiting-requests (for the
-        server, not per engine). Requests being preprocessed count as
-        in flight, so a burst cannot slip past the bound while it tokenizes. (An n above --max-n
-        is a 400 from preprocessing; it is not an overload.)"""
+        server, not per engine). Requests being preprocessed count as in flight, so a burst
+        cannot slip past the bound while it tokenizes. (An n above --max-n is a 400 from
+        preprocessing; it is not an overload.)"""
         if self.refusing is not None:
             raise self.refusing
         num_choices = min(n, self.processor.limits.max_n) * num_prompts

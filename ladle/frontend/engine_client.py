@@ -200,7 +200,14 @@ class EngineClient:
         handshakes. Raises EngineDeadError naming the engine that failed."""
         for engine in self.engines:
             engine.launch()
-        readies = await asyncio.gather(*(e.wait_ready() for e in self.engines))
+        waits = [asyncio.ensure_future(e.wait_ready()) for e in self.engines]
+        try:
+            readies = await asyncio.gather(*waits)
+        except BaseException:  # one failed: stop waiting for the others (shutdown follows)
+            for wait in waits:
+                wait.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+            raise
         first = readies[0]
         for engine, ready in zip(self.engines[1:], readies[1:], strict=True):
             if (ready.vocab_size, ready.model_path) != (first.vocab_size, first.model_path):
