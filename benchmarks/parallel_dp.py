@@ -1,10 +1,11 @@
 """Data-parallel overhead: output tokens/s of `ladle serve --data-parallel-size 2` (two engines,
 each with half the cores) against `--data-parallel-size 1` (one engine with all of them), on the
 same 32 concurrent streaming requests; prints the ratio, and -dp 1 with half the cores as a
-control (thread scaling inside one engine apart from what a second process brings). On a host whose cores are all busy
-already (this project's 2-core machine) the ratio shows the cost of a second engine process
-(routing, a second model copy, two smaller batches) more than any speedup; on a host with idle
-cores, or one GPU per engine, it is the scaling itself.
+control (thread scaling inside one engine apart from what a second process brings). On a host
+whose cores are all busy already (this project's 2-core machine) the figures say more about
+contention (OpenMP threads waiting for busy cores, a second engine loop competing with the API
+process) than about scaling; on a host with idle cores, or one GPU per engine, the ratio is the
+scaling itself.
 
     python benchmarks/parallel_dp.py [--model tiny|0.6b|ladle-demo|DIR] [--requests 32]
 
