@@ -153,7 +153,7 @@ class EngineProcess:
     def check_alive(self) -> None:
         code = self.exit_code()
         if code is not None:
-            raise EngineDeadError(f"the engine process ({self.name}) exited with code {code}")
+            raise EngineDeadError(f"the engine process {self.name} exited with code {code}")
 
     def terminate(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -175,8 +175,9 @@ class EngineClient:
         self.config = config
         self._sync_ctx = zmq.Context()
         self._ctx = zmq.asyncio.Context()
-        envs = engine_envs(config, len(os.sched_getaffinity(0)),
-                           torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        looks_for_cuda = config.data_parallel_size > 1 and config.device != "cpu"
+        num_cuda = torch.cuda.device_count() if looks_for_cuda and torch.cuda.is_available() else 0
+        envs = engine_envs(config, len(os.sched_getaffinity(0)), num_cuda)
         # Each engine is one engine to itself; it gets its own seed for unseeded sampling
         # (seeded requests do not depend on it), so two engines never draw the same stream.
         self.engines = [
