@@ -32,8 +32,11 @@ def server():
     # Room for exactly 32 requests in flight, if admission counts both engines' running slots.
     s = RemoteServer(*SERVER_ARGS, "--data-parallel-size", "2", "--max-num-seqs", "16",
                      "--max-waiting-requests", "0")
+    pids = s.engine_pids()
+    assert len(pids) == 2
     yield s
-    assert s.stop() == 0, s.log()
+    assert s.stop() == 0, s.log()  # SIGTERM: a clean exit that stops both engines
+    assert not any(_alive(p) for p in pids), "an engine outlived the server"
 
 
 def scrape(server) -> dict[tuple[str, str], float]:
