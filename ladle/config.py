@@ -23,7 +23,7 @@ class EngineConfig:
     # Defaults to the model's max_position_embeddings; -1 ("auto"): that, shrunk to what the KV
     # cache can hold.
     max_model_len: int | None = None
-    max_num_seqs: int = 128
+    max_num_seqs: int = 128  # per engine
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
     block_size: int = 16
     # KV-cache size: bytes ("4GiB", "512MB", 1e9) or a fraction of free device memory ("0.3").
@@ -49,9 +49,13 @@ class EngineConfig:
     # Speculative decoding, off when None: {"method": "ngram", "num_speculative_tokens": k, ...}
     # as a dict or JSON string; checked into a SpeculativeConfig here.
     speculative_config: SpeculativeConfig | None = None
+    # Engine-core processes behind one API process (`ladle serve` only; each a full engine with
+    # its own KV cache sized as configured).
+    data_parallel_size: int = 1
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1 and self.max_model_len != -1:

@@ -21,6 +21,10 @@ class LLM:
 
     def __init__(self, model: str = "ladle-demo", **kwargs):
         self.config = EngineConfig(model=model, **kwargs)
+        if self.config.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size: {self.config.data_parallel_size}; the offline "
+                             "LLM runs one engine in this process (serve several with `ladle "
+                             "serve --data-parallel-size N`); accepted: 1")
         self.engine = EngineCore(self.config)
         self.tokenizer = load_tokenizer(self.config.tokenizer or self.engine.model_path)
         self.processor = InputProcessor(

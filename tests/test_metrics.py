@@ -39,13 +39,14 @@ def server():
 
 
 def scrape(server) -> dict[str, float]:
-    """name{labels} -> value, with model_name dropped and the rest of the labels kept."""
+    """name{labels} -> value, with model_name and engine (one engine here) dropped and the rest
+    of the labels kept."""
     out = {}
     for line in httpx.get(server.url + "/metrics", timeout=5).text.splitlines():
         m = re.match(r"([^{\s#]+)(?:\{([^}]*)\})?\s+(\S+)$", line)
         if m:
             labels = ",".join(x for x in (m.group(2) or "").split(",")
-                              if x and not x.startswith("model_name"))
+                              if x and not x.startswith(("model_name", 'engine="0"')))
             out[m.group(1) + (f"{{{labels}}}" if labels else "")] = float(m.group(3))
     return out
 

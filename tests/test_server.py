@@ -67,7 +67,12 @@ class RemoteServer:
         return Path(self.log_file.name).read_text()[-5000:]
 
     def engine_pid(self) -> int:
-        """The engine-core child of the server process."""
+        """The engine-core child of the server process (the first, with several)."""
+        return self.engine_pids()[0]
+
+    def engine_pids(self) -> list[int]:
+        """The engine-core children of the server process, by pid."""
+        pids = []
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
@@ -78,8 +83,10 @@ class RemoteServer:
                 continue
             ppid = int(stat.rsplit(")", 1)[1].split()[1])
             if ppid == self.proc.pid and "ladle.engine.core_proc" in cmdline:
-                return int(entry.name)
-        raise RuntimeError("no engine-core process found")
+                pids.append(int(entry.name))
+        if not pids:
+            raise RuntimeError("no engine-core process found")
+        return sorted(pids)
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0, **kw)

@@ -17,6 +17,13 @@ from test_server import API_KEY, AUTH, MODEL, RemoteServer
 def test_engine_death_fails_requests_and_exits_nonzero():
     server = RemoteServer("--api-key", API_KEY, "--max-model-len", "2048",
                           "--disable-access-log")
+    kill_engine_while_serving(server, server.engine_pid)
+
+
+def kill_engine_while_serving(server: RemoteServer, engine_pid) -> None:
+    """Start a stream and a plain request, SIGKILL the engine `engine_pid()` names, and check
+    that both end with an error within seconds, /health fails and the server exits non-zero.
+    Stops the server in any case."""
     try:
         results: dict[str, object] = {}
         started = threading.Event()
@@ -49,7 +56,7 @@ def test_engine_death_fails_requests_and_exits_nonzero():
             t.start()
         assert started.wait(60), server.log()
         time.sleep(0.3)
-        os.kill(server.engine_pid(), signal.SIGKILL)
+        os.kill(engine_pid(), signal.SIGKILL)
         killed_at = time.monotonic()
 
         # /health fails (503 while the server winds down, then no server at all).

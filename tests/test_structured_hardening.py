@@ -290,9 +290,9 @@ def test_flags_reach_the_config_and_metrics_show_the_cache(llm):
         with pytest.raises(ValueError, match=field):
             EngineConfig(**{field: bad})
     metrics = ServerMetrics("ladle-demo")
-    metrics.engine_stats = llm.engine.stats()
+    metrics.set_engine_stats(0, llm.engine.stats())
     text = metrics.render().decode()
     for name in ("grammar_cache_hits_total", "grammar_cache_misses_total",
                  "grammar_cache_evictions_total", "grammar_compile_timeouts_total",
                  "grammar_cache_bytes", "grammar_compiles_abandoned"):
-        assert f'ladle:{name}{{model_name="ladle-demo"}}' in text
+        assert f'ladle:{name}{{engine="0",model_name="ladle-demo"}}' in text

@@ -370,6 +370,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         reasoning_parser=(args.reasoning_parser if args.reasoning_parser in ENGINE_REASONING
                           else None),
         speculative_config=getattr(args, "speculative_config", None),
+        data_parallel_size=args.data_parallel_size,
     )
 
 
@@ -451,7 +452,9 @@ async def run_server(args: argparse.Namespace) -> int:
         trust_request_chat_template=args.trust_request_chat_template,
         enable_playground=not args.disable_playground,
     )
-    engine.max_in_flight = config.max_num_seqs + args.max_waiting_requests
+    # Every engine runs --max-num-seqs; the waiting allowance is the server's, not per engine.
+    engine.max_in_flight = (config.data_parallel_size * config.max_num_seqs
+                            + args.max_waiting_requests)
     cors = None
     if args.allowed_origins is not None:
         cors = {"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
@@ -575,18 +578,22 @@ def _markers_are_special(tokenizer, args: argparse.Namespace) -> bool:
 
 
 async def _log_stats(engine: AsyncLLM, interval: float = 10.0) -> None:
-    """vLLM's periodic stats line (off with --disable-log-stats), while there is traffic."""
+    """vLLM's periodic stats line (off with --disable-log-stats), while there is traffic; one
+    per engine when there are several."""
     last = None
     while True:
         await asyncio.sleep(interval)
-        s = engine.metrics.engine_stats
-        line = (s.get("num_running", 0), s.get("num_waiting", 0))
+        all_stats = engine.metrics.engine_stats
         tokens = engine.metrics.num_generation_tokens
-        if line == (0, 0) and tokens == last:
+        if tokens == last and not any(s.get("num_running", 0) or s.get("num_waiting", 0)
+                                      for s in all_stats):
             continue
-        logger.info("running: %d reqs, waiting: %d reqs, KV cache usage: %.1f%%, prefix-cache "
-                    "hit rate: %.1f%%, generated tokens: %d", *line,
-                    100 * s.get("kv_cache_usage", 0.0),
-                    100 * s.get("prefix_cache_hits", 0) / max(s.get("prefix_cache_queries", 0), 1),
-                    tokens)
+        for i, s in enumerate(all_stats):
+            logger.info("%srunning: %d reqs, waiting: %d reqs, KV cache usage: %.1f%%, "
+                        "prefix-cache hit rate: %.1f%%, generated tokens: %d",
+                        f"engine {i}: " if len(all_stats) > 1 else "",
+                        s.get("num_running", 0), s.get("num_waiting", 0),
+                        100 * s.get("kv_cache_usage", 0.0),
+                        100 * s.get("prefix_cache_hits", 0)
+                        / max(s.get("prefix_cache_queries", 0), 1), tokens)
         last = tokens

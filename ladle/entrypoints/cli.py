@@ -172,6 +172,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("DeviceConfig")
     g.add_argument("--device", default=_DEFAULTS.device, help="auto, cpu, cuda, cuda:1, ...")
 
+    g = p.add_argument_group("ParallelConfig")
+    g.add_argument("--data-parallel-size", "-dp", type=_positive_int,
+                   default=_DEFAULTS.data_parallel_size,
+                   help="engine-core processes behind the one API process, each a full engine "
+                        "with its own KV cache; requests go to the least loaded (README: "
+                        '"Data parallel")')
+
     g = p.add_argument_group("CacheConfig", "the KV cache")
     g.add_argument("--block-size", type=int, default=_DEFAULTS.block_size)
     g.add_argument("--gpu-memory-utilization", type=fraction, default=None,
@@ -220,6 +227,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests may take to finish after SIGTERM")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat_template (off: a 400)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be >= 1")
+    return value
 
 
 def _size(text: str) -> int:

@@ -1,8 +1,9 @@
 """AsyncLLM: the server's engine, in the API process. It owns the tokenizer, the InputProcessor,
-the OutputProcessor and the EngineClient. One background task reads the engine's outputs,
-detokenizes them (stop strings abort the request in the engine at once) and wakes the requests
-that changed; each request's async iterator then takes whatever accumulated since it last looked,
-so a slow client gets bigger deltas instead of a growing queue."""
+the OutputProcessor and the EngineClient (one engine process, or --data-parallel-size of them).
+One background task reads every engine's outputs, detokenizes them (stop strings abort the
+request in its engine at once) and wakes the requests that changed; each request's async
+iterator then takes whatever accumulated since it last looked, so a slow client gets bigger
+deltas instead of a growing queue."""
 
 from __future__ import annotations
 
@@ -59,8 +60,8 @@ class AsyncLLM:
         self.dead_error: EngineDeadError | None = None
         self._on_dead: list[Callable[[], None]] = []
         self._output_task: asyncio.Task | None = None
-        # Choices that may be in the engine at once: the running ones (max_num_seqs) plus the
-        # waiting ones the server allows (--max-waiting-requests). None: no bound.
+        # Choices that may be in the engines at once: the running ones (max_num_seqs per engine)
+        # plus the waiting ones the server allows (--max-waiting-requests). None: no bound.
         self.max_in_flight: int | None = None
         self._num_admitting = 0  # choices of requests being preprocessed (see admitting())
         # Set while the server drains on SIGTERM: the error new requests get.
@@ -68,7 +69,7 @@ class AsyncLLM:
 
     @classmethod
     async def start(cls, config: EngineConfig, model_name: str | None = None) -> AsyncLLM:
-        """Start the engine process, wait until its model is loaded, and start reading."""
+        """Start the engine processes, wait until all have loaded the model, and start reading."""
         client = EngineClient(config)
         try:
             ready = await client.start()
@@ -81,7 +82,10 @@ class AsyncLLM:
                                    max_model_len=ready.max_model_len, limits=limits,
                                    scheduling_policy=config.scheduling_policy)
         llm = cls(client, processor, OutputProcessor(tokenizer),
-                  ServerMetrics(model_name or config.model))
+                  ServerMetrics(model_name or config.model,
+                                num_engines=config.data_parallel_size))
+        for i, engine in enumerate(client.engines):  # the cache size is known before any step
+            llm.metrics.set_engine_stats(i, {"num_blocks": engine.ready.num_kv_blocks})
         llm._output_task = asyncio.create_task(llm._output_loop())
         return llm
 
@@ -98,7 +102,8 @@ class AsyncLLM:
         return self.dead_error is None
 
     def on_dead(self, callback: Callable[[], None]) -> None:
-        """Call `callback` once when the engine process dies."""
+        """Call `callback` once when an engine process dies (which ends every engine's requests:
+        the server stops, as vLLM's does)."""
         self._on_dead.append(callback)
 
     async def shutdown(self) -> None:
@@ -116,9 +121,10 @@ class AsyncLLM:
     def admitting(self, n: int, num_prompts: int = 1):
         """Admission control around a request's preprocessing: raises OverloadedError (a 503
         with Retry-After at the edge) when its n choices per prompt would put more requests in
-        the engine than it runs plus --max-waiting-requests. Requests being preprocessed count as
-        in flight, so a burst cannot slip past the bound while it tokenizes. (An n above --max-n
-        is a 400 from preprocessing; it is not an overload.)"""
+        the engines than they run (--max-num-seqs each) plus --max-waiting-requests (for the
+        server, not per engine). Requests being preprocessed count as in flight, so a burst
+        cannot slip past the bound while it tokenizes. (An n above --max-n is a 400 from
+        preprocessing; it is not an overload.)"""
         if self.refusing is not None:
             raise self.refusing
         num_choices = min(n, self.processor.limits.max_n) * num_prompts
@@ -126,7 +132,8 @@ class AsyncLLM:
         if self.max_in_flight is not None and busy + num_choices > self.max_in_flight:
             raise OverloadedError(
                 f"the server is at capacity ({busy} requests in flight, at most "
-                f"{self.max_in_flight}: --max-num-seqs plus --max-waiting-requests); retry later")
+                f"{self.max_in_flight}: --max-num-seqs per engine plus --max-waiting-requests); "
+                "retry later")
         self._num_admitting += num_choices
         try:
             yield
@@ -173,7 +180,8 @@ class AsyncLLM:
         """Stop a request (all its choices) and free its KV blocks in the engine."""
         child_ids = self.output_processor.abort(request_id)
         if child_ids:
-            self.metrics.record_aborted(len(child_ids))
+            engine = self.client.owner(child_ids[0])
+            self.metrics.record_aborted(len(child_ids), 0 if engine is None else engine)
             try:
                 self.client.abort_requests(child_ids)
             except Exception:  # the engine is gone; nothing holds the blocks any more
@@ -183,16 +191,16 @@ class AsyncLLM:
     async def _output_loop(self) -> None:
         try:
             while True:
-                outputs = await self.client.get_outputs()
+                engine, outputs = await self.client.get_outputs()
                 if outputs.stats is not None:
-                    self.metrics.engine_stats = outputs.stats
+                    self.metrics.set_engine_stats(engine, outputs.stats)
                 if outputs.outputs:
                     stats = IterationStats()
                     changed, to_abort = self.output_processor.process(outputs.outputs, stats)
                     if to_abort:
                         self.client.abort_requests(to_abort)
                     try:
-                        self.metrics.record(stats)
+                        self.metrics.record(stats, engine)
                     except Exception:  # metrics must never stop the loop that serves everyone
                         logger.exception("recording metrics failed")
                     for state in changed:

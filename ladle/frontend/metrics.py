@@ -75,180 +75,183 @@ _PHASES = {
 
 
 class ServerMetrics:
-    """Prometheus metrics of one server; its own registry, so several can live in a process."""
+    """Prometheus metrics of one server; its own registry, so several can live in a process.
+    Every series carries an `engine` label (as vLLM's do): the engine gauges and counters are
+    each engine's own, and a request's latencies and token counts go to the engine that served
+    it (the one whose outputs carried its tokens)."""
 
-    def __init__(self, model_name: str, max_model_len: int = 131072):
+    def __init__(self, model_name: str, max_model_len: int = 131072, num_engines: int = 1):
         self.registry = CollectorRegistry()
-        labels = {"model_name": model_name}
-        self.labels = labels
-        names = ["model_name"]
-
-        def counter(name, doc, extra=()):
-            return Counter(name, doc, [*names, *extra], registry=self.registry)
-
-        def histogram(name, doc, buckets):
-            return Histogram(name, doc, names, buckets=buckets, registry=self.registry).labels(
-                **labels)
-
-        self.request_success = counter("ladle:request_success", "Finished requests (choices), "
-                                       "by finish reason.", ["finished_reason"])
-        for reason in ("stop", "length", "abort", "error"):  # every series exists from the start
-            self.request_success.labels(finished_reason=reason, **labels)
-        self.prompt_tokens = counter("ladle:prompt_tokens", "Prefilled prompt tokens.").labels(
-            **labels)
-        self.generation_tokens = counter("ladle:generation_tokens",
-                                         "Generated tokens.").labels(**labels)
-        self.ttft = histogram("ladle:time_to_first_token_seconds",
-                              "Arrival to first output token.", _TTFT_BUCKETS)
-        self.itl = histogram("ladle:inter_token_latency_seconds",
-                             "Time between two output tokens of a choice.", _ITL_BUCKETS)
-        self.e2e = histogram("ladle:e2e_request_latency_seconds",
-                             "Arrival to the last output token.", _E2E_BUCKETS)
-        self.phases = {k: histogram(name, doc, _PHASE_BUCKETS)
-                       for k, (name, doc) in _PHASES.items()}
+        self.model_name = model_name
+        names = ["model_name", "engine"]
         tokens = _buckets_1_2_5(max_model_len)
-        self.prompt_len = histogram("ladle:request_prompt_tokens",
-                                    "Prompt tokens of a finished request.", tokens)
-        self.generation_len = histogram("ladle:request_generation_tokens",
-                                        "Generated tokens of a finished choice.", tokens)
-        self.max_tokens = histogram("ladle:request_params_max_tokens",
-                                    "max_tokens of a finished choice.", tokens)
-        self.n = histogram("ladle:request_params_n", "n of a finished request.",
-                           (1, 2, 5, 10, 20))
-        self._engine_stats: dict = {}
-        self.num_generation_tokens = 0  # since start, for the periodic log line
+        success = Counter("ladle:request_success", "Finished requests (choices), by finish "
+                          "reason.", [*names, "finished_reason"], registry=self.registry)
+        counters = {key: Counter(name, doc, names, registry=self.registry) for key, name, doc in (
+            ("prompt_tokens", "ladle:prompt_tokens", "Prefilled prompt tokens."),
+            ("generation_tokens", "ladle:generation_tokens", "Generated tokens."),
+        )}
+        histograms = {key: Histogram(name, doc, names, buckets=buckets, registry=self.registry)
+                      for key, name, doc, buckets in (
+            ("ttft", "ladle:time_to_first_token_seconds", "Arrival to first output token.",
+             _TTFT_BUCKETS),
+            ("itl", "ladle:inter_token_latency_seconds",
+             "Time between two output tokens of a choice.", _ITL_BUCKETS),
+            ("e2e", "ladle:e2e_request_latency_seconds", "Arrival to the last output token.",
+             _E2E_BUCKETS),
+            *((kind, name, doc, _PHASE_BUCKETS) for kind, (name, doc) in _PHASES.items()),
+            ("prompt_len", "ladle:request_prompt_tokens", "Prompt tokens of a finished request.",
+             tokens),
+            ("generation_len", "ladle:request_generation_tokens",
+             "Generated tokens of a finished choice.", tokens),
+            ("max_tokens", "ladle:request_params_max_tokens", "max_tokens of a finished choice.",
+             tokens),
+            ("n", "ladle:request_params_n", "n of a finished request.", (1, 2, 5, 10, 20)),
+        )}
+        self.engines = [_EngineSeries(model_name, str(i), success, counters, histograms)
+                        for i in range(num_engines)]
+        # Each engine's last EngineCore.stats() (gauges and counters since start).
+        self.engine_stats: list[dict] = [{} for _ in range(num_engines)]
+        self.num_generation_tokens = 0  # since start, all engines, for the periodic log line
         self.registry.register(_EngineStatsCollector(self))
 
-    @property
-    def engine_stats(self) -> dict:
-        """The engine's last EngineCore.stats() (gauges and counters since start)."""
-        return self._engine_stats
-
-    @engine_stats.setter
-    def engine_stats(self, stats: dict) -> None:
+    def set_engine_stats(self, engine: int, stats: dict) -> None:
         # Phase times come once (the engine drains them into each stats message): observe them.
+        series = self.engines[engine]
         for kind, values in (stats.get("latencies") or {}).items():
             for v in values:
-                self.phases[kind].observe(v)
-        self._engine_stats = stats
+                series.histograms[kind].observe(v)
+        self.engine_stats[engine] = stats
 
-    def record(self, stats: IterationStats) -> None:
+    def record(self, stats: IterationStats, engine: int = 0) -> None:
+        """One batch of outputs from `engine`."""
+        series = self.engines[engine]
+        h = series.histograms
         if stats.num_prompt_tokens:
-            self.prompt_tokens.inc(stats.num_prompt_tokens)
+            series.prompt_tokens.inc(stats.num_prompt_tokens)
         if stats.num_generation_tokens:
-            self.generation_tokens.inc(stats.num_generation_tokens)
+            series.generation_tokens.inc(stats.num_generation_tokens)
             self.num_generation_tokens += stats.num_generation_tokens
         for t in stats.ttfts:
-            self.ttft.observe(t)
+            h["ttft"].observe(t)
         for t in stats.itls:
-            self.itl.observe(t)
+            h["itl"].observe(t)
         for reason, e2e in stats.finished:
-            self.request_success.labels(finished_reason=reason, **self.labels).inc()
-            self.e2e.observe(e2e)
+            series.success[reason].inc()
+            h["e2e"].observe(e2e)
         for num_generated, max_tokens in stats.lengths:
-            self.generation_len.observe(num_generated)
+            h["generation_len"].observe(num_generated)
             if max_tokens is not None:
-                self.max_tokens.observe(max_tokens)
+                h["max_tokens"].observe(max_tokens)
         for num_prompt, n in stats.requests:
-            self.prompt_len.observe(num_prompt)
-            self.n.observe(n)
+            h["prompt_len"].observe(num_prompt)
+            h["n"].observe(n)
 
-    def record_aborted(self, num_choices: int) -> None:
+    def record_aborted(self, num_choices: int, engine: int = 0) -> None:
         """Requests the client left (disconnects): counted, not timed."""
-        self.request_success.labels(finished_reason="abort", **self.labels).inc(num_choices)
+        self.engines[engine].success["abort"].inc(num_choices)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
+class _EngineSeries:
+    """The API-side series of one engine (its label values bound once)."""
+
+    def __init__(self, model_name: str, engine: str, success: Counter,
+                 counters: dict[str, Counter], histograms: dict[str, Histogram]):
+        labels = {"model_name": model_name, "engine": engine}
+        # every finish reason's series exists from the start
+        self.success = {reason: success.labels(finished_reason=reason, **labels)
+                        for reason in ("stop", "length", "abort", "error")}
+        self.prompt_tokens = counters["prompt_tokens"].labels(**labels)
+        self.generation_tokens = counters["generation_tokens"].labels(**labels)
+        self.histograms = {key: h.labels(**labels) for key, h in histograms.items()}
+
+
+_G, _C = GaugeMetricFamily, CounterMetricFamily
+# The engines' own series: (name, doc, key in EngineCore.stats(), family).
+_ENGINE_SERIES = (
+    ("ladle:num_requests_running", "Requests in the running batch.", "num_running", _G),
+    ("ladle:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting", _G),
+    ("ladle:kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (1 = full).",
+     "kv_cache_usage", _G),
+    ("ladle:num_used_kv_blocks", "KV-cache blocks held by requests.", "num_used_blocks", _G),
+    ("ladle:num_kv_blocks", "KV-cache blocks in total.", "num_blocks", _G),
+    ("ladle:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+     "prefix_cache_queries", _C),
+    ("ladle:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits",
+     _C),
+    ("ladle:num_preemptions", "Requests preempted (KV blocks freed, recomputed later).",
+     "num_preemptions", _C),
+    ("ladle:grammar_compiles", "Structured-output grammars compiled.", "grammar_compiles", _C),
+    ("ladle:grammar_cache_hits", "Structured-output requests that reused a compiled grammar.",
+     "grammar_cache_hits", _C),
+    ("ladle:grammar_compile_seconds", "Time spent compiling grammars.",
+     "grammar_compile_seconds", _C),
+    ("ladle:grammar_bitmask_seconds", "Time spent filling grammar bitmasks.",
+     "grammar_bitmask_seconds", _C),
+    ("ladle:engine_failed_runs", "Batches whose run raised (then re-run in halves to find the "
+     "request at fault).", "failed_runs", _C),
+    ("ladle:engine_failed_requests", "Requests ended by an exception only they caused.",
+     "failed_requests", _C),
+    # Structured-output compiles: cache behaviour, timeouts, compiles nobody waits for.
+    ("ladle:grammar_cache_misses", "Structured-output requests that started a compile.",
+     "grammar_cache_misses", _C),
+    ("ladle:grammar_cache_evictions", "Compiled grammars evicted from the cache to keep it "
+     "within --structured-outputs-cache-bytes.", "grammar_cache_evictions", _C),
+    ("ladle:grammar_compile_timeouts", "Requests failed because their grammar did not compile "
+     "within --structured-outputs-compile-timeout.", "grammar_compile_timeouts", _C),
+    ("ladle:grammar_cache_bytes", "Bytes of compiled grammars in the cache.",
+     "grammar_cache_bytes", _G),
+    ("ladle:grammar_compiles_abandoned", "Compiles still running that no request waits for "
+     "(timed out or aborted); they hold no worker slot.", "grammar_compiles_abandoned", _G),
+)
+# vLLM's spec_decode series (with ladle's prefix), when the engine speculates.
+_SPEC_SERIES = (
+    ("ladle:spec_decode_num_drafts", "Request steps that carried speculative drafts.",
+     "spec_decode_num_drafts"),
+    ("ladle:spec_decode_num_draft_tokens", "Draft tokens proposed.",
+     "spec_decode_num_draft_tokens"),
+    ("ladle:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+     "spec_decode_num_accepted_tokens"),
+)
+
+
 class _EngineStatsCollector:
-    """Exposes the engine process's last EngineCore.stats() at scrape time."""
+    """Exposes each engine process's last EngineCore.stats() at scrape time, one sample per
+    engine."""
 
     def __init__(self, metrics: ServerMetrics):
         self.metrics = metrics
 
     def collect(self):
-        s = self.metrics.engine_stats
-        lv = [self.metrics.labels["model_name"]]
-        gauges = (
-            ("ladle:num_requests_running", "Requests in the running batch.", "num_running"),
-            ("ladle:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
-            ("ladle:kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests "
-             "(1 = full).", "kv_cache_usage"),
-            ("ladle:num_used_kv_blocks", "KV-cache blocks held by requests.", "num_used_blocks"),
-            ("ladle:num_kv_blocks", "KV-cache blocks in total.", "num_blocks"),
-        )
-        for name, doc, key in gauges:
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric(lv, float(s.get(key, 0)))
-            yield g
-        queries, hits = s.get("prefix_cache_queries", 0), s.get("prefix_cache_hits", 0)
-        for name, doc, value in (
-            ("ladle:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries),
-            ("ladle:prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits),
-            ("ladle:num_preemptions", "Requests preempted (KV blocks freed, recomputed later).",
-             s.get("num_preemptions", 0)),
-            ("ladle:grammar_compiles", "Structured-output grammars compiled.",
-             s.get("grammar_compiles", 0)),
-            ("ladle:grammar_cache_hits", "Structured-output requests that reused a compiled "
-             "grammar.", s.get("grammar_cache_hits", 0)),
-            ("ladle:grammar_compile_seconds", "Time spent compiling grammars.",
-             s.get("grammar_compile_seconds", 0.0)),
-            ("ladle:grammar_bitmask_seconds", "Time spent filling grammar bitmasks.",
-             s.get("grammar_bitmask_seconds", 0.0)),
-            ("ladle:engine_failed_runs", "Batches whose run raised (then re-run in halves to "
-             "find the request at fault).", s.get("failed_runs", 0)),
-            ("ladle:engine_failed_requests", "Requests ended by an exception only they caused.",
-             s.get("failed_requests", 0)),
-        ):
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric(lv, float(value))
-            yield c
-        # Structured-output compiles: cache behaviour, timeouts, compiles nobody waits for.
-        for name, doc, key, family in (
-            ("ladle:grammar_cache_misses", "Structured-output requests that started a compile.",
-             "grammar_cache_misses", CounterMetricFamily),
-            ("ladle:grammar_cache_evictions", "Compiled grammars evicted from the cache to keep "
-             "it within --structured-outputs-cache-bytes.", "grammar_cache_evictions",
-             CounterMetricFamily),
-            ("ladle:grammar_compile_timeouts", "Requests failed because their grammar did not "
-             "compile within --structured-outputs-compile-timeout.", "grammar_compile_timeouts",
-             CounterMetricFamily),
-            ("ladle:grammar_cache_bytes", "Bytes of compiled grammars in the cache.",
-             "grammar_cache_bytes", GaugeMetricFamily),
-            ("ladle:grammar_compiles_abandoned", "Compiles still running that no request waits "
-             "for (timed out or aborted); they hold no worker slot.",
-             "grammar_compiles_abandoned", GaugeMetricFamily),
-        ):
-            m = family(name, doc, labels=["model_name"])
-            m.add_metric(lv, float(s.get(key, 0)))
+        model = self.metrics.model_name
+        engines = [([model, str(i)], s) for i, s in enumerate(self.metrics.engine_stats)]
+        labels = ["model_name", "engine"]
+        for name, doc, key, family in _ENGINE_SERIES:
+            m = family(name, doc, labels=labels)
+            for lv, s in engines:
+                m.add_metric(lv, float(s.get(key, 0)))
             yield m
-        yield from _spec_decode_metrics(s, lv)
+        speculating = [(lv, s) for lv, s in engines if "spec_decode_num_drafts" in s]
+        if speculating:
+            for name, doc, key in _SPEC_SERIES:
+                c = CounterMetricFamily(name, doc, labels=labels)
+                for lv, s in speculating:
+                    c.add_metric(lv, float(s.get(key, 0)))
+                yield c
+            c = CounterMetricFamily("ladle:spec_decode_num_accepted_tokens_per_pos",
+                                    "Draft tokens accepted at each draft position (0 = first).",
+                                    labels=[*labels, "position"])
+            for lv, s in speculating:
+                for pos, n in enumerate(s.get("spec_decode_num_accepted_tokens_per_pos", [])):
+                    c.add_metric([*lv, str(pos)], float(n))
+            yield c
         g = GaugeMetricFamily("ladle:prefix_cache_hit_rate",
                               "Prefix-cache hits / queries since start, in tokens.",
-                              labels=["model_name"])
-        g.add_metric(lv, hits / queries if queries else 0.0)
+                              labels=labels)
+        for lv, s in engines:
+            queries = s.get("prefix_cache_queries", 0)
+            g.add_metric(lv, s.get("prefix_cache_hits", 0) / queries if queries else 0.0)
         yield g
-
-
-def _spec_decode_metrics(s: dict, lv: list[str]):
-    """vLLM's spec_decode series (with ladle's prefix), when the engine speculates."""
-    if "spec_decode_num_drafts" not in s:
-        return
-    for name, doc, key in (
-        ("ladle:spec_decode_num_drafts", "Request steps that carried speculative drafts.",
-         "spec_decode_num_drafts"),
-        ("ladle:spec_decode_num_draft_tokens", "Draft tokens proposed.",
-         "spec_decode_num_draft_tokens"),
-        ("ladle:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-         "spec_decode_num_accepted_tokens"),
-    ):
-        c = CounterMetricFamily(name, doc, labels=["model_name"])
-        c.add_metric(lv, float(s.get(key, 0)))
-        yield c
-    c = CounterMetricFamily("ladle:spec_decode_num_accepted_tokens_per_pos",
-                            "Draft tokens accepted at each draft position (0 = first).",
-                            labels=["model_name", "position"])
-    for pos, n in enumerate(s.get("spec_decode_num_accepted_tokens_per_pos", [])):
-        c.add_metric([*lv, str(pos)], float(n))
-    yield c
