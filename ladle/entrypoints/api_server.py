@@ -370,6 +370,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         reasoning_parser=(args.reasoning_parser if args.reasoning_parser in ENGINE_REASONING
                           else None),
         speculative_config=getattr(args, "speculative_config", None),
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
+        distributed_timeout=args.distributed_timeout,
     )
 
 
