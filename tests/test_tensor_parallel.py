@@ -20,6 +20,7 @@ from checkpoints import ARCHS, make_checkpoint
 from test_server import API_KEY, MODEL, RemoteServer
 
 from ladle.config import EngineConfig
+from ladle.distributed.group import WorkerGroupError
 from ladle.engine.core import EngineCore
 from ladle.llm import LLM
 from ladle.messages import EngineCoreRequest
@@ -69,6 +70,8 @@ def test_tp2_logits_tokens_and_kv_bytes_equal_tp1(arch, vocab, tmp_path):
         eng = engine(tmp_path, tp)
         try:
             results[tp] = (*greedy(eng, PROMPTS), kv_bytes(eng), eng.kv_cache.num_blocks)
+            if tp == 2 and vocab == 511:
+                assert_idle_engine_notices_a_dead_worker(eng)
         finally:
             eng.close()
     (tok1, log1, kv1, blocks1), (tok2, log2, kv2, blocks2) = results[1], results[2]
@@ -77,6 +80,20 @@ def test_tp2_logits_tokens_and_kv_bytes_equal_tp1(arch, vocab, tmp_path):
         assert a.shape == b.shape == (NUM_DECODE, vocab)
         assert (a - b).abs().max().item() <= TOL
     assert blocks2 == blocks1 and kv2 * 2 == kv1
+
+
+def assert_idle_engine_notices_a_dead_worker(eng: EngineCore):
+    """The core loop calls check_health while idle; a step after the death fails as a device
+    fault (no bisecting), not as a request's error."""
+    eng.check_health()
+    (_, proc), = eng.model_group._launcher.procs
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(30)
+    with pytest.raises(WorkerGroupError, match="rank.*1.*exited"):
+        eng.check_health()
+    eng.add_request(EngineCoreRequest("late", [1, 2, 3], SamplingParams(max_tokens=2), [], 0.0))
+    with pytest.raises(WorkerGroupError):
+        eng.step()
 
 
 def test_split_that_does_not_divide_is_a_clear_startup_error(tmp_path):
@@ -164,8 +181,7 @@ def test_mixed_batch_tokens_identical_to_tp1(tp1_outputs):
 @pytest.fixture(scope="module")
 def local_ray():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+    ray.init(num_cpus=2, include_dashboard=False)  # the actors get PYTHONPATH from the engine
     yield ray
     ray.shutdown()
 

@@ -53,6 +53,8 @@ class TensorParallelModel:
         with torch.device("meta"):  # check the split before starting anything (clear error)
             model_class(hf_config, model_path)(hf_config, TPGroup(0, world_size, device, 1))
         num_threads = threads_per_rank(world_size)
+        # Restored by close(): an offline LLM shares this process with its caller.
+        self._caller_threads = torch.get_num_threads()
         torch.set_num_threads(num_threads)
         self.tp = TPGroup(0, world_size, device, timeout_s)
         self._ctx = zmq.Context()
@@ -133,6 +135,7 @@ class TensorParallelModel:
         if self._ipc_dir:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
             self._ipc_dir = None
+        torch.set_num_threads(self._caller_threads)
 
     # ---- internals --------------------------------------------------------------------------
     def _bind(self, sock: zmq.Socket, backend: str, host: str) -> str:
