@@ -15,6 +15,7 @@ import pickle
 import shutil
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -63,7 +64,7 @@ class TensorParallelModel:
         self._launcher = _RayLauncher() if backend == "ray" else _ProcessLauncher()
         host = self._launcher.host()
         self._store = dist.TCPStore(host, 0, world_size, is_master=True,
-                                    wait_for_workers=False, timeout=_seconds(startup_s))
+                                    wait_for_workers=False, timeout=timedelta(seconds=startup_s))
         try:
             specs = []
             for rank in range(1, world_size):
@@ -74,8 +75,9 @@ class TensorParallelModel:
                     rank=rank, world_size=world_size, model_path=str(model_path),
                     hf_config=hf_config, dtype=dtype, device=_rank_device(device, rank, backend),
                     store_host=host, store_port=self._store.port,
-                    control_addr=self._bind(sock, backend, host), hostname=self._launcher.
-                    worker_hostname(), timeout_s=timeout_s, startup_timeout_s=startup_s,
+                    control_addr=self._bind(sock, backend, host),
+                    hostname=self._launcher.worker_hostname(), timeout_s=timeout_s,
+                    startup_timeout_s=startup_s,
                     num_threads=num_threads, parent_pid=os.getpid()))
                 self._socks.append(sock)
             self._launcher.start(specs)
@@ -128,6 +130,7 @@ class TensorParallelModel:
                 pass
         self._launcher.stop(timeout_s=5.0)
         self.tp.close()
+        self._store = None  # the rendezvous port is free again
         for sock in self._socks:
             sock.close()
         self._socks = []
@@ -183,12 +186,6 @@ class TensorParallelModel:
                     f"tensor-parallel worker rank(s) {sorted(waiting)} not ready after "
                     f"{startup_s:g} s ({_STARTUP_FACTOR} x distributed_timeout)")
             time.sleep(0.05)
-
-
-def _seconds(s: float):
-    from datetime import timedelta
-
-    return timedelta(seconds=s)
 
 
 def _rank_device(device: torch.device, rank: int, backend: str) -> str:

@@ -78,6 +78,8 @@ def run_worker(spec: WorkerSpec) -> None:
 
     torch.set_num_threads(spec.num_threads)
     device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before NCCL binds this rank to its device
     store = dist.TCPStore(spec.store_host, spec.store_port, spec.world_size, is_master=False,
                           timeout=timedelta(seconds=spec.startup_timeout_s))
     ctx = zmq.Context()
