@@ -70,7 +70,6 @@ class TensorParallelModel:
             for rank in range(1, world_size):
                 sock = self._ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
                 specs.append(WorkerSpec(
                     rank=rank, world_size=world_size, model_path=str(model_path),
                     hf_config=hf_config, dtype=dtype, device=_rank_device(device, rank, backend),
@@ -151,13 +150,23 @@ class TensorParallelModel:
         return f"tcp://{host}:{port}"
 
     def _send(self, command: Command, payload) -> None:
+        """Queue the command for every worker. A socket refuses it only when its worker is
+        not connected (not yet, or no longer): then wait for it, but stop at once if a worker
+        has died rather than after the timeout."""
         msg = pickle.dumps((command, payload), protocol=pickle.HIGHEST_PROTOCOL)
         for rank, sock in enumerate(self._socks, start=1):
-            try:
-                sock.send(msg)
-            except zmq.Again:
-                raise WorkerGroupError(f"tensor-parallel worker rank {rank} took no command for "
-                                       f"{self.timeout_s:g} s (distributed_timeout)") from None
+            deadline = time.monotonic() + self.timeout_s
+            while True:
+                try:
+                    sock.send(msg, zmq.NOBLOCK)
+                    break
+                except zmq.Again:
+                    self.check_workers()
+                    if time.monotonic() > deadline:
+                        raise WorkerGroupError(
+                            f"tensor-parallel worker rank {rank} took no command for "
+                            f"{self.timeout_s:g} s (distributed_timeout)") from None
+                    time.sleep(0.005)
 
     @staticmethod
     def _guarded(fn, *args):
