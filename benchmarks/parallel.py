@@ -68,6 +68,9 @@ def bench_tensor_parallel(args) -> None:
                for _ in range(args.num_requests)]
     one = run_tp(path, 1, 2, prompts, args.output_len)
     two = run_tp(path, 2, 1, prompts, args.output_len)
+    # One process with one thread: separates the cost of the split from that of two OpenMP
+    # threads on contended cores (a parallel region waits for its slowest thread).
+    single = run_tp(path, 1, 1, prompts, args.output_len)
     hidden, layers = QWEN3_06B["hidden_size"], QWEN3_06B["num_hidden_layers"]
     tokens = args.num_requests * (args.prompt_len + args.output_len)
     print(f"Qwen3-0.6B shape, bf16, {args.num_requests} requests x {args.prompt_len} prompt + "
@@ -76,7 +79,10 @@ def bench_tensor_parallel(args) -> None:
           f"{one['step_ms']:7.1f} ms/step over {one['steps']} steps")
     print(f"  -tp 2 (1 thread / rank):  {two['tok_s']:7.1f} output tok/s, "
           f"{two['step_ms']:7.1f} ms/step over {two['steps']} steps")
-    print(f"  throughput ratio tp2/tp1: {two['tok_s'] / one['tok_s']:.2f}")
+    print(f"  -tp 1 (1 thread):         {single['tok_s']:7.1f} output tok/s, "
+          f"{single['step_ms']:7.1f} ms/step over {single['steps']} steps")
+    print(f"  throughput ratio tp2/tp1: {two['tok_s'] / one['tok_s']:.2f} (2 threads), "
+          f"{two['tok_s'] / single['tok_s']:.2f} (1 thread)")
     print(f"  -tp 2 all-reduces per step: {two['ar_per_step']:.0f}, "
           f"{two['ar_bytes_per_step'] / 2**10:.1f} KiB, {two['ar_ms_per_step']:.2f} ms "
           f"({100 * two['ar_ms_per_step'] / two['step_ms']:.0f}% of the step; -tp 1: none)")
