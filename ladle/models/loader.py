@@ -192,13 +192,13 @@ def _read_slice(f, name: str, part: tuple[int, int, int]) -> torch.Tensor:
     dim, start, length = part
     view = f.get_slice(name)
     size = view.get_shape()[dim]
-    end = min(start + length, size)
-    tensor = view[start:end] if dim == 0 else view[:, start:end]
+    start, end = min(start, size), min(start + length, size)  # a slice wholly past the end
+    tensor = view[start:end] if dim == 0 else view[:, start:end]  # is empty, then all padding
     if end - start < length:
         if dim != 0:
             raise ModelLoadError(f"weight {name}: {size} columns, too few to split")
-        pad = tensor.new_zeros((length - max(end - start, 0), *tensor.shape[1:]))
-        tensor = torch.cat([tensor, pad]) if end > start else pad
+        tensor = torch.cat([tensor, tensor.new_zeros((length - (end - start),
+                                                      *tensor.shape[1:]))])
     return tensor
 
 
