@@ -12,6 +12,7 @@ from ladle.sampling_params import DEFAULT_MAX_N, INT64_MAX, INT64_MIN
 from ladle.spec_decode.config import SpeculativeConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+DISTRIBUTED_BACKENDS = ("mp", "ray")
 
 
 @dataclass(slots=True)
@@ -52,6 +53,13 @@ class EngineConfig:
     # Engine-core processes behind one API process (`ladle serve` only; each a full engine with
     # its own KV cache sized as configured).
     data_parallel_size: int = 1
+    # Tensor parallelism (docs/scaling.md): ranks that each hold 1/N of every layer; rank 0 is
+    # the engine process, ranks 1..N-1 are workers started by the executor backend.
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"  # mp (local processes) | ray (actors, multi-node)
+    # Seconds one collective (or one command to a worker) may take before the engine gives up
+    # on the group and stops; startup (workers loading their shards) gets ten times as long.
+    distributed_timeout: float = 60.0
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
@@ -85,6 +93,16 @@ class EngineConfig:
             raise ValueError(f"structured_outputs_cache_bytes: must be an integer >= 0, got "
                              f"{self.structured_outputs_cache_bytes!r}")
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be an integer >= 1, got "
+                             f"{self.tensor_parallel_size!r}")
+        if self.distributed_executor_backend not in DISTRIBUTED_BACKENDS:
+            raise ValueError(f"distributed_executor_backend: {self.distributed_executor_backend!r}"
+                             "; accepted: " + ", ".join(DISTRIBUTED_BACKENDS))
+        timeout = self.distributed_timeout
+        if not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
+            raise ValueError(f"distributed_timeout: must be a positive number of seconds, got "
+                             f"{timeout!r}")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

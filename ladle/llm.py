@@ -37,6 +37,11 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (a no-op with one rank); the LLM is unusable after.
+        Workers also stop when this process exits."""
+        self.engine.close()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -1,5 +1,6 @@
-"""Imports go one way: the engine side (engine/, runner/, sample/, structured_output/, models/)
-never imports the HTTP layer (FastAPI, protocol/, entrypoints/) or the text frontend."""
+"""Imports go one way: the engine side (engine/, runner/, sample/, structured_output/, models/,
+distributed/) never imports the HTTP layer (FastAPI, protocol/, entrypoints/) or the text
+frontend."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "ladle"
-ENGINE_SIDE = ("engine", "runner", "sample", "structured_output", "models")
+ENGINE_SIDE = ("engine", "runner", "sample", "structured_output", "models", "distributed")
 FORBIDDEN = ("fastapi", "uvicorn", "starlette", "pydantic", "ladle.protocol", "ladle.entrypoints",
              "ladle.frontend", "ladle.parsers")
 ALLOWED = {("engine", "core_proc.py")}  # the engine process's own loop: zmq, never HTTP

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -45,8 +47,11 @@ class RemoteServer:
         self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.log_file = tempfile.NamedTemporaryFile("w+", prefix="ladle-serve-", suffix=".log",
                                                     delete=False)
+        # LADLE_TEST_SERVE_ARGS (e.g. "-tp 2") runs every server test module against another
+        # engine layout: the same matrix, another configuration.
+        extra = shlex.split(os.environ.get("LADLE_TEST_SERVE_ARGS", ""))
         cmd = [sys.executable, "-m", "ladle.entrypoints.cli", "serve",
-               *([model] if model else []), "--port", str(self.port), *args]
+               *([model] if model else []), "--port", str(self.port), *args, *extra]
         self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout

@@ -17,6 +17,7 @@ from ladle.config import (
     kv_cache_bytes,
     kv_cache_bytes_from_utilization,
 )
+from ladle.distributed.group import WorkerGroupError
 from ladle.engine.kv_cache_manager import KVCacheManager
 from ladle.engine.request import FinishReason, Request, RequestStatus
 from ladle.engine.scheduler import Scheduler, SchedulerOutput
@@ -40,7 +41,22 @@ class EngineCore:
         hf_config = read_hf_config(self.model_path)
         self.dtype = resolve_dtype(config.dtype, hf_config, device)
         torch.manual_seed(config.seed)
-        model = load_model(self.model_path, hf_config, self.dtype, device)
+        self.model_group = None  # rank 0's driver of the TP workers when tensor_parallel_size > 1
+        if config.tensor_parallel_size > 1:
+            from ladle.distributed.executor import TensorParallelModel
+
+            model = self.model_group = TensorParallelModel(
+                self.model_path, hf_config, self.dtype, device, config.tensor_parallel_size,
+                config.distributed_executor_backend, config.distributed_timeout)
+        else:
+            model = load_model(self.model_path, hf_config, self.dtype, device)
+        try:
+            self._init_rest(config, model, device, hf_config, keep_logits)
+        except BaseException:
+            self.close()
+            raise
+
+    def _init_rest(self, config, model, device, hf_config, keep_logits) -> None:
         mcfg = model.config
         self.vocab_size = mcfg.vocab_size
         self.limits = RequestLimits(self.vocab_size, config.max_logprobs, config.max_n)
@@ -53,7 +69,7 @@ class EngineCore:
                 f"max_position_embeddings ({mcfg.max_position_embeddings})"
             )
         bs = config.block_size
-        per_block = ModelRunner.kv_bytes_per_block(mcfg, self.dtype, bs)
+        per_block = ModelRunner.kv_bytes_per_block(mcfg, self.dtype, bs, model.num_local_kv_heads)
         needed = per_block * -(-self.max_model_len // bs) * config.max_num_seqs
         if config.num_kv_blocks is None and config.kv_cache_memory is None and \
                 config.gpu_memory_utilization is not None:
@@ -77,6 +93,8 @@ class EngineCore:
                 "lower max_model_len"
             )
         self.kv_cache = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        if self.model_group is not None:
+            self.model_group.init_kv_cache(num_blocks, bs)  # every rank: the same blocks
         spec = config.speculative_config
         proposer = None if spec is None else NgramProposer(
             spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
@@ -115,6 +133,18 @@ class EngineCore:
         self.last_req_ids: list[str] = []
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, bs,
                     num_blocks * per_block / 2**20)
+
+    def check_health(self) -> None:
+        """Raises WorkerGroupError when a tensor-parallel worker is gone (the engine must
+        stop); a no-op on one rank."""
+        if self.model_group is not None:
+            self.model_group.check_workers()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any. The engine cannot step afterwards."""
+        if self.model_group is not None:
+            self.model_group.close()
+            self.model_group = None
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -401,7 +431,10 @@ class EngineCore:
 
 def is_device_fault(e: BaseException) -> bool:
     """An error after which the device's state is unknown (a CUDA fault, an illegal address, a
-    device-side assert): the engine must stop. Anything else is a request's problem."""
+    device-side assert), or a tensor-parallel group that lost a rank or a collective: the
+    engine must stop. Anything else is a request's problem."""
+    if isinstance(e, WorkerGroupError):
+        return True
     accelerator_error = getattr(torch, "AcceleratorError", None)
     if accelerator_error is not None and isinstance(e, accelerator_error):
         return True

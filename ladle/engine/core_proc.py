@@ -81,7 +81,10 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
         model_path=str(engine.model_path), num_kv_blocks=engine.kv_cache.num_blocks,
         block_size=config.block_size, pid=os.getpid(),
     )))
-    EngineCoreLoop(engine, in_sock, out_sock).run()
+    try:
+        EngineCoreLoop(engine, in_sock, out_sock).run()
+    finally:
+        engine.close()  # tensor-parallel workers stop with the engine, whatever ended it
 
 
 class EngineCoreLoop:
@@ -108,6 +111,7 @@ class EngineCoreLoop:
                     if os.getppid() != self.parent_pid:
                         logger.info("API process exited; engine core stopping")
                         return
+                    engine.check_health()  # a dead TP worker ends the engine even when idle
             self._drain_input()
             outputs = engine.step() if engine.has_unfinished_requests() else []
             if outputs or self.errors:

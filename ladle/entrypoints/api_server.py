@@ -371,6 +371,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           else None),
         speculative_config=getattr(args, "speculative_config", None),
         data_parallel_size=args.data_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
+        distributed_timeout=args.distributed_timeout,
     )
 
 

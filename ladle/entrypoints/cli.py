@@ -172,12 +172,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("DeviceConfig")
     g.add_argument("--device", default=_DEFAULTS.device, help="auto, cpu, cuda, cuda:1, ...")
 
-    g = p.add_argument_group("ParallelConfig")
+    g = p.add_argument_group("ParallelConfig", "docs/scaling.md")
     g.add_argument("--data-parallel-size", "-dp", type=_positive_int,
                    default=_DEFAULTS.data_parallel_size,
                    help="engine-core processes behind the one API process, each a full engine "
                         "with its own KV cache; requests go to the least loaded (README: "
                         '"Data parallel")')
+    g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int,
+                   default=_DEFAULTS.tensor_parallel_size,
+                   help="ranks that each hold 1/N of every layer (one process per rank)")
+    g.add_argument("--distributed-executor-backend", choices=["mp", "ray"],
+                   default=_DEFAULTS.distributed_executor_backend,
+                   help="how tensor-parallel workers start: mp (processes on this host) or ray "
+                        "(actors on a Ray cluster: RAY_ADDRESS, `ray start`, or a local one)")
+    g.add_argument("--distributed-timeout", type=float, default=_DEFAULTS.distributed_timeout,
+                   help="seconds a collective may take before the engine stops (startup: 10x)")
 
     g = p.add_argument_group("CacheConfig", "the KV cache")
     g.add_argument("--block-size", type=int, default=_DEFAULTS.block_size)

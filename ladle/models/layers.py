@@ -6,11 +6,16 @@ apply and their pure-torch twins elsewhere."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ladle.runner import cpu_kernels
+
+if TYPE_CHECKING:
+    from ladle.distributed.group import TPGroup
 
 
 class RMSNorm(nn.Module):
@@ -78,12 +83,35 @@ class RotaryEmbedding(nn.Module):
 class GatedMLP(nn.Module):
     """SwiGLU MLP with gate and up projections fused into one matmul."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False,
+                 tp: TPGroup | None = None):
+        """Tensor-parallel: `intermediate` is this rank's slice (gate/up column-parallel, down
+        row-parallel, one all-reduce)."""
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.gate_up_proj
         h = cpu_kernels.silu_mul(cpu_kernels.linear(x, p.weight, p.bias))
-        return cpu_kernels.linear(h, self.down_proj.weight, self.down_proj.bias)
+        if self.tp is None:
+            return cpu_kernels.linear(h, self.down_proj.weight, self.down_proj.bias)
+        y = self.tp.all_reduce(cpu_kernels.linear(h, self.down_proj.weight, None))
+        return y if self.down_proj.bias is None else y + self.down_proj.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + num_local) of the (padded) embedding matrix. A token outside the
+    slice looks up zeros here, so the all-reduce sum is exactly the one rank's row."""
+
+    def __init__(self, num_local: int, hidden: int, start: int, tp: TPGroup):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_local, hidden))
+        self.num_local, self.start, self.tp = num_local, start, tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.num_local)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)  # (T, hidden)
+        return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))

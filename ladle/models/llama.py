@@ -6,13 +6,17 @@ into sequences through the AttentionMetadata that the model runner builds once p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from ladle.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from ladle.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
 from ladle.runner.attention import AttentionMetadata, paged_attention
 from ladle.runner.cpu_kernels import linear
+
+if TYPE_CHECKING:
+    from ladle.distributed.group import TPGroup
 
 
 @dataclass(slots=True)
@@ -63,12 +67,54 @@ class DecoderConfig:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class ShardLayout:
+    """What one tensor-parallel rank holds: its q heads, its KV heads (replicated when there
+    are fewer KV heads than ranks), its slice of the MLP and of the (padded) vocabulary."""
+
+    rank: int
+    world_size: int
+    num_heads: int  # q heads on this rank
+    num_kv_heads: int  # KV heads on this rank (its KV cache holds only these)
+    kv_head_start: int  # index of its first KV head in the checkpoint
+    intermediate_size: int
+    vocab_per_rank: int  # ceil(vocab / world_size): the last rank's slice is zero-padded
+
+
+def shard_layout(cfg: DecoderConfig, rank: int, world_size: int) -> ShardLayout:
+    """Split the model over `world_size` ranks, or say which dimension does not divide.
+    KV heads replicate (as in vLLM) when world_size is a multiple of num_key_value_heads; the
+    vocabulary is padded to a multiple of world_size (padded logits are dropped on rank 0)."""
+    heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
+    if heads % world_size:
+        raise ValueError(f"tensor_parallel_size: {world_size} does not divide the model's "
+                         f"num_attention_heads ({heads}); use a divisor of it")
+    if kv_heads % world_size and world_size % kv_heads:
+        raise ValueError(f"tensor_parallel_size: {world_size} neither divides the model's "
+                         f"num_key_value_heads ({kv_heads}) nor is a multiple of it (KV heads "
+                         "are split, or replicated when there are fewer than ranks)")
+    if cfg.intermediate_size % world_size:
+        raise ValueError(f"tensor_parallel_size: {world_size} does not divide the model's "
+                         f"intermediate_size ({cfg.intermediate_size})")
+    if kv_heads >= world_size:
+        num_kv = kv_heads // world_size
+        kv_start = rank * num_kv
+    else:  # each KV head is held by world_size // kv_heads consecutive ranks
+        num_kv, kv_start = 1, rank // (world_size // kv_heads)
+    return ShardLayout(rank, world_size, heads // world_size, num_kv, kv_start,
+                       cfg.intermediate_size // world_size, -(-cfg.vocab_size // world_size))
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, layout: ShardLayout | None = None,
+                 tp: TPGroup | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        if layout is not None:  # column-parallel q/k/v: this rank's heads only
+            self.num_heads, self.num_kv_heads = layout.num_heads, layout.num_kv_heads
+        self.tp = tp
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         # q, k and v share one matmul; the loader writes the three checkpoint tensors into slices.
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
@@ -88,16 +134,22 @@ class Attention(nn.Module):
         else:
             q, k = rotary(positions, q, k)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # (T, H, D)
-        return linear(out.reshape(T, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        if self.tp is None:
+            return linear(out.reshape(T, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        # Row-parallel: each rank's heads give a partial sum; the bias is added once, after it.
+        y = self.tp.all_reduce(linear(out.reshape(T, self.q_size), self.o_proj.weight, None))
+        return y if self.o_proj.bias is None else y + self.o_proj.bias
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, layout: ShardLayout | None = None,
+                 tp: TPGroup | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layout, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        intermediate = cfg.intermediate_size if layout is None else layout.intermediate_size
+        self.mlp = GatedMLP(cfg.hidden_size, intermediate, bias=cfg.mlp_bias, tp=tp)
 
     def forward(self, x, residual, positions, rotary, meta, kv_cache):
         """Returns (this layer's MLP output, the residual stream before it). The residual add is
@@ -113,9 +165,13 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    """With `tp`, this process's shard of the model for rank tp.rank (ShardLayout says which);
+    forward then all-reduces inside, and compute_logits returns the full logits on rank 0 only.
+    Without it, the whole model and no distributed code at all."""
+
     switches: dict = {}
 
-    def __init__(self, hf_config: dict):
+    def __init__(self, hf_config: dict, tp: TPGroup | None = None):
         super().__init__()
         if hf_config.get("mlp_bias") or hf_config.get("attention_bias"):
             switches = {**self.switches, "mlp_bias": bool(hf_config.get("mlp_bias"))}
@@ -124,8 +180,18 @@ class LlamaForCausalLM(nn.Module):
         else:
             switches = dict(self.switches)
         cfg = self.config = DecoderConfig.from_hf(hf_config, **switches)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.tp = tp
+        self.layout = None if tp is None else shard_layout(cfg, tp.rank, tp.world_size)
+        lay = self.layout
+        # The heads this process's KV cache holds (the model runner sizes the cache with it).
+        self.num_local_kv_heads = cfg.num_kv_heads if lay is None else lay.num_kv_heads
+        num_vocab = cfg.vocab_size if lay is None else lay.vocab_per_rank
+        if lay is None:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(num_vocab, cfg.hidden_size,
+                                                       lay.rank * num_vocab, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, lay, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
@@ -133,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head = None  # the embedding matrix doubles as the output projection
         else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, num_vocab, bias=False)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         """input_ids, positions: (T,). Returns final hidden states (T, hidden)."""
@@ -142,11 +208,19 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, positions, self.rotary, meta, kv_cache)
         return self.norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: (N, hidden) for the positions that sample; the head is the most expensive
-        matmul, so it runs only on those rows, never on every prompt token."""
+    def compute_logits(self, hidden: torch.Tensor,
+                       indices: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Logits (N, vocab) at rows `indices` of hidden (T, hidden), or at every row; the head
+        is the most expensive matmul, so it runs only on the positions that sample, never on
+        every prompt token. Tensor-parallel: each rank computes its vocabulary slice and rank 0
+        gets them joined (other ranks get None)."""
+        if indices is not None:
+            hidden = hidden[indices]
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight)
+        logits = linear(hidden, weight)
+        if self.tp is None:
+            return logits
+        return self.tp.gather_vocab(logits, self.config.vocab_size)
 
     # Checkpoint names that map into a fused parameter: name fragment -> (fused, shard index).
     stacked = {
@@ -158,7 +232,32 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def shard_sizes(self, fused: str) -> list[int]:
-        cfg = self.config
+        """Rows of each checkpoint tensor inside fused parameter `fused` (this rank's part)."""
+        cfg, lay = self.config, self.layout
+        heads, kv_heads = (cfg.num_heads, cfg.num_kv_heads) if lay is None else \
+            (lay.num_heads, lay.num_kv_heads)
         if fused == "qkv_proj":
-            return [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
-        return [cfg.intermediate_size] * 2
+            return [heads * cfg.head_dim] + [kv_heads * cfg.head_dim] * 2
+        return [cfg.intermediate_size if lay is None else lay.intermediate_size] * 2
+
+    def checkpoint_slice(self, pname: str, shard: int | None) -> tuple[int, int, int] | None:
+        """The part (dim, start, length) of the checkpoint tensor loaded into parameter `pname`
+        (its `shard` for a fused one) that this rank holds; None: all of it. A slice past the
+        end of the vocabulary is zero-padded by the loader."""
+        lay = self.layout
+        if lay is None:
+            return None
+        module, kind = pname.rsplit(".", 2)[-2:]
+        d = self.config.head_dim
+        if module == "qkv_proj":
+            if shard == 0:
+                return 0, lay.rank * lay.num_heads * d, lay.num_heads * d
+            return 0, lay.kv_head_start * d, lay.num_kv_heads * d
+        if module == "gate_up_proj":
+            return 0, lay.rank * lay.intermediate_size, lay.intermediate_size
+        if kind == "weight" and module in ("o_proj", "down_proj"):  # row-parallel: input dim
+            n = lay.num_heads * d if module == "o_proj" else lay.intermediate_size
+            return 1, lay.rank * n, n
+        if module in ("embed_tokens", "lm_head"):
+            return 0, lay.rank * lay.vocab_per_rank, lay.vocab_per_rank
+        return None

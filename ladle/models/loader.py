@@ -94,10 +94,13 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: dict, device: torch.devic
     return names[dtype]
 
 
-def load_model(path: Path, hf_config: dict, dtype: torch.dtype, device: torch.device):
+def load_model(path: Path, hf_config: dict, dtype: torch.dtype, device: torch.device,
+               tp=None):
+    """The model, or with `tp` (a TPGroup) this rank's shard of it: each rank reads only its
+    slices of the checkpoint tensors."""
     cls = model_class(hf_config, path)
     with torch.device("meta"):
-        model = cls(hf_config)
+        model = cls(hf_config, tp)
     model = model.to_empty(device=device).to(dtype)
     # Buffers (rotary tables) were created on meta: rebuild them on the real device.
     cfg = model.config
@@ -140,7 +143,8 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
                     if target is None:
                         continue
                     pname, shard = target
-                    tensor = f.get_tensor(name)
+                    part = model.checkpoint_slice(pname, shard)
+                    tensor = f.get_tensor(name) if part is None else _read_slice(f, name, part)
                     param = params[pname]
                     if shard is None:
                         _copy(param, tensor, name)
@@ -180,6 +184,22 @@ def _target(name: str, model, params: dict) -> tuple[str, int | None] | None:
     if name in params:
         return name, None
     return None  # tensors of heads ladle does not run (e.g. mtp layers) are skipped
+
+
+def _read_slice(f, name: str, part: tuple[int, int, int]) -> torch.Tensor:
+    """Rows (dim 0) or columns (dim 1) [start, start + length) of tensor `name`, read without
+    loading the rest; rows past the end (the padded vocabulary) are zeros."""
+    dim, start, length = part
+    view = f.get_slice(name)
+    size = view.get_shape()[dim]
+    start, end = min(start, size), min(start + length, size)  # a slice wholly past the end
+    tensor = view[start:end] if dim == 0 else view[:, start:end]  # is empty, then all padding
+    if end - start < length:
+        if dim != 0:
+            raise ModelLoadError(f"weight {name}: {size} columns, too few to split")
+        tensor = torch.cat([tensor, tensor.new_zeros((length - (end - start),
+                                                      *tensor.shape[1:]))])
+    return tensor
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

@@ -69,13 +69,8 @@ class ModelRunner:
         cfg = model.config
         self.vocab_size = cfg.vocab_size
         dtype = next(model.parameters()).dtype
-        # One (k, v) pair per layer, each (num_blocks, KVH, block_size, D).
-        shape = (num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(cfg.num_layers)
-        ]
+        self.kv_caches = allocate_kv_caches(cfg, model.num_local_kv_heads, num_blocks,
+                                            block_size, dtype, device)
         self.max_num_seqs = max_num_seqs
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
@@ -103,10 +98,14 @@ class ModelRunner:
         self.sampling_metadata: SamplingMetadata | None = None
 
     @staticmethod
-    def kv_bytes_per_block(model_config, dtype: torch.dtype, block_size: int) -> int:
+    def kv_bytes_per_block(model_config, dtype: torch.dtype, block_size: int,
+                           num_kv_heads: int | None = None) -> int:
+        """Bytes of one block over all layers; `num_kv_heads`: the heads this process holds
+        (a tensor-parallel rank's share), default all of the model's."""
         c = model_config
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * elem
+        heads = c.num_kv_heads if num_kv_heads is None else num_kv_heads
+        return 2 * c.num_layers * block_size * heads * c.head_dim * elem
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv_blocks: dict[str, list[int]],
@@ -154,7 +153,7 @@ class ModelRunner:
             self.kv_caches,
         )
         last = ends - 1 - num_drafts  # each row's last known token: it samples the next one
-        logits = self.model.compute_logits(hidden[torch.from_numpy(last).to(self.device)])
+        logits = self.model.compute_logits(hidden, torch.from_numpy(last).to(self.device))
         self._keep_verify_logits(hidden, last, num_drafts)
         kept = logits.float().clone() if self.keep_logits else None
         if mask_job is not None:
@@ -185,7 +184,8 @@ class ModelRunner:
             return
         rows = np.nonzero(num_drafts)[0]
         flat = np.concatenate([np.arange(last[r] + 1, last[r] + 1 + num_drafts[r]) for r in rows])
-        self.verify_logits = self.model.compute_logits(hidden[torch.from_numpy(flat).to(self.device)])
+        self.verify_logits = self.model.compute_logits(hidden,
+                                                       torch.from_numpy(flat).to(self.device))
         self.verify_start = np.full(len(last), -1, dtype=np.int64)
         self.verify_start[rows] = np.cumsum(num_drafts[rows]) - num_drafts[rows]
 
@@ -237,7 +237,7 @@ class ModelRunner:
             if k is None or e <= s:
                 continue
             flat = torch.arange(int(starts[row]), int(starts[row]) + e - s, device=self.device)
-            lps = torch.log_softmax(self.model.compute_logits(hidden[flat]).float(), dim=-1)
+            lps = torch.log_softmax(self.model.compute_logits(hidden, flat).float(), dim=-1)
             targets = torch.tensor(req.prompt_token_ids[s + 1 : e + 1], device=self.device)
             target_vals = lps.gather(1, targets[:, None])[:, 0]
             ranks = (lps > target_vals[:, None]).sum(-1) + 1
@@ -273,3 +273,12 @@ class ModelRunner:
         self.input_batch.append_tokens(rows, token_ids)
         self.sampler.accept(torch.from_numpy(rows).to(self.device),
                             torch.from_numpy(token_ids).to(self.device))
+
+
+def allocate_kv_caches(model_config, num_kv_heads: int, num_blocks: int, block_size: int,
+                       dtype: torch.dtype, device: torch.device) -> list[tuple]:
+    """One (k, v) pair per layer, each (num_blocks, num_kv_heads, block_size, D); zeros."""
+    shape = (num_blocks, num_kv_heads, block_size, model_config.head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device),
+             torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(model_config.num_layers)]

@@ -1,0 +1,321 @@
+"""Rank 0's side of tensor parallelism: starts the worker ranks (`mp`: spawned processes; `ray`:
+actors in a placement group), and gives the model runner a model whose calls run rank 0's shard
+while driving the workers through the same call, in lockstep.
+
+Per step the runner makes one forward call and one to three compute_logits calls; each becomes
+one command to every worker (the step's inputs travel with FORWARD, already flat tensors), and
+the collectives inside the model do the rest. Sampling stays on rank 0: ranks cannot diverge,
+because a sampled token reaches the workers only as the next step's input id."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from ladle.distributed.group import TPGroup, WorkerGroupError
+from ladle.distributed.worker import Command, WorkerSpec, move, run_worker
+from ladle.models.loader import load_model, model_class
+
+logger = logging.getLogger("ladle.distributed.executor")
+
+# Startup (workers importing torch and reading their shards) may take this many times the
+# per-collective timeout.
+_STARTUP_FACTOR = 10
+
+
+def threads_per_rank(world_size: int) -> int:
+    """Each rank's torch threads: the cores split evenly, unless OMP_NUM_THREADS says."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    return max(1, len(os.sched_getaffinity(0)) // world_size)
+
+
+class TensorParallelModel:
+    """What the model runner sees on rank 0 when tensor_parallel_size > 1: the model's
+    interface (forward, compute_logits, config, parameters), backed by rank 0's shard and the
+    worker ranks. Any failure inside a call is a WorkerGroupError: after one, the ranks may be
+    at different collectives, so the engine must stop, not retry."""
+
+    def __init__(self, model_path: Path, hf_config: dict, dtype: torch.dtype,
+                 device: torch.device, world_size: int, backend: str, timeout_s: float):
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        startup_s = timeout_s * _STARTUP_FACTOR
+        with torch.device("meta"):  # check the split before starting anything (clear error)
+            model_class(hf_config, model_path)(hf_config, TPGroup(0, world_size, device, 1))
+        num_threads = threads_per_rank(world_size)
+        # Restored by close(): an offline LLM shares this process with its caller.
+        self._caller_threads = torch.get_num_threads()
+        torch.set_num_threads(num_threads)
+        self.tp = TPGroup(0, world_size, device, timeout_s)
+        self._ctx = zmq.Context()
+        self._socks: list[zmq.Socket] = []
+        self._ipc_dir: str | None = None
+        self._launcher = _RayLauncher() if backend == "ray" else _ProcessLauncher()
+        host = self._launcher.host()
+        self._store = dist.TCPStore(host, 0, world_size, is_master=True,
+                                    wait_for_workers=False, timeout=timedelta(seconds=startup_s))
+        try:
+            specs = []
+            for rank in range(1, world_size):
+                sock = self._ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                specs.append(WorkerSpec(
+                    rank=rank, world_size=world_size, model_path=str(model_path),
+                    hf_config=hf_config, dtype=dtype, device=_rank_device(device, rank, backend),
+                    store_host=host, store_port=self._store.port,
+                    control_addr=self._bind(sock, backend, host),
+                    hostname=self._launcher.worker_hostname(), timeout_s=timeout_s,
+                    startup_timeout_s=startup_s,
+                    num_threads=num_threads, parent_pid=os.getpid()))
+                self._socks.append(sock)
+            self._launcher.start(specs)
+            self.model = load_model(model_path, hf_config, dtype, device, self.tp)
+            self._wait_ready(startup_s)
+            self.tp.connect(self._store, host)
+        except BaseException:
+            self.close()
+            raise
+        self.config = self.model.config
+        self.num_local_kv_heads = self.model.num_local_kv_heads
+        logger.info("tensor parallel: %d ranks (%s backend), %d torch threads each",
+                    world_size, backend, num_threads)
+
+    # ---- the model's interface --------------------------------------------------------------
+    def parameters(self):
+        return self.model.parameters()
+
+    def state_dict(self):
+        return self.model.state_dict()
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Rank 0 sized the cache; every worker allocates the same number of blocks."""
+        self._send(Command.KV_CACHE, (num_blocks, block_size))
+
+    def __call__(self, input_ids, positions, meta, kv_caches) -> torch.Tensor:
+        cpu = torch.device("cpu")
+        self._send(Command.FORWARD, (input_ids.to(cpu), positions.to(cpu), move(meta, cpu)))
+        return self._guarded(self.model, input_ids, positions, meta, kv_caches)
+
+    def compute_logits(self, hidden, indices=None) -> torch.Tensor:
+        self._send(Command.LOGITS, None if indices is None else indices.to("cpu"))
+        return self._guarded(self.model.compute_logits, hidden, indices)
+
+    # ---- health and shutdown ----------------------------------------------------------------
+    def check_workers(self) -> None:
+        """Raise WorkerGroupError when a worker has exited (the engine loop calls this while
+        idle, so a dead worker ends the engine even with no step to fail)."""
+        dead = self._launcher.dead_ranks()
+        if dead:
+            raise WorkerGroupError(f"tensor-parallel worker rank(s) {dead} exited; the engine "
+                                   "cannot run the model without them")
+
+    def close(self) -> None:
+        """Stop the workers (asked first, then killed), leave the group, free the sockets."""
+        for sock in self._socks:
+            try:
+                sock.send(pickle.dumps((Command.SHUTDOWN, None)), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        self._launcher.stop(timeout_s=5.0)
+        self.tp.close()
+        self._store = None  # the rendezvous port is free again
+        for sock in self._socks:
+            sock.close()
+        self._socks = []
+        self._ctx.term()
+        if self._ipc_dir:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = None
+        torch.set_num_threads(self._caller_threads)
+
+    # ---- internals --------------------------------------------------------------------------
+    def _bind(self, sock: zmq.Socket, backend: str, host: str) -> str:
+        if backend == "mp":  # local only: a socket file in a private directory
+            self._ipc_dir = self._ipc_dir or tempfile.mkdtemp(prefix="ladle-tp-")
+            addr = f"ipc://{self._ipc_dir}/rank{len(self._socks) + 1}"
+            sock.bind(addr)
+            return addr
+        port = sock.bind_to_random_port(f"tcp://{host}")
+        return f"tcp://{host}:{port}"
+
+    def _send(self, command: Command, payload) -> None:
+        """Queue the command for every worker. A socket refuses it only when its worker is
+        not connected (not yet, or no longer): then wait for it, but stop at once if a worker
+        has died rather than after the timeout."""
+        msg = pickle.dumps((command, payload), protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, sock in enumerate(self._socks, start=1):
+            deadline = time.monotonic() + self.timeout_s
+            while True:
+                try:
+                    sock.send(msg, zmq.NOBLOCK)
+                    break
+                except zmq.Again:
+                    self.check_workers()
+                    if time.monotonic() > deadline:
+                        raise WorkerGroupError(
+                            f"tensor-parallel worker rank {rank} took no command for "
+                            f"{self.timeout_s:g} s (distributed_timeout)") from None
+                    time.sleep(0.005)
+
+    @staticmethod
+    def _guarded(fn, *args):
+        try:
+            return fn(*args)
+        except WorkerGroupError:
+            raise
+        except Exception as e:  # the workers may be inside a collective rank 0 never reaches
+            raise WorkerGroupError(f"rank 0 failed inside the tensor-parallel model: "
+                                   f"{type(e).__name__}: {e}") from e
+
+    def _wait_ready(self, startup_s: float) -> None:
+        deadline = time.monotonic() + startup_s
+        waiting = set(range(1, self.world_size))
+        while waiting:
+            for rank in sorted(waiting):
+                if self._store.check([f"error/{rank}"]):
+                    error = self._store.get(f"error/{rank}").decode()
+                    raise WorkerGroupError(f"tensor-parallel worker rank {rank} failed to "
+                                           f"start: {error}")
+                if self._store.check([f"ready/{rank}"]):
+                    waiting.discard(rank)
+            self.check_workers()
+            if waiting and time.monotonic() > deadline:
+                raise WorkerGroupError(
+                    f"tensor-parallel worker rank(s) {sorted(waiting)} not ready after "
+                    f"{startup_s:g} s ({_STARTUP_FACTOR} x distributed_timeout)")
+            time.sleep(0.05)
+
+
+def _rank_device(device: torch.device, rank: int, backend: str) -> str:
+    """CPU ranks share the host; CUDA ranks get one device each (Ray already gives each actor
+    its own GPU as cuda:0)."""
+    if device.type != "cuda":
+        return str(device)
+    return "cuda:0" if backend == "ray" else f"cuda:{rank}"
+
+
+class _ProcessLauncher:
+    """`mp`: workers are spawned children of the engine process, on this host. They watch
+    their parent and exit when it is gone; daemonic, so a normal exit also ends them."""
+
+    def __init__(self):
+        self.procs = []
+
+    def host(self) -> str:
+        return "127.0.0.1"
+
+    def worker_hostname(self) -> str:
+        return "127.0.0.1"
+
+    def start(self, specs: list[WorkerSpec]) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")  # never fork a process holding threads
+        for spec in specs:
+            proc = ctx.Process(target=run_worker, args=(spec,), daemon=True,
+                               name=f"ladle-tp-rank{spec.rank}")
+            proc.start()
+            self.procs.append((spec.rank, proc))
+
+    def pids(self) -> list[int]:
+        return [proc.pid for _, proc in self.procs]
+
+    def dead_ranks(self) -> list[int]:
+        return [rank for rank, proc in self.procs if proc.exitcode is not None]
+
+    def stop(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for _, proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(5)
+        self.procs = []
+
+
+class _RayWorker:
+    """The Ray actor body: one worker rank; `run` holds the actor until the worker exits."""
+
+    def run(self, spec: WorkerSpec) -> None:
+        import ray
+
+        spec.hostname = ray.util.get_node_ip_address()
+        spec.parent_pid = 0  # not our parent: Ray ends the actor when its owner dies
+        run_worker(spec)
+
+
+class _RayLauncher:
+    """`ray`: workers are actors in a placement group (one bundle per worker rank), on any
+    node of the Ray cluster: a running one (RAY_ADDRESS, or `ray start` on this host), else a
+    local instance started here. Rank 0 stays in the engine process, on this node."""
+
+    def __init__(self):
+        try:
+            import ray
+        except ImportError as e:
+            raise ValueError("distributed_executor_backend: 'ray' needs the ray package "
+                             "(pip install 'ladle[ray]'); or use 'mp' on one host") from e
+        self.ray = ray
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
+                     log_to_driver=True)
+        self.actors, self.refs, self.group = [], [], None
+
+    def host(self) -> str:
+        return self.ray.util.get_node_ip_address()
+
+    def worker_hostname(self) -> None:
+        return None  # each actor asks Ray for its own node's address
+
+    def start(self, specs: list[WorkerSpec]) -> None:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        uses_gpu = specs[0].device.startswith("cuda")
+        bundle = {"GPU": 1} if uses_gpu else {"CPU": 1}
+        self.group = placement_group([bundle] * len(specs), strategy="PACK")
+        self.ray.get(self.group.ready(), timeout=specs[0].startup_timeout_s)
+        actor_cls = self.ray.remote(_RayWorker)
+        for i, spec in enumerate(specs):
+            actor = actor_cls.options(
+                num_cpus=0 if uses_gpu else 1, num_gpus=1 if uses_gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.group, placement_group_bundle_index=i),
+                runtime_env={"env_vars": _worker_env()},
+            ).remote()
+            self.actors.append((spec.rank, actor))
+            self.refs.append(actor.run.remote(spec))
+
+    def dead_ranks(self) -> list[int]:
+        done, _ = self.ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return [rank for (rank, _), ref in zip(self.actors, self.refs, strict=True)
+                if ref in done]
+
+    def stop(self, timeout_s: float) -> None:
+        if self.refs:
+            self.ray.wait(self.refs, num_returns=len(self.refs), timeout=timeout_s)
+        for _, actor in self.actors:
+            self.ray.kill(actor)
+        if self.group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.group)
+        self.actors, self.refs, self.group = [], [], None
+
+
+def _worker_env() -> dict[str, str]:
+    """What a Ray actor must share with the engine process to import and run the same ladle
+    (a source checkout on PYTHONPATH, ladle's own settings)."""
+    return {k: v for k, v in os.environ.items()
+            if k == "PYTHONPATH" or k.startswith("LADLE_")}

@@ -1,0 +1,138 @@
+"""A tensor-parallel worker (ranks 1..N-1): loads its shard of the model and runs it on the
+commands rank 0 sends, one at a time and in order, so every rank's collectives line up.
+It never schedules or samples; what it needs from a step arrives with the FORWARD command."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from ladle.distributed.group import TPGroup
+
+logger = logging.getLogger("ladle.distributed.worker")
+
+# How often an idle worker checks that rank 0 (its parent process) is still there.
+_IDLE_POLL_MS = 1000
+
+
+class Command(IntEnum):
+    """Rank 0 -> worker. The payload follows in the same pickled tuple."""
+
+    KV_CACHE = 0  # (num_blocks, block_size): allocate this rank's KV cache
+    FORWARD = 1  # (input_ids, positions, AttentionMetadata), all on CPU: run the shard
+    LOGITS = 2  # indices (or None) into the last FORWARD's hidden states: join the gather
+    SHUTDOWN = 3  # leave the loop and the group
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    """Everything a worker needs to start; pickled into the new process or Ray actor."""
+
+    rank: int
+    world_size: int
+    model_path: str
+    hf_config: dict
+    dtype: torch.dtype
+    device: str
+    store_host: str  # rank 0's TCPStore: rendezvous, then the ready / error handshake
+    store_port: int
+    control_addr: str  # ZMQ address rank 0's PUSH socket for this rank is bound to
+    hostname: str | None  # interface gloo binds to; None: ask Ray for this node's address
+    timeout_s: float  # per collective
+    startup_timeout_s: float
+    num_threads: int
+    parent_pid: int = 0  # mp: exit when rank 0 (the parent) is gone; Ray kills its own actors
+
+
+def move(obj, device: torch.device):
+    """obj (a tensor, or an attention-metadata dataclass holding tensors, lists of them, None
+    or ints) with every tensor on `device`; a no-op when they already are."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, list):
+        return [move(o, device) for o in obj]
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.replace(obj, **{f.name: move(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj)})
+    return obj
+
+
+def run_worker(spec: WorkerSpec) -> None:
+    """The worker process (or Ray actor call) from start to exit. An exception ends it; rank 0
+    sees that as a failed collective or a dead worker and stops the engine."""
+    logging.basicConfig(level=os.environ.get("LADLE_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s %(levelname)s [tp rank {spec.rank}] %(name)s: "
+                               "%(message)s")
+    from datetime import timedelta
+
+    from ladle.models.loader import load_model  # torch and the model: only once started
+
+    torch.set_num_threads(spec.num_threads)
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before NCCL binds this rank to its device
+    store = dist.TCPStore(spec.store_host, spec.store_port, spec.world_size, is_master=False,
+                          timeout=timedelta(seconds=spec.startup_timeout_s))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        if device.type == "cpu":
+            from ladle.runner.cpu_kernels import load_cpu_kernels
+
+            load_cpu_kernels()
+        tp = TPGroup(spec.rank, spec.world_size, device, spec.timeout_s)
+        model = load_model(Path(spec.model_path), spec.hf_config, spec.dtype, device, tp)
+        sock.connect(spec.control_addr)
+    except Exception as e:
+        logger.exception("tensor-parallel worker failed to start")
+        store.set(f"error/{spec.rank}", f"{type(e).__name__}: {e}")
+        raise
+    store.set(f"ready/{spec.rank}", "1")
+    tp.connect(store, spec.hostname)
+    logger.info("tensor-parallel rank %d of %d ready (pid %d)", spec.rank, spec.world_size,
+                os.getpid())
+    try:
+        _serve(model, tp, sock, spec, device)
+    finally:
+        tp.close()
+        sock.close()
+        ctx.term()
+
+
+@torch.inference_mode()
+def _serve(model, tp: TPGroup, sock: zmq.Socket, spec: WorkerSpec, device: torch.device) -> None:
+    from ladle.runner.model_runner import allocate_kv_caches
+
+    kv_caches, hidden = None, None
+    while True:
+        if not sock.poll(_IDLE_POLL_MS):
+            if spec.parent_pid and os.getppid() != spec.parent_pid:
+                logger.info("rank 0 is gone; worker stopping")
+                return
+            continue
+        command, payload = pickle.loads(sock.recv())
+        if command == Command.FORWARD:
+            input_ids, positions, meta = payload
+            hidden = model(input_ids.to(device), positions.to(device), move(meta, device),
+                           kv_caches)
+        elif command == Command.LOGITS:
+            model.compute_logits(hidden, None if payload is None else payload.to(device))
+        elif command == Command.KV_CACHE:
+            num_blocks, block_size = payload
+            kv_caches = allocate_kv_caches(model.config, model.num_local_kv_heads, num_blocks,
+                                           block_size, spec.dtype, device)
+        elif command == Command.SHUTDOWN:
+            return
+        else:
+            raise RuntimeError(f"unknown tensor-parallel command {command!r}")
+
