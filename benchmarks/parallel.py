@@ -5,7 +5,9 @@ requests; throughput ratio, and rank 0's per-step all-reduce count, bytes and ti
 in TPGroup) next to the step time. On a 2-core host TP cannot speed anything up; the numbers
 say what the split costs, and docs/scaling.md turns the bytes into when TP pays elsewhere.
 
-Data parallel (--part dp): the hook `bench_data_parallel` where DP=2 against DP=1 goes.
+Data parallel (--part dp): `ladle serve --data-parallel-size 2` (half the cores per engine)
+against one engine on all cores and against one engine on half the cores, 32 concurrent
+streams (benchmarks/parallel_dp.py).
 
     python benchmarks/parallel.py [--part tp|dp|all] [--num-requests 4] [--prompt-len 128]
                                   [--output-len 32]
@@ -99,10 +101,13 @@ def bench_tensor_parallel(args) -> None:
 
 
 def bench_data_parallel(args) -> None:
-    """DP=2 against DP=1: throughput of N engines behind one API. The data-parallel engines
-    are built separately (issue 12); this is where their comparison is added."""
-    raise SystemExit("--part dp: the data-parallel comparison is not in this script yet "
-                     "(it needs --data-parallel-size); run --part tp")
+    """DP=2 against DP=1: throughput of two engine processes behind one API (half the cores
+    each) against one engine on all cores, with `ladle serve` and 32 concurrent streams
+    (benchmarks/parallel_dp.py, which also runs alone)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import parallel_dp
+
+    parallel_dp.report(parallel_dp.run_dp(args.dp_model, rounds=args.dp_rounds))
 
 
 def main() -> None:
@@ -111,6 +116,8 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--dp-model", default="tiny", help="--part dp: tiny, 0.6b, or a directory")
+    ap.add_argument("--dp-rounds", type=int, default=3, help="--part dp: passes of each layout")
     args = ap.parse_args()
     if args.part in ("tp", "all"):
         bench_tensor_parallel(args)
