@@ -6,6 +6,7 @@ checkpoints are startup errors naming the field."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -13,12 +14,13 @@ import torch
 from checkpoints import make_checkpoint
 from sampler_harness import Harness
 from test_sampler import chi_square_ok, ref_min_p, ref_top_k_top_p
-from test_speculative import LOOP, PROMPT, engine, run
+from test_speculative import ANSWER, LOOP, PROMPT, SCHEMA, engine, run
 
 from ladle.config import EngineConfig
 from ladle.llm import LLM
+from ladle.models.demo import ensure_demo_model
 from ladle.sample.rejection import DraftTest
-from ladle.sampling_params import SamplingParams
+from ladle.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 # ---- the distribution, at the sampler ---------------------------------------------------------
@@ -163,6 +165,33 @@ def test_draft_equal_to_target_accepts_every_plain_draft(ckpts):
     assert stats["spec_decode_num_draft_tokens"] > 20
     assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
     assert all(len(t) == 40 for t in got.values())
+
+
+def test_llm_with_a_draft_model_on_constraints():
+    """Through LLM(speculative_config=...) on the demo model (real tokenizer), the demo model
+    drafting for itself: greedy constrained output equals decoding without speculation; a
+    random constrained request, whose drafts ignore the grammar, still only emits what the
+    grammar allows (rejected drafts have p = 0) and repeats exactly with its seed."""
+    so = StructuredOutputsParams
+    params = [SamplingParams(temperature=0, max_tokens=30, structured_outputs=so(json=SCHEMA)),
+              SamplingParams(temperature=0.8, seed=11, max_tokens=40,
+                             structured_outputs=so(json=SCHEMA)),
+              SamplingParams(temperature=0.9, seed=12, max_tokens=20,
+                             structured_outputs=so(regex=r"(ab|cd){2,10}x"))]
+    plain = LLM("ladle-demo", dtype="float32", max_num_seqs=4)
+    want = [o.outputs[0] for o in plain.generate([ANSWER] * 3, params)]
+    del plain
+    spec = {"method": "draft_model", "model": str(ensure_demo_model()),
+            "num_speculative_tokens": 3}
+    llm = LLM("ladle-demo", dtype="float32", max_num_seqs=4, speculative_config=spec)
+    got = [o.outputs[0] for o in llm.generate([ANSWER] * 3, params)]
+    again = [o.outputs[0] for o in llm.generate([ANSWER] * 3, params)]
+    assert got[0].token_ids == want[0].token_ids
+    assert [o.token_ids for o in got] == [o.token_ids for o in again]
+    assert got[1].finish_reason == "stop" and set(json.loads(got[1].text)) == {"name", "tags"}
+    assert got[2].finish_reason == "stop" and re.fullmatch(r"(ab|cd){2,10}x", got[2].text)
+    stats = llm.engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 0
 
 
 # ---- startup errors ---------------------------------------------------------------------------

@@ -466,13 +466,13 @@ def _load_draft_model(path: str, vocab_size: int, max_model_len: int, dtype: tor
         raise ValueError(f"speculative_config.model: the draft model {path!r} has vocab_size "
                          f"{draft_vocab}, the target has {vocab_size}; the draft must use the "
                          "target's tokenizer and vocabulary")
-    model = load_model(draft_path, hf_config, dtype, device)
-    if model.config.max_position_embeddings < max_model_len:
+    positions = hf_config.get("max_position_embeddings")
+    if positions is not None and positions < max_model_len:
         raise ValueError(f"speculative_config.model: the draft model {path!r} has "
-                         f"max_position_embeddings {model.config.max_position_embeddings}, "
-                         f"below max_model_len ({max_model_len}); lower max_model_len or use a "
-                         "draft with longer positions")
-    return model
+                         f"max_position_embeddings {positions}, below max_model_len "
+                         f"({max_model_len}); lower max_model_len or use a draft with longer "
+                         "positions")
+    return load_model(draft_path, hf_config, dtype, device)
 
 
 def _eos_ids(tokenizer, model_path) -> list[int]:

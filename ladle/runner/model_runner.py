@@ -141,7 +141,8 @@ class ModelRunner:
             # slots (the scheduler's lists, shared with the requests) before the target runs.
             self.draft_proposals = self.drafter.propose(self, num_sched, num_drafts, num_computed)
             for row in np.nonzero(num_drafts)[0]:
-                drafts[reqs[row].req_id][:] = self.draft_proposals.token_ids[row, :num_drafts[row]]
+                drafts[reqs[row].req_id][:] = \
+                    self.draft_proposals.token_ids[row, :num_drafts[row]].tolist()
         for row in np.nonzero(num_drafts)[0]:
             batch.write_drafts(row, drafts[reqs[row].req_id])
 
