@@ -257,12 +257,6 @@ def test_serve_rejects_a_bad_speculative_config_before_loading():
     assert "--speculative-config: speculative_config.num_speculative_tokens" in proc.stderr
 
 
-def test_draft_model_is_not_supported_yet(tmp_path):
-    with pytest.raises(ValueError, match="draft_model.*not supported"):
-        EngineConfig(speculative_config={"method": "draft_model", "model": str(tmp_path),
-                                         "num_speculative_tokens": 2})
-
-
 # ---- constraints and text parameters on the demo model (real Qwen tokenizer) ----------------
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                             "tags": {"type": "array", "items": {"enum": ["a", "b"]},

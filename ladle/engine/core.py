@@ -26,6 +26,7 @@ from ladle.models.loader import load_model, read_hf_config, resolve_dtype, resol
 from ladle.reasoning import ReasoningConfig
 from ladle.runner.model_runner import ModelRunner, RunnerOutput
 from ladle.sampling_params import RequestLimits
+from ladle.spec_decode.draft_model import DraftModel, DraftSlots
 from ladle.spec_decode.ngram import NgramProposer
 from ladle.structured_output.manager import GrammarRejectedError, StructuredOutputManager
 from ladle.tokenizer import eos_token_ids, has_tokenizer, load_tokenizer
@@ -70,11 +71,20 @@ class EngineCore:
             )
         bs = config.block_size
         per_block = ModelRunner.kv_bytes_per_block(mcfg, self.dtype, bs, model.num_local_kv_heads)
+        spec = config.speculative_config
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            draft = _load_draft_model(spec.model, self.vocab_size, self.max_model_len,
+                                      self.dtype, device)
+            # The draft's cache has the same blocks (see spec_decode/draft_model.py): the KV
+            # memory is shared between the two caches, block for block.
+            per_block += ModelRunner.kv_bytes_per_block(draft.config, self.dtype, bs)
         needed = per_block * -(-self.max_model_len // bs) * config.max_num_seqs
         if config.num_kv_blocks is None and config.kv_cache_memory is None and \
                 config.gpu_memory_utilization is not None:
             held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                        for t in model.state_dict().values()}.values())  # tied weights once
+                        for m in (model, draft) if m is not None
+                        for t in m.state_dict().values()}.values())  # tied weights once
             num_blocks = kv_cache_bytes_from_utilization(
                 config.gpu_memory_utilization, device, held, needed) // per_block
         else:
@@ -95,9 +105,13 @@ class EngineCore:
         self.kv_cache = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
         if self.model_group is not None:
             self.model_group.init_kv_cache(num_blocks, bs)  # every rank: the same blocks
-        spec = config.speculative_config
-        proposer = None if spec is None else NgramProposer(
-            spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
+        proposer = drafter = None
+        if draft is not None:
+            proposer = DraftSlots(spec.num_speculative_tokens)
+            drafter = DraftModel(draft, device, num_blocks, bs, spec.num_speculative_tokens)
+        elif spec is not None:
+            proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
+                                     spec.num_speculative_tokens)
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
             proposer,
@@ -118,7 +132,7 @@ class EngineCore:
         self.reasoning = ReasoningConfig.from_tokenizer(config.reasoning_parser, self.tokenizer)
         self.runner = ModelRunner(model, device, num_blocks, bs, config.max_num_seqs,
                                   self.max_model_len, config.seed, keep_logits,
-                                  config.logits_processors, self.reasoning)
+                                  config.logits_processors, self.reasoning, drafter)
         eos = _eos_ids(self.tokenizer, self.model_path)
         self.structured = StructuredOutputManager(
             self.tokenizer, self.vocab_size, eos, config.structured_outputs_backend,
@@ -477,6 +491,26 @@ def _prompt_logprobs(req: Request) -> Logprobs | None:
         sampled_values=[float(v) for p in parts for v in p.target_values],
         sampled_ranks=[int(r) for p in parts for r in p.target_ranks],
     )
+
+
+def _load_draft_model(path: str, vocab_size: int, max_model_len: int, dtype: torch.dtype,
+                      device: torch.device):
+    """The draft checkpoint of the draft_model method, loaded as the target is; its vocabulary
+    must be the target's and its positions must reach max_model_len."""
+    draft_path = resolve_model_path(path)
+    hf_config = read_hf_config(draft_path)
+    draft_vocab = hf_config.get("vocab_size")
+    if draft_vocab != vocab_size:
+        raise ValueError(f"speculative_config.model: the draft model {path!r} has vocab_size "
+                         f"{draft_vocab}, the target has {vocab_size}; the draft must use the "
+                         "target's tokenizer and vocabulary")
+    positions = hf_config.get("max_position_embeddings")
+    if positions is not None and positions < max_model_len:
+        raise ValueError(f"speculative_config.model: the draft model {path!r} has "
+                         f"max_position_embeddings {positions}, below max_model_len "
+                         f"({max_model_len}); lower max_model_len or use a draft with longer "
+                         "positions")
+    return load_model(draft_path, hf_config, dtype, device)
 
 
 def _eos_ids(tokenizer, model_path) -> list[int]:

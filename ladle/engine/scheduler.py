@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from ladle.engine.kv_cache_manager import KVCacheManager
 from ladle.engine.request import Request, RequestStatus
+from ladle.spec_decode.draft_model import DraftSlots
 from ladle.spec_decode.ngram import NgramProposer
 
 
@@ -27,7 +28,8 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)  # left the batch since last step
     failed: list[Request] = field(default_factory=list)  # e.g. grammar compile errors
     # Speculative decoding: draft tokens of decoding rows, run after the row's last token and
-    # counted in num_scheduled_tokens (1 + len(drafts)).
+    # counted in num_scheduled_tokens (1 + len(drafts)). With a draft model they are reserved
+    # slots here (-1) that the model runner fills in place before the forward.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
@@ -53,7 +55,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
-        proposer: NgramProposer | None = None,
+        proposer: NgramProposer | DraftSlots | None = None,
     ):
         self.kv_cache = kv_cache
         self.proposer = proposer  # speculative decoding, when configured
@@ -164,7 +166,9 @@ class Scheduler:
                    self.max_model_len - req.num_tokens - 1)
         drafts = self.proposer.propose(req.all_token_ids, room)
         slot = req.grammar
-        if drafts and slot is not None and slot.matcher is not None and slot.reasoning_ended:
+        # (Draft-model slots are placeholders here, filled by the model runner: not checked.)
+        if drafts and drafts[0] >= 0 and slot is not None and slot.matcher is not None \
+                and slot.reasoning_ended:
             # Only an optimisation: a rejected draft could never be sampled (the bitmask of its
             # position forbids it), so verifying it would be wasted work.
             drafts = slot.matcher.validate_tokens(drafts)

@@ -218,7 +218,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("SpeculativeConfig")
     g.add_argument("--speculative-config", type=_speculative_config, default=None,
-                   help='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 3}')
+                   help='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 3} or '
+                        '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}')
 
     g = p.add_argument_group("Limits and overload", 'README: "Limits and errors"')
     g.add_argument("--max-n", type=int, default=_DEFAULTS.max_n,

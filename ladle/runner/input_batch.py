@@ -43,10 +43,14 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int64)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # Tokens whose KV the draft model has written (speculative decoding with a draft model;
+        # positions past the known tokens may hold rejected drafts: see DraftModel.propose).
+        self.num_draft_computed = np.zeros(max_num_reqs, dtype=np.int64)
         self.columns = {name: np.zeros(max_num_reqs, dtype=dt)
                         for name, (dt, _) in SAMPLING_COLUMNS.items()}
         self._row_arrays = [self.token_ids, self.num_tokens, self.num_prompt_tokens,
-                            self.block_table, self.num_blocks, *self.columns.values()]
+                            self.block_table, self.num_blocks, self.num_draft_computed,
+                            *self.columns.values()]
 
     @property
     def req_ids(self) -> list[str]:
@@ -99,6 +103,9 @@ class InputBatch:
         self.num_tokens[row] = n
         self.num_prompt_tokens[row] = req.num_prompt_tokens
         self.num_blocks[row] = 0
+        # A new row's computed tokens are prefix-cache hits (or none): blocks the draft model
+        # wrote too, since it runs on every token the target runs on.
+        self.num_draft_computed[row] = req.num_computed_tokens
         for name, (_, get) in SAMPLING_COLUMNS.items():
             self.columns[name][row] = get(req.sampling_params)
 

@@ -10,7 +10,9 @@ Speculative decoding: a row with d draft tokens runs its last token plus the dra
 forward, and logits are kept at all 1 + d positions. execute() samples the first position as
 always; the engine then calls sample_verify() once per further position, for the rows whose
 earlier drafts were all accepted, so every position is sampled by the same sampler with the
-state (penalty counts, processors' output lists, grammar) as of the tokens accepted before it."""
+state (penalty counts, processors' output lists, grammar) as of the tokens accepted before it.
+With a draft model (spec_decode/draft_model.py), execute() first lets it catch up and fill the
+draft slots, and random rows test its tokens by rejection sampling at each position."""
 
 from __future__ import annotations
 
@@ -27,7 +29,9 @@ from ladle.runner.input_batch import InputBatch
 from ladle.sample.logits_processors.custom import load_custom_processors
 from ladle.sample.logits_processors.interface import ProcessorConfig
 from ladle.sample.metadata import SamplingMetadata
+from ladle.sample.rejection import DraftTest
 from ladle.sample.sampler import LogprobsTensors, Sampler
+from ladle.spec_decode.draft_model import DraftModel, DraftProposals
 from ladle.structured_output.manager import StructuredOutputManager, apply_bitmask
 
 
@@ -57,8 +61,10 @@ class ModelRunner:
     def __init__(self, model, device: torch.device, num_blocks: int, block_size: int,
                  max_num_seqs: int, max_model_len: int, seed: int, keep_logits: bool = False,
                  logits_processors: list[str] | None = None,
-                 reasoning: ReasoningConfig | None = None):
+                 reasoning: ReasoningConfig | None = None, drafter: DraftModel | None = None):
         self.model = model
+        self.drafter = drafter  # speculative decoding's draft model, when configured
+        self.draft_proposals: DraftProposals | None = None  # of the current step
         self.device = device
         if device.type == "cpu":
             # Build (or load) the CPU kernels now, so the engine reports ready only when its
@@ -125,33 +131,27 @@ class ModelRunner:
         for row, req in enumerate(reqs):
             batch.set_blocks(row, kv_blocks[req.req_id])
             if req.req_id in drafts:
-                batch.write_drafts(row, drafts[req.req_id])
                 num_drafts[row] = len(drafts[req.req_id])
         num_sched = np.array([sched.num_scheduled_tokens[r.req_id] for r in reqs], dtype=np.int64)
         num_computed = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
+        self.draft_proposals = None
+        if self.drafter is not None:
+            # The draft model catches up on this step's tokens and fills the reserved draft
+            # slots (the scheduler's lists, shared with the requests) before the target runs.
+            self.draft_proposals = self.drafter.propose(self, num_sched, num_drafts, num_computed)
+            for row in np.nonzero(num_drafts)[0]:
+                drafts[reqs[row].req_id][:] = \
+                    self.draft_proposals.token_ids[row, :num_drafts[row]].tolist()
+        for row in np.nonzero(num_drafts)[0]:
+            batch.write_drafts(row, drafts[reqs[row].req_id])
 
         # Flat token layout: row r contributes num_sched[r] tokens starting at num_computed[r].
-        ends = np.cumsum(num_sched)
-        starts = ends - num_sched
-        T = int(ends[-1])
-        row_of = np.repeat(np.arange(R), num_sched)
-        pos = num_computed[row_of] + (np.arange(T) - starts[row_of])
-        input_ids = batch.token_ids[row_of, pos]
-        bs = self.block_size
-        attn = AttentionMetadata(
-            slot_blocks=torch.from_numpy(batch.block_table[row_of, pos // bs]).to(self.device),
-            slot_offsets=torch.from_numpy(pos % bs).to(self.device),
-            **self._attention_layout(num_sched, num_computed, starts),
-        )
+        input_ids, pos, attn, starts, ends = self.flat_inputs(np.arange(R), num_sched,
+                                                              num_computed)
         # Grammar bitmasks are filled in a worker thread while the forward runs.
         samples_output = (num_computed + num_sched >= batch.num_tokens[:R]).tolist()
         mask_job = structured.submit_bitmask(reqs, samples_output) if structured else None
-        hidden = self.model(
-            torch.from_numpy(input_ids).to(self.device),
-            torch.from_numpy(pos).to(self.device),
-            attn,
-            self.kv_caches,
-        )
+        hidden = self.model(input_ids, pos, attn, self.kv_caches)
         last = ends - 1 - num_drafts  # each row's last known token: it samples the next one
         logits = self.model.compute_logits(hidden, torch.from_numpy(last).to(self.device))
         self._keep_verify_logits(hidden, last, num_drafts)
@@ -162,7 +162,7 @@ class ModelRunner:
         output_positions = torch.from_numpy(
             batch.num_tokens[:R] - batch.num_prompt_tokens[:R]
         ).to(self.device)
-        out = self.sampler(logits, meta, output_positions)
+        out = self.sampler(logits, meta, output_positions, draft=self._draft_test(0))
         lp = out.logprobs
         if lp is not None:
             lp = LogprobsTensors(lp.token_ids.cpu(), lp.values.cpu(), lp.sampled_values.cpu(),
@@ -212,7 +212,8 @@ class ModelRunner:
         output_positions = torch.from_numpy(
             batch.num_tokens[:R] - batch.num_prompt_tokens[:R]
         ).to(self.device)
-        out = self.sampler(logits, meta, output_positions, verify=True)
+        out = self.sampler(logits, meta, output_positions, verify=True,
+                           draft=self._draft_test(position, rows))
         lp = out.logprobs
         if lp is not None:
             lp = LogprobsTensors(lp.token_ids.cpu(), lp.values.cpu(), lp.sampled_values.cpu(),
@@ -246,7 +247,28 @@ class ModelRunner:
                                              target_vals.cpu().numpy(), ranks.cpu().numpy())
         return out
 
-    def _attention_layout(self, num_sched, num_computed, starts) -> dict:
+    def flat_inputs(self, rows: np.ndarray, num_new: np.ndarray, start: np.ndarray):
+        """The flat token stream where batch row rows[i] contributes num_new[i] of its tokens
+        from position start[i]: input ids and positions (device tensors), attention metadata,
+        and each row's [start, end) in the stream (numpy). The draft model builds its inputs
+        here too (same block table)."""
+        batch = self.input_batch
+        ends = np.cumsum(num_new)
+        starts = ends - num_new
+        T = int(ends[-1])
+        local = np.repeat(np.arange(len(rows)), num_new)
+        row_of = rows[local]
+        pos = start[local] + (np.arange(T) - starts[local])
+        bs = self.block_size
+        attn = AttentionMetadata(
+            slot_blocks=torch.from_numpy(batch.block_table[row_of, pos // bs]).to(self.device),
+            slot_offsets=torch.from_numpy(pos % bs).to(self.device),
+            **self._attention_layout(rows, num_new, start, starts),
+        )
+        return (torch.from_numpy(batch.token_ids[row_of, pos]).to(self.device),
+                torch.from_numpy(pos).to(self.device), attn, starts, ends)
+
+    def _attention_layout(self, batch_rows, num_sched, num_computed, starts) -> dict:
         """Decode rows attend in one batched call; each prefill chunk in its own."""
         ctx = num_computed + num_sched
         bs = self.block_size
@@ -257,15 +279,22 @@ class ModelRunner:
             num_blocks = -(-int(ctx[rows].max()) // bs)
             decode = DecodeBatch(
                 rows=torch.from_numpy(starts[rows]).to(self.device),
-                block_table=torch.from_numpy(table[rows, :num_blocks]).to(self.device),
+                block_table=torch.from_numpy(table[batch_rows[rows], :num_blocks]).to(self.device),
                 ctx_lens=torch.from_numpy(ctx[rows]).to(self.device),
             )
         prefills = [
             build_prefill(int(starts[r]), int(num_sched[r]), int(ctx[r]),
-                          torch.from_numpy(table[r, : -(-int(ctx[r]) // bs)]), bs, self.device)
+                          torch.from_numpy(table[batch_rows[r], : -(-int(ctx[r]) // bs)]), bs,
+                          self.device)
             for r in np.nonzero(num_sched > 1)[0]
         ]
         return {"decode": decode, "prefills": prefills}
+
+    def _draft_test(self, position: int, rows: list[int] | None = None) -> DraftTest | None:
+        """The draft-model tokens to test by rejection sampling at draft `position` (random rows
+        with a draft there; among `rows` when given). None without a draft model."""
+        proposals = self.draft_proposals
+        return None if proposals is None else proposals.test(position, rows, self.device)
 
     @torch.inference_mode()
     def accept_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:

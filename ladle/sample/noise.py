@@ -6,7 +6,12 @@ any batch, after preemption and across restarts, with no per-request generator a
 
 Hash: murmur3's 32-bit finaliser on int32 tensors (multiplication wraps, logical shifts are
 arithmetic shifts masked). The per-step (rows, vocab) work runs in place in reused buffers: at
-full vocabulary every fresh allocation would cost a page-faulting pass of its own."""
+full vocabulary every fresh allocation would cost a page-faulting pass of its own.
+
+Streams: speculative decoding with a draft model needs draws that are independent of the token
+draw at the same (seed, position): the draft's own sample, the accept test and the residual
+draw. Each gets its own stream, a salt mixed into the row key; stream 0 is the token draw and is
+keyed exactly as without streams."""
 
 from __future__ import annotations
 
@@ -20,6 +25,12 @@ def _signed(x: int) -> int:
 
 
 _C1, _C2 = _signed(0x85EBCA6B), _signed(0xC2B2AE35)
+
+# Noise streams (see the module docstring); the value is the salt of the row key.
+TOKEN_STREAM = 0
+DRAFT_STREAM = 0x3C6EF372  # the draft model's sample of a draft token
+ACCEPT_STREAM = 0xA54FF53A  # the uniform of a draft token's accept test
+RESIDUAL_STREAM = 0x510E527F  # the draw from the residual after a rejection
 
 
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
@@ -54,10 +65,13 @@ class SeededNoise:
         self.token_key = _to_int32(_fmix32((j * 0x9E3779B1) & _M32))  # (V,) int32
         self._bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    def row_keys(self, seeds: torch.Tensor, positions: torch.Tensor):
-        """Two 32-bit keys per row (int32) from the 64-bit seed and the output position."""
+    def row_keys(self, seeds: torch.Tensor, positions: torch.Tensor, stream: int = TOKEN_STREAM):
+        """Two 32-bit keys per row (int32) from the 64-bit seed, the output position and the
+        stream."""
         lo, hi = seeds & _M32, (seeds >> 32) & _M32
         k1 = _fmix32(lo ^ _fmix32(hi ^ 0x5BD1E995))
+        if stream != TOKEN_STREAM:
+            k1 = _fmix32(k1 ^ stream)
         k2 = _fmix32(k1 ^ ((positions * 0x27D4EB2F + 0x165667B1) & _M32))
         return _to_int32(k1), _to_int32(k2)
 
@@ -71,12 +85,13 @@ class SeededNoise:
         return tuple(b[:n].view(shape) for b in self._bufs)
 
     def exponential(self, seeds: torch.Tensor, positions: torch.Tensor,
-                    token_ids: torch.Tensor | None = None) -> torch.Tensor:
+                    token_ids: torch.Tensor | None = None,
+                    stream: int = TOKEN_STREAM) -> torch.Tensor:
         """(R,) seeds and output positions -> (R, V) float32 Exp(1) noise, or (R, K) for the
         token ids (R, K) given. A token's noise depends only on (seed, position, token id), so
         drawing over a candidate subset gives the same values as over the whole vocabulary.
         The result lives in a reused buffer: valid until the next call."""
-        k1, k2 = self.row_keys(seeds, positions)
+        k1, k2 = self.row_keys(seeds, positions, stream)
         tk = self.token_key[None, :] if token_ids is None else self.token_key[token_ids]
         shape = (seeds.shape[0], tk.shape[1])
         h, tmp, out = self._buffers(shape)

@@ -16,6 +16,8 @@ Steps, in order (each skipped when no row needs it):
   10. sampling by exponential race, argmax(p / E) with E ~ Exp(1); seeded rows draw E from a
       counter-based hash of (seed, output position, token id), the others from the engine's
       generator
+      (rows testing a draft-model token at this position instead keep it with probability
+      min(1, p/q) or draw from the residual max(0, p - q): rejection.py)
   11. per-row choice between the greedy and the random token
   12. logprobs: top-k values plus the sampled token's value and rank, from the raw or the
       processed distribution as each row's logprobs_mode says
@@ -43,9 +45,10 @@ from ladle.sample.logits_processors.interface import (
     ProcessorConfig,
 )
 from ladle.sample.metadata import SamplingMetadata
-from ladle.sample.noise import SeededNoise
+from ladle.sample.noise import TOKEN_STREAM, SeededNoise
 from ladle.sample.ops import NEG_INF, race, restrict_top_k_top_p
 from ladle.sample.penalties import PenaltyState
+from ladle.sample.rejection import DraftTest, accept_or_resample
 
 
 @dataclass(slots=True)
@@ -117,12 +120,14 @@ class Sampler:
         self.penalties.accept(rows, token_ids)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
-                 output_positions: torch.Tensor, verify: bool = False) -> SamplerOutput:
+                 output_positions: torch.Tensor, verify: bool = False,
+                 draft: DraftTest | None = None) -> SamplerOutput:
         """logits: (R, V) in batch-row order, owned by the sampler from here on (stages work in
         place); output_positions: (R,) index of the token being sampled within each request's
         output (the counter of the seeded noise). verify: a further draft position of a
         speculative step; processors that do not support positions are skipped (their
-        requests are never drafted, so none of their rows is verified)."""
+        requests are never drafted, so none of their rows is verified). draft: draft-model tokens
+        to test at this position (random rows only), by rejection sampling."""
         raw = None
         if meta.any_raw_logprobs:
             # Later stages work in place, so the raw logits are copied, into a buffer reused
@@ -147,7 +152,7 @@ class Sampler:
             for p in self.argmax_invariant:
                 if not verify or p.supports_positions():
                     logits = p.apply(logits)
-            sampled, processed = self._sample_random(logits, meta, output_positions)
+            sampled, processed = self._sample_random(logits, meta, output_positions, draft)
             if greedy is not None:
                 sampled = torch.where(meta.is_greedy, greedy, sampled)
         lp = None
@@ -156,26 +161,49 @@ class Sampler:
         return SamplerOutput(sampled, lp)
 
     def _noise(self, meta: SamplingMetadata, positions, ids: torch.Tensor | None, shape):
-        if meta.all_seeded:
-            return self.noise.exponential(meta.seeds, positions, ids)
-        noise = torch.empty(shape, device=meta.seeds.device).exponential_(generator=self.generator)
-        if meta.any_seeded:
-            rows = meta.has_seed.nonzero().squeeze(1)
+        return self.draw_noise(meta.seeds, meta.has_seed, positions, ids, shape,
+                               all_seeded=meta.all_seeded, any_seeded=meta.any_seeded)
+
+    def draw_noise(self, seeds, has_seed, positions, ids: torch.Tensor | None, shape,
+                   stream: int = TOKEN_STREAM, all_seeded: bool | None = None,
+                   any_seeded: bool | None = None) -> torch.Tensor:
+        """Exp(1) noise of `shape` for rows with these seeds / has_seed / output positions:
+        seeded rows from the counter-based hash (on `stream`), the others from the generator."""
+        if all_seeded is None:
+            all_seeded = bool(has_seed.all())
+            any_seeded = bool(has_seed.any())
+        if all_seeded:
+            return self.noise.exponential(seeds, positions, ids, stream)
+        noise = torch.empty(shape, device=seeds.device).exponential_(generator=self.generator)
+        if any_seeded:
+            rows = has_seed.nonzero().squeeze(1)
             sub_ids = None if ids is None else ids[rows]
-            noise[rows] = self.noise.exponential(meta.seeds[rows], positions[rows], sub_ids)
+            noise[rows] = self.noise.exponential(seeds[rows], positions[rows], sub_ids, stream)
         return noise
 
-    def _sample_random(self, logits, meta: SamplingMetadata, positions):
+    def _sample_random(self, logits, meta: SamplingMetadata, positions,
+                       draft: DraftTest | None = None):
         """Returns the sampled ids and the final logits (what the token was drawn from; the
         full (R, V) tensor, with -inf where top-k/top-p removed a token)."""
+        if draft is not None:
+            def test_noise(rows, ids, shape, stream):
+                return self.draw_noise(meta.seeds[rows], meta.has_seed[rows], positions[rows],
+                                       ids, shape, stream)
         if not (meta.need_top_k or meta.need_top_p):
             probs = torch.softmax(logits, dim=-1)
-            return race(probs, self._noise(meta, positions, None, probs.shape)), logits
+            sampled = race(probs, self._noise(meta, positions, None, probs.shape))
+            if draft is not None:
+                sampled[draft.rows] = accept_or_resample(probs[draft.rows], None, draft,
+                                                         test_noise)
+            return sampled, logits
         vals, ids = restrict_top_k_top_p(logits, meta.top_k, meta.top_p, meta.candidate_k,
                                          meta.need_top_p)
         probs = torch.softmax(vals, dim=-1)
         choice = race(probs, self._noise(meta, positions, ids, probs.shape))
         sampled = ids.gather(1, choice[:, None])[:, 0]
+        if draft is not None:
+            sampled[draft.rows] = accept_or_resample(probs[draft.rows], ids[draft.rows], draft,
+                                                     test_noise)
         final = None
         if meta.any_processed_logprobs:
             final = torch.full_like(logits, NEG_INF).scatter_(1, ids, vals)

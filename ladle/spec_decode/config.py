@@ -39,6 +39,10 @@ class SpeculativeConfig:
                              + ", ".join(sorted(known)))
         if "method" not in value:
             raise ValueError("speculative_config.method: required; accepted: " + ", ".join(METHODS))
+        lookup = sorted({"prompt_lookup_min", "prompt_lookup_max"} & set(value))
+        if value["method"] == "draft_model" and lookup:
+            raise ValueError(f"speculative_config.{lookup[0]}: only used by method 'ngram'; "
+                             "the draft_model method drafts with its model")
         return cls(**value)
 
     def __post_init__(self):
@@ -67,6 +71,8 @@ class SpeculativeConfig:
                                  "of a draft checkpoint")
             if not os.path.isdir(self.model):
                 raise ValueError(f"speculative_config.model: {self.model!r} is not a checkpoint "
-                                 "directory")
-            raise ValueError("speculative_config.method: 'draft_model' is not supported yet; "
-                             "accepted: ngram")
+                                 "directory (accepted: a local directory with config.json and "
+                                 "safetensors, sharing the target's vocabulary)")
+            if not os.path.isfile(os.path.join(self.model, "config.json")):
+                raise ValueError(f"speculative_config.model: {self.model!r} has no config.json; "
+                                 "accepted: a checkpoint directory")
