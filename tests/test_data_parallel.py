@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from test_server import API_KEY, MODEL, RemoteServer
+from test_server import API_KEY, MODEL, RemoteServer, is_alive
 from test_server_engine_death import kill_engine_while_serving
 
 from ladle.config import EngineConfig
@@ -36,7 +36,7 @@ def server():
     assert len(pids) == 2
     yield s
     assert s.stop() == 0, s.log()  # SIGTERM: a clean exit that stops both engines
-    assert not any(_alive(p) for p in pids), "an engine outlived the server"
+    assert not any(is_alive(p) for p in pids), "an engine outlived the server"
 
 
 def scrape(server) -> dict[tuple[str, str], float]:
@@ -187,17 +187,9 @@ def test_killing_one_engine_ends_the_server():
     assert len(pids) == 2
     kill_engine_while_serving(server, lambda: pids[1])
     deadline = time.monotonic() + 10  # the surviving engine was stopped too: no orphan
-    while _alive(pids[0]) and time.monotonic() < deadline:
+    while is_alive(pids[0]) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(pids[0]), "engine 0 outlived the server"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    assert not is_alive(pids[0]), "engine 0 outlived the server"
 
 
 def test_failed_engine_start_is_an_error_naming_the_engine(tmp_path):
@@ -213,7 +205,7 @@ def test_failed_engine_start_is_an_error_naming_the_engine(tmp_path):
         return client
 
     client = asyncio.run(start())
-    assert len(client.pids) == 2 and not any(_alive(p) for p in client.pids)
+    assert len(client.pids) == 2 and not any(is_alive(p) for p in client.pids)
 
 
 # ---- the parts alone ------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_server import MODEL, RemoteServer, free_port
+from test_server import MODEL, RemoteServer, child_pids, free_port
 
 from ladle.models.demo import ensure_demo_model
 from ladle.runner import cpu_kernels
@@ -22,19 +22,6 @@ from ladle.runner import cpu_kernels
 
 def _finished_builds(root: Path) -> list[Path]:
     return [p for p in root.glob("ladle_cpu_kernels-*") if (p / "ladle_cpu_kernels.so").exists()]
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
 
 
 def test_killed_build_then_fresh_start_is_ready_when_healthy(tmp_path, monkeypatch):
@@ -56,7 +43,7 @@ def test_killed_build_then_fresh_start_is_ready_when_healthy(tmp_path, monkeypat
             assert proc.poll() is None, Path(log.name).read_text()
             assert time.monotonic() < deadline, "the kernel build never started"
             time.sleep(0.1)
-        engines = _children(proc.pid)
+        engines = child_pids(proc.pid)
         assert engines, "no engine process"
         for pid in engines:
             os.kill(pid, signal.SIGKILL)

@@ -36,6 +36,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def child_pids(pid: int, cmdline_part: str | None = None) -> list[int]:
+    """Children of `pid` (whose command line contains `cmdline_part`), sorted."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and (
+                cmdline_part is None or cmdline_part in cmdline):
+            out.append(int(entry.name))
+    return sorted(out)
+
+
+def is_alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 class RemoteServer:
     """`python -m ladle.entrypoints.cli serve ...` in a subprocess, stopped by PID."""
 
@@ -72,26 +97,15 @@ class RemoteServer:
         return Path(self.log_file.name).read_text()[-5000:]
 
     def engine_pid(self) -> int:
-        """The engine-core child of the server process (the first, with several)."""
+        """The engine-core child of the server process."""
         return self.engine_pids()[0]
 
     def engine_pids(self) -> list[int]:
         """The engine-core children of the server process, by pid."""
-        pids = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-                cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid == self.proc.pid and "ladle.engine.core_proc" in cmdline:
-                pids.append(int(entry.name))
+        pids = child_pids(self.proc.pid, "ladle.engine.core_proc")
         if not pids:
             raise RuntimeError("no engine-core process found")
-        return sorted(pids)
+        return pids
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0, **kw)

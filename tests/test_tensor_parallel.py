@@ -17,7 +17,7 @@ import openai
 import pytest
 import torch
 from checkpoints import ARCHS, make_checkpoint
-from test_server import API_KEY, MODEL, RemoteServer
+from test_server import API_KEY, MODEL, RemoteServer, child_pids, is_alive
 
 from ladle.config import EngineConfig
 from ladle.distributed.group import WorkerGroupError
@@ -197,33 +197,12 @@ def test_ray_backend_gives_the_same_tokens_as_mp(local_ray, tp1_outputs):
     assert_same_outputs(ours, tp1_outputs)
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def test_killed_worker_fails_requests_and_ends_the_server():
     server = RemoteServer("--api-key", API_KEY, "--max-model-len", "2048",
                           "--disable-access-log", "-tp", "2", "--distributed-timeout", "30")
     try:
         engine_pid = server.engine_pid()
-        workers = _children(engine_pid)
+        workers = child_pids(engine_pid)
         assert len(workers) >= 1, server.log()  # rank 1 (plus the spawn resource tracker)
         results: dict[str, object] = {}
         started = threading.Event()
@@ -258,8 +237,8 @@ def test_killed_worker_fails_requests_and_ends_the_server():
         server.proc.wait(30)
         assert server.proc.returncode not in (0, None), server.log()
         deadline = time.monotonic() + 10
-        while any(_alive(p) for p in [engine_pid, *workers]) and time.monotonic() < deadline:
+        while any(is_alive(p) for p in [engine_pid, *workers]) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not [p for p in [engine_pid, *workers] if _alive(p)], "orphans left"
+        assert not [p for p in [engine_pid, *workers] if is_alive(p)], "orphans left"
     finally:
         server.stop()
