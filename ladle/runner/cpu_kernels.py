@@ -289,3 +289,12 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
             and 1 <= k <= min(MAX_TOPK_KERNEL, x.shape[1])):
         return tuple(kern.topk_rows(x, k))
     return x.topk(k, dim=-1)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of the largest value in each row of x (R, V): the first on ties, a NaN counting as
+    the largest, like its twin torch.argmax(dim=-1). One kernel pass per row on one thread."""
+    kern = kernels_for(x)
+    if kern is not None and x.dim() == 2 and x.is_contiguous() and x.shape[1] > 0:
+        return kern.argmax_rows(x)
+    return x.argmax(dim=-1)

@@ -142,7 +142,7 @@ class Sampler:
                                           meta.penalties_used)
         if self.thinking is not None:
             logits = self.thinking.apply(logits)
-        greedy = None if meta.all_random else logits.argmax(dim=-1)
+        greedy = None if meta.all_random else cpu_kernels.argmax(logits)
         if meta.all_greedy:
             sampled, processed = greedy, logits
         else:

@@ -726,6 +726,68 @@ std::vector<torch::Tensor> topk_rows(torch::Tensor x, int64_t k) {
   return {vals, ids};
 }
 
+// Greedy argmax per row: the first index of the row's maximum, a NaN counting as the maximum
+// (torch.argmax's rule). One row runs on the calling thread: torch's reduction over a 152k row
+// wakes every thread for a few microseconds of work.
+template <typename T>
+static int64_t row_argmax(const T* x, int64_t V) {
+  float best = -INFINITY;
+  bool has_nan = false;
+  int64_t v = 0;
+#if defined(__AVX512F__)
+  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  __mmask16 nan = 0;
+  for (; v + 16 <= V; v += 16) {
+    const __m512 xv = load16(x + v);
+    nan |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
+    vmax = _mm512_max_ps(vmax, xv);
+  }
+  best = _mm512_reduce_max_ps(vmax);
+  has_nan = nan != 0;
+#endif
+  for (int64_t t = v; t < V; ++t) {
+    const float f = to_f(x[t]);
+    has_nan |= std::isnan(f);
+    best = std::max(best, f);
+  }
+  if (has_nan) {
+    for (int64_t t = 0; t < V; ++t)
+      if (std::isnan(to_f(x[t]))) return t;
+  }
+  v = 0;
+#if defined(__AVX512F__)
+  const __m512 bv = _mm512_set1_ps(best);
+  for (; v + 16 <= V; v += 16) {
+    const __mmask16 eq = _mm512_cmp_ps_mask(load16(x + v), bv, _CMP_EQ_OQ);
+    if (eq) return v + __builtin_ctz(eq);
+  }
+#endif
+  for (; v < V; ++v)
+    if (to_f(x[v]) == best) return v;
+  return 0;  // unreachable: best is one of the values
+}
+
+torch::Tensor argmax_rows(torch::Tensor x) {
+  // x: (R, V) float32 or bfloat16, contiguous, V >= 1. Returns (R,) int64.
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) >= 1, "argmax_rows: layout");
+  const int64_t R = x.size(0), V = x.size(1);
+  auto out = torch::empty({R}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  if (x.scalar_type() == at::kBFloat16) {
+    const at::BFloat16* X = x.data_ptr<at::BFloat16>();
+    at::parallel_for(0, R, grain_for(V), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) o[r] = row_argmax(X + r * V, V);
+    });
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "argmax_rows: bfloat16 or float32");
+    const float* X = x.data_ptr<float>();
+    at::parallel_for(0, R, grain_for(V), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) o[r] = row_argmax(X + r * V, V);
+    });
+  }
+  return out;
+}
+
 // What this build was compiled for, logged at engine start.
 std::string isa() {
 #if defined(__AVX512BF16__)
@@ -751,5 +813,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("logprob_stats", &logprob_stats, "logsumexp, chosen value and rank per row");
   m.def("min_p", &min_p, "min-p filter in place");
   m.def("topk_rows", &topk_rows, "k largest per row, sorted");
+  m.def("argmax_rows", &argmax_rows, "first index of each row's maximum");
   m.def("isa", &isa, "instruction set this build uses");
 }
