@@ -18,10 +18,11 @@ static inline float to_f(at::BFloat16 x) {
 }
 
 // The grain (items per task) that gives each task at least kMinTaskWork units of work (about a
-// multiply-add each). A parallel region costs a wake-up of the other threads and a join; below
-// this much work that costs more than it saves, and on a shared machine a descheduled thread
-// stalls the join for a whole time slice, which made the tiny model's ops 10-100x slower.
-constexpr int64_t kMinTaskWork = int64_t(1) << 18;
+// multiply-add each; 2^20 is ~15 us on one core). A parallel region costs a wake-up of the other
+// threads and a join: about 10 us on a quiet machine, but on a shared one a descheduled thread
+// stalls the join for its scheduling delay (~8 ms per op measured at load 5: the tiny model's
+// 16-row matmuls took 8 ms each). Weight-streaming ops (>= 1M multiply-adds) stay parallel.
+constexpr int64_t kMinTaskWork = int64_t(1) << 20;
 static inline int64_t grain_for(int64_t work_per_item) {
   return std::max<int64_t>(1, kMinTaskWork / std::max<int64_t>(1, work_per_item));
 }
