@@ -39,8 +39,9 @@ _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fn
            "-fno-trapping-math", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 # Above this many rows a matmul has enough work per weight for torch's GEMM (which packs the
-# weights into its own blocked layout per call) to win. Measured on a Zen 4 (AVX512-BF16) at the
-# Qwen3-0.6B shapes: the kernel is 1.1-1.9x torch's bf16 GEMM from 9 to 32 rows, even at 64.
+# weights into its own blocked layout per call) to win. Measured on a Zen 4 (AVX512-BF16) at
+# the Qwen3-0.6B shapes: the kernel is 1.0-1.9x torch's bf16 GEMM from 9 to 32 rows and about
+# even at 64.
 MAX_LINEAR_ROWS = 32
 # A private build directory older than this belongs to a build that died.
 _STALE_BUILD_S = 3600
