@@ -37,7 +37,7 @@ def kernels():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 13, 32])
 @pytest.mark.parametrize("k_dim,n_dim", [(64, 128), (256, 768), (1024, 4096), (100, 37)])
 def test_linear_matches_torch(kernels, dtype, rows, k_dim, n_dim):
     torch.manual_seed(rows * 1000 + k_dim + n_dim)
@@ -234,3 +234,19 @@ def test_topk_matches_torch(kernels, k):
     want_vals, _ = x.topk(k, dim=-1)
     assert torch.equal(vals, want_vals)
     assert torch.equal(x.gather(1, ids), vals)  # ids point at their values
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,vocab", [(1, 151936), (5, 1000), (33, 37)])
+def test_argmax_matches_torch(kernels, dtype, rows, vocab):
+    """First index of the maximum per row, exactly torch's: ties (bf16 rounds many values to
+    the same one), a row of -inf, a row holding NaN (NaN counts as the largest)."""
+    torch.manual_seed(rows + vocab)
+    x = torch.randn(rows, vocab).to(dtype)
+    x[0, vocab // 3] = x[0, vocab // 2] = x[0].max() + 1  # a tie: the lower index wins
+    if rows > 2:
+        x[1] = float("-inf")
+        x[2, vocab - 1] = float("nan")
+        x[2, vocab // 4] = float("nan")
+    assert torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(cpu_kernels.argmax(x), x.argmax(dim=-1))

@@ -17,6 +17,16 @@ static inline float to_f(at::BFloat16 x) {
   return f;
 }
 
+// The grain (items per task) that gives each task at least kMinTaskWork units of work (about a
+// multiply-add each; 2^20 is ~15 us on one core). A parallel region costs a wake-up of the other
+// threads and a join: about 10 us on a quiet machine, but on a shared one a descheduled thread
+// stalls the join for its scheduling delay (~8 ms per op measured at load 5: the tiny model's
+// 16-row matmuls took 8 ms each). Weight-streaming ops (>= 1M multiply-adds) stay parallel.
+constexpr int64_t kMinTaskWork = int64_t(1) << 20;
+static inline int64_t grain_for(int64_t work_per_item) {
+  return std::max<int64_t>(1, kMinTaskWork / std::max<int64_t>(1, work_per_item));
+}
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -76,7 +86,10 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* b
   // Two passes per (sequence, KV head): scores for every cached key (stored token-major as
   // scores[t * G + g]), then the softmax-weighted sum of values. Each key and value is read
   // once.
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+  int64_t total_ctx = 0;
+  for (int64_t b = 0; b < B; ++b) total_ctx += ctx[b];
+  const int64_t job_work = std::max<int64_t>(1, total_ctx / std::max<int64_t>(1, B)) * G * D * 2;
+  at::parallel_for(0, B * KVH, grain_for(job_work), [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), scores, mx(G), sum(G);
     for (int64_t job = begin; job < end; ++job) {
       const int64_t b = job / KVH, h = job % KVH;
@@ -151,7 +164,20 @@ static inline void dot_block_scalar(const T* x, const T* w, int64_t M, int64_t K
 }
 
 #if defined(__AVX512F__)
-// out[m * 4 + j] = x[m] . w[j] for up to 4 rows of x and 4 rows of w.
+// The four sums of a[0..3] in one __m128: one shuffle tree for four outputs instead of four
+// full horizontal reductions (a reduction costs about a quarter of a K=1024 dot product).
+static inline __m128 hsum4(const __m512* a) {
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+  // Each 128-bit lane now holds (a0, a1, a0, a1) and (a2, a3, a2, a3) partial sums.
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// out[m * 4 + j] = x[m] . w[j] for MB (up to 6) rows of x and 4 rows of w.
 template <int MB>
 static inline void dot4_f32(const float* x, const float* w, int64_t K, int64_t ldx, float* out) {
   __m512 acc[MB][4];
@@ -169,14 +195,15 @@ static inline void dot4_f32(const float* x, const float* w, int64_t K, int64_t l
       for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
     }
   }
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < 4; ++j) {
-      float s = _mm512_reduce_add_ps(acc[m][j]);
-      for (int64_t kk = k; kk < K; ++kk) s += x[m * ldx + kk] * w[j * K + kk];
-      out[m * 4 + j] = s;
-    }
+  for (int m = 0; m < MB; ++m) {
+    _mm_storeu_ps(out + m * 4, hsum4(acc[m]));
+    for (int j = 0; j < 4; ++j)
+      for (int64_t kk = k; kk < K; ++kk) out[m * 4 + j] += x[m * ldx + kk] * w[j * K + kk];
+  }
 }
 
+// out[m * 4 + j] = x[m] . w[j] for MB rows of x (up to 6: 24 accumulators + 4 weight vectors +
+// one x vector fit the 32 registers) and 4 rows of w.
 template <int MB>
 static inline void dot4_bf16(const at::BFloat16* x, const at::BFloat16* w, int64_t K,
                              int64_t ldx, float* out) {
@@ -209,12 +236,12 @@ static inline void dot4_bf16(const at::BFloat16* x, const at::BFloat16* w, int64
     }
   }
 #endif
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < 4; ++j) {
-      float s = _mm512_reduce_add_ps(acc[m][j]);
-      for (int64_t kk = k; kk < K; ++kk) s += to_f(x[m * ldx + kk]) * to_f(w[j * K + kk]);
-      out[m * 4 + j] = s;
-    }
+  for (int m = 0; m < MB; ++m) {
+    _mm_storeu_ps(out + m * 4, hsum4(acc[m]));
+    for (int j = 0; j < 4; ++j)
+      for (int64_t kk = k; kk < K; ++kk)
+        out[m * 4 + j] += to_f(x[m * ldx + kk]) * to_f(w[j * K + kk]);
+  }
 }
 
 template <int MB>
@@ -228,16 +255,22 @@ static inline void dot4(const at::BFloat16* x, const at::BFloat16* w, int64_t K,
 }
 #endif
 
+// Rows of x per register block: 6 x 4 accumulators + 4 weight vectors + one x vector = 29 of
+// the 32 vector registers.
+constexpr int64_t kRowBlock = 6;
+
 template <typename T>
 static void linear_kernel(const T* x, const T* w, const T* b, T* y, int64_t M, int64_t N,
                           int64_t K, int64_t ldx) {
-  // Grain: 64 weight rows per task at least, so small matrices do not pay for thread wake-ups.
-  at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t begin, int64_t end) {
-    float out[4 * 4];
+  // Each block of 4 weight rows is read once from memory and then used from L1 for every row
+  // of x, in register blocks of up to kRowBlock rows (sizes balanced: 8 rows = 4 + 4).
+  const int64_t row_blocks = (M + kRowBlock - 1) / kRowBlock;
+  at::parallel_for(0, (N + 3) / 4, grain_for(4 * K * M), [&](int64_t begin, int64_t end) {
+    float out[kRowBlock * 4];
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t n0 = blk * 4, nb = std::min<int64_t>(4, N - n0);
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int64_t mb = std::min<int64_t>(4, M - m0);
+      for (int64_t rb = 0, m0 = 0; m0 < M; ++rb) {
+        const int64_t mb = (M - m0 + (row_blocks - rb) - 1) / (row_blocks - rb);
         const T* xm = x + m0 * ldx;
 #if defined(__AVX512F__)
         if (nb == 4) {
@@ -245,7 +278,9 @@ static void linear_kernel(const T* x, const T* w, const T* b, T* y, int64_t M, i
             case 1: dot4<1>(xm, w + n0 * K, K, ldx, out); break;
             case 2: dot4<2>(xm, w + n0 * K, K, ldx, out); break;
             case 3: dot4<3>(xm, w + n0 * K, K, ldx, out); break;
-            default: dot4<4>(xm, w + n0 * K, K, ldx, out); break;
+            case 4: dot4<4>(xm, w + n0 * K, K, ldx, out); break;
+            case 5: dot4<5>(xm, w + n0 * K, K, ldx, out); break;
+            default: dot4<6>(xm, w + n0 * K, K, ldx, out); break;
           }
         } else {
           dot_block_scalar(xm, w + n0 * K, mb, K, ldx, nb, out);
@@ -254,7 +289,7 @@ static void linear_kernel(const T* x, const T* w, const T* b, T* y, int64_t M, i
             for (int64_t j = nb - 1; j >= 0; --j) out[m * 4 + j] = out[m * nb + j];
         }
 #else
-        float tmp[16];
+        float tmp[kRowBlock * 4];
         dot_block_scalar(xm, w + n0 * K, mb, K, ldx, nb, tmp);
         for (int64_t m = 0; m < mb; ++m)
           for (int64_t j = 0; j < nb; ++j) out[m * 4 + j] = tmp[m * nb + j];
@@ -265,6 +300,7 @@ static void linear_kernel(const T* x, const T* w, const T* b, T* y, int64_t M, i
             if (b != nullptr) v += to_f(b[n0 + j]);  // in float32, one rounding to T
             y[(m0 + m) * N + n0 + j] = static_cast<T>(v);
           }
+        m0 += mb;
       }
     }
   });
@@ -301,7 +337,7 @@ static void rms_norm_kernel(const T* x, T* residual, const T* w, T* out, int64_t
                             int64_t inner, int64_t ld_outer, float eps) {
   // Row r of x starts at (r / inner) * ld_outer + (r % inner) * D: a (T, H, D) view of a wider
   // matrix (q or k heads inside the qkv output) is read in place.
-  at::parallel_for(0, R, 64, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, R, grain_for(2 * D), [&](int64_t begin, int64_t end) {
     std::vector<float> row(D);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + (r / inner) * ld_outer + (r % inner) * D;
@@ -362,7 +398,7 @@ static void rotary_kernel(T* q, T* k, const int64_t* pos, const float* cos, cons
                           int64_t Tn, int64_t H, int64_t KVH, int64_t D, int64_t ldq,
                           int64_t ldk) {
   const int64_t half = D / 2;
-  at::parallel_for(0, Tn, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, Tn, grain_for((H + KVH) * D), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cos + pos[t] * half;
       const float* s = sin + pos[t] * half;
@@ -452,7 +488,7 @@ static void qk_norm_rotary_kernel(const T* q, const T* k, T* q_out, T* k_out, co
                                   const float* sin, int64_t Tn, int64_t H, int64_t KVH, int64_t D,
                                   int64_t ldq, int64_t ldk, float eps) {
   const int64_t half = D / 2;
-  at::parallel_for(0, Tn, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, Tn, grain_for(4 * (H + KVH) * D), [&](int64_t begin, int64_t end) {
     std::vector<float> row(D);
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cos + pos[t] * half;
@@ -531,7 +567,7 @@ void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, tor
 
 template <typename T>
 static void silu_mul_kernel(const T* x, T* out, int64_t R, int64_t I, int64_t ldx) {
-  at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, R, grain_for(4 * I), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t i = 0; i < I; ++i) {
         // Like torch: silu rounded to T, then the product rounded to T.
@@ -691,6 +727,68 @@ std::vector<torch::Tensor> topk_rows(torch::Tensor x, int64_t k) {
   return {vals, ids};
 }
 
+// Greedy argmax per row: the first index of the row's maximum, a NaN counting as the maximum
+// (torch.argmax's rule). One row runs on the calling thread: torch's reduction over a 152k row
+// wakes every thread for a few microseconds of work.
+template <typename T>
+static int64_t row_argmax(const T* x, int64_t V) {
+  float best = -INFINITY;
+  bool has_nan = false;
+  int64_t v = 0;
+#if defined(__AVX512F__)
+  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  __mmask16 nan = 0;
+  for (; v + 16 <= V; v += 16) {
+    const __m512 xv = load16(x + v);
+    nan |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
+    vmax = _mm512_max_ps(vmax, xv);
+  }
+  best = _mm512_reduce_max_ps(vmax);
+  has_nan = nan != 0;
+#endif
+  for (int64_t t = v; t < V; ++t) {
+    const float f = to_f(x[t]);
+    has_nan |= std::isnan(f);
+    best = std::max(best, f);
+  }
+  if (has_nan) {
+    for (int64_t t = 0; t < V; ++t)
+      if (std::isnan(to_f(x[t]))) return t;
+  }
+  v = 0;
+#if defined(__AVX512F__)
+  const __m512 bv = _mm512_set1_ps(best);
+  for (; v + 16 <= V; v += 16) {
+    const __mmask16 eq = _mm512_cmp_ps_mask(load16(x + v), bv, _CMP_EQ_OQ);
+    if (eq) return v + __builtin_ctz(eq);
+  }
+#endif
+  for (; v < V; ++v)
+    if (to_f(x[v]) == best) return v;
+  return 0;  // unreachable: best is one of the values
+}
+
+torch::Tensor argmax_rows(torch::Tensor x) {
+  // x: (R, V) float32 or bfloat16, contiguous, V >= 1. Returns (R,) int64.
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) >= 1, "argmax_rows: layout");
+  const int64_t R = x.size(0), V = x.size(1);
+  auto out = torch::empty({R}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  if (x.scalar_type() == at::kBFloat16) {
+    const at::BFloat16* X = x.data_ptr<at::BFloat16>();
+    at::parallel_for(0, R, grain_for(V), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) o[r] = row_argmax(X + r * V, V);
+    });
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "argmax_rows: bfloat16 or float32");
+    const float* X = x.data_ptr<float>();
+    at::parallel_for(0, R, grain_for(V), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) o[r] = row_argmax(X + r * V, V);
+    });
+  }
+  return out;
+}
+
 // What this build was compiled for, logged at engine start.
 std::string isa() {
 #if defined(__AVX512BF16__)
@@ -716,5 +814,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("logprob_stats", &logprob_stats, "logsumexp, chosen value and rank per row");
   m.def("min_p", &min_p, "min-p filter in place");
   m.def("topk_rows", &topk_rows, "k largest per row, sorted");
+  m.def("argmax_rows", &argmax_rows, "first index of each row's maximum");
   m.def("isa", &isa, "instruction set this build uses");
 }
