@@ -77,7 +77,7 @@ def main():
     cached = time.perf_counter() - t
     print(f"model {args.model}: first request with the schema {cold * 1000:.0f} ms "
           f"(compile {mgr.compile_seconds * 1000:.0f} ms), repeat {cached * 1000:.0f} ms "
-          f"(cache hits {mgr.num_cache_hits})")
+          f"(cache hits {mgr.stats()['grammar_cache_hits']})")
     print(f"{'conc':>5} {'json tok/s':>11} {'free tok/s':>11} {'ratio':>6} {'step ms':>8} "
           f"{'bitmask ms/step':>16}")
     for n in args.concurrency:
