@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
-import httpx
-import openai
 import pytest
 import torch
 from checkpoints import ARCHS, make_checkpoint
 from test_server import API_KEY, MODEL, RemoteServer, child_pids, is_alive
+from test_server_engine_death import kill_engine_while_serving
 
 from ladle.config import EngineConfig
 from ladle.distributed.group import WorkerGroupError
@@ -198,47 +196,16 @@ def test_ray_backend_gives_the_same_tokens_as_mp(local_ray, tp1_outputs):
 
 
 def test_killed_worker_fails_requests_and_ends_the_server():
+    """SIGKILL of rank 1 mid-stream: the same checks as an engine's death (errors within
+    seconds, /health fails, non-zero exit), and neither the engine nor a worker outlives it."""
     server = RemoteServer("--api-key", API_KEY, "--max-model-len", "2048",
                           "--disable-access-log", "-tp", "2", "--distributed-timeout", "30")
-    try:
-        engine_pid = server.engine_pid()
-        workers = child_pids(engine_pid)
-        assert len(workers) >= 1, server.log()  # rank 1 (plus the spawn resource tracker)
-        results: dict[str, object] = {}
-        started = threading.Event()
-
-        def stream():
-            try:
-                for chunk in server.client(timeout=60).completions.create(
-                        model=MODEL, prompt="Never ending", max_tokens=2000, stream=True,
-                        extra_body={"ignore_eos": True}):
-                    if chunk.choices and chunk.choices[0].text:
-                        started.set()
-                results["stream"] = "finished"
-            except Exception as e:
-                results["stream"] = e
-            results["t"] = time.monotonic()
-
-        thread = threading.Thread(target=stream)
-        thread.start()
-        assert started.wait(60), server.log()
-        rank1 = [p for p in workers if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
-        assert len(rank1) == 1, server.log()
-        for pid in rank1:
-            os.kill(pid, signal.SIGKILL)
-        killed_at = time.monotonic()
-        thread.join(30)
-        assert isinstance(results["stream"], openai.APIError), results["stream"]
-        assert results["t"] - killed_at < 10
-        try:
-            assert httpx.get(server.url + "/health", timeout=2).status_code == 503
-        except httpx.HTTPError:
-            pass  # the server is already gone: also not healthy
-        server.proc.wait(30)
-        assert server.proc.returncode not in (0, None), server.log()
-        deadline = time.monotonic() + 10
-        while any(is_alive(p) for p in [engine_pid, *workers]) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [p for p in [engine_pid, *workers] if is_alive(p)], "orphans left"
-    finally:
-        server.stop()
+    engine_pid = server.engine_pid()
+    workers = child_pids(engine_pid)  # rank 1 (plus the spawn resource tracker)
+    rank1 = [p for p in workers if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(rank1) == 1, server.log()
+    kill_engine_while_serving(server, lambda: rank1[0])
+    deadline = time.monotonic() + 10
+    while any(is_alive(p) for p in [engine_pid, *workers]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in [engine_pid, *workers] if is_alive(p)], "orphans left"
