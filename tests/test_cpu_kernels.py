@@ -37,8 +37,8 @@ def kernels():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 13, 32])
-@pytest.mark.parametrize("k_dim,n_dim", [(64, 128), (256, 768), (1024, 4096), (100, 37)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 32])
+@pytest.mark.parametrize("k_dim,n_dim", [(64, 128), (256, 768), (1024, 4096), (100, 37), (200, 40)])
 def test_linear_matches_torch(kernels, dtype, rows, k_dim, n_dim):
     torch.manual_seed(rows * 1000 + k_dim + n_dim)
     x = torch.randn(rows, k_dim).to(dtype)

@@ -259,9 +259,80 @@ static inline void dot4(const at::BFloat16* x, const at::BFloat16* w, int64_t K,
 // the 32 vector registers.
 constexpr int64_t kRowBlock = 6;
 
+// Up to this many rows of x, weight rows are read one after another instead of four at a time.
+// Each thread then reads its share of the weights as one sequential stream; the four-row blocks
+// above read four streams 2*K bytes apart, which the hardware prefetcher follows less well.
+// Measured on a Zen 4 at the Qwen3-0.6B shapes, one row of x: 1.1-1.6x the bandwidth of the
+// four-row blocks (the machine's bandwidth varies from run to run; never slower). From 4 rows
+// on, the four-row blocks win: they load each weight vector once for up to 24 products.
+constexpr int64_t kSequentialRows = 2;
+
+#if defined(__AVX512F__)
+// acc += x . w over one chunk of 32 bf16 (vdpbf16ps where the CPU has it) or 16 floats.
+static inline __m512 fma_chunk(__m512 acc, const at::BFloat16* x, const at::BFloat16* w) {
+#if defined(__AVX512BF16__)
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(x)),
+                          (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(w)));
+#else
+  acc = _mm512_fmadd_ps(load16(x), load16(w), acc);
+  return _mm512_fmadd_ps(load16(x + 16), load16(w + 16), acc);
+#endif
+}
+static inline __m512 fma_chunk(__m512 acc, const float* x, const float* w) {
+  return _mm512_fmadd_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(w), acc);
+}
+template <typename T> constexpr int64_t chunk_len() { return 64 / sizeof(T); }  // one cache line
+
+// out[m] = x[m] . w for MB rows of x and one weight row; U chunks of each row in flight so that
+// at least four accumulator chains hide the FMA latency.
+template <int MB, int U, typename T>
+static inline void dot_row(const T* x, const T* w, int64_t K, int64_t ldx, float* out) {
+  constexpr int64_t C = chunk_len<T>();
+  __m512 acc[U][MB];
+  for (int u = 0; u < U; ++u)
+    for (int m = 0; m < MB; ++m) acc[u][m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + C * U <= K; k += C * U)
+    for (int u = 0; u < U; ++u)
+      for (int m = 0; m < MB; ++m)
+        acc[u][m] = fma_chunk(acc[u][m], x + m * ldx + k + C * u, w + k + C * u);
+  for (; k + C <= K; k += C)
+    for (int m = 0; m < MB; ++m) acc[0][m] = fma_chunk(acc[0][m], x + m * ldx + k, w + k);
+  for (int m = 0; m < MB; ++m) {
+    __m512 s = acc[0][m];
+    for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, acc[u][m]);
+    float v = _mm512_reduce_add_ps(s);
+    for (int64_t kk = k; kk < K; ++kk) v += to_f(x[m * ldx + kk]) * to_f(w[kk]);
+    out[m] = v;
+  }
+}
+#endif
+
+template <typename T>
+static void linear_sequential(const T* x, const T* w, const T* b, T* y, int64_t M, int64_t N,
+                              int64_t K, int64_t ldx) {
+  at::parallel_for(0, N, grain_for(K * M), [&](int64_t begin, int64_t end) {
+    float out[kSequentialRows];
+    for (int64_t n = begin; n < end; ++n) {
+#if defined(__AVX512F__)
+      if (M == 1) dot_row<1, 4>(x, w + n * K, K, ldx, out);
+      else dot_row<2, 2>(x, w + n * K, K, ldx, out);
+#else
+      dot_block_scalar(x, w + n * K, M, K, ldx, 1, out);
+#endif
+      for (int64_t m = 0; m < M; ++m) {
+        float v = out[m];
+        if (b != nullptr) v += to_f(b[n]);  // in float32, one rounding to T
+        y[m * N + n] = static_cast<T>(v);
+      }
+    }
+  });
+}
+
 template <typename T>
 static void linear_kernel(const T* x, const T* w, const T* b, T* y, int64_t M, int64_t N,
                           int64_t K, int64_t ldx) {
+  if (M <= kSequentialRows) return linear_sequential(x, w, b, y, M, N, K, ldx);
   // Each block of 4 weight rows is read once from memory and then used from L1 for every row
   // of x, in register blocks of up to kRowBlock rows (sizes balanced: 8 rows = 4 + 4).
   const int64_t row_blocks = (M + kRowBlock - 1) / kRowBlock;
