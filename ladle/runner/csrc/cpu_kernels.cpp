@@ -686,16 +686,65 @@ void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, tor
     }
 }
 
+#if defined(__AVX512F__)
+// exp(x) for 16 floats within ~1 ulp: x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial
+// for exp(r) (the Cephes expf coefficients), then scalef by 2^n, which gives inf above ~88.7,
+// 0 below ~-103 and passes NaN through, as std::exp does.
+static inline __m512 exp16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Round 16 floats to T's precision (bfloat16: to nearest even, NaN kept), returned as floats.
+static inline __m512 round_to(__m512 x, const float*) { return x; }
+static inline __m512 round_to(__m512 x, const at::BFloat16*) {
+  const __m512i b = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000)));
+}
+static inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+static inline void store16(at::BFloat16* p, __m512 x) {  // x already rounded: the top halves
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
+}
+#endif
+
 template <typename T>
 static void silu_mul_kernel(const T* x, T* out, int64_t R, int64_t I, int64_t ldx) {
   at::parallel_for(0, R, grain_for(4 * I), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      for (int64_t i = 0; i < I; ++i) {
-        // Like torch: silu rounded to T, then the product rounded to T.
-        const float g = to_f(x[r * ldx + i]);
-        const float sg = to_f(static_cast<T>(g / (1.f + std::exp(-g))));
-        out[r * I + i] = static_cast<T>(sg * to_f(x[r * ldx + I + i]));
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = x + r * ldx;
+      const T* up = gate + I;
+      T* o = out + r * I;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= I; i += 16) {
+        const __m512 g = load16(gate + i);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 sg = round_to(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), o);
+        store16(o + i, round_to(_mm512_mul_ps(sg, load16(up + i)), o));
       }
+#endif
+      for (; i < I; ++i) {
+        // Like torch: silu rounded to T, then the product rounded to T.
+        const float g = to_f(gate[i]);
+        const float sg = to_f(static_cast<T>(g / (1.f + std::exp(-g))));
+        o[i] = static_cast<T>(sg * to_f(up[i]));
+      }
+    }
   });
 }
 
