@@ -227,6 +227,12 @@ static inline void dot_block_scalar(const T* x, const T* w, int64_t M, int64_t K
 }
 
 #if defined(__AVX512F__)
+// The blocks of 4 weight rows ahead whose same offset is prefetched into L2 while this block is
+// multiplied: the streams from memory then run ahead of the loads. Measured on a Zen 4 at 8 rows
+// of x: 2 blocks ahead into L2 reads 1.2-1.5x faster than 1 block ahead into L1 (which is no
+// better than no prefetch); more distance changes nothing.
+constexpr int64_t kPrefetchBlocks = 2;
+
 // out[m * 4 + j] = x[m] . w[j] for MB (up to 6) rows of x and 4 rows of w.
 template <int MB>
 static inline void dot4_f32(const float* x, const float* w, int64_t K, int64_t ldx, float* out) {
@@ -237,7 +243,8 @@ static inline void dot4_f32(const float* x, const float* w, int64_t K, int64_t l
   for (; k + 16 <= K; k += 16) {
     __m512 wv[4];
     for (int j = 0; j < 4; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (j + 4) * K + k), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (j + 4 * kPrefetchBlocks) * K + k),
+                   _MM_HINT_T1);
       wv[j] = _mm512_loadu_ps(w + j * K + k);
     }
     for (int m = 0; m < MB; ++m) {
@@ -266,8 +273,8 @@ static inline void dot4_bf16(const at::BFloat16* x, const at::BFloat16* w, int64
   for (; k + 32 <= K; k += 32) {
     __m512i wv[4];
     for (int j = 0; j < 4; ++j) {
-      // The next block of rows (same offset): streams from memory get ahead of the loads.
-      _mm_prefetch(reinterpret_cast<const char*>(w + (j + 4) * K + k), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (j + 4 * kPrefetchBlocks) * K + k),
+                   _MM_HINT_T1);
       wv[j] = _mm512_loadu_si512(reinterpret_cast<const void*>(w + j * K + k));
     }
     for (int m = 0; m < MB; ++m) {
