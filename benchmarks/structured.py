@@ -1,7 +1,8 @@
 """Structured-output cost, in one script: output tokens/s with every request under a JSON schema
 against the same requests unconstrained (same prompts, same output lengths, ignore_eos), at 1, 8
-and 32 concurrent requests; cold and cached compile times; bitmask CPU time per step next to the
-step time (the bitmask is filled in a worker thread while the forward runs).
+and 32 concurrent requests, as medians of interleaved repetitions; cold and cached compile times;
+bitmask time per step next to the step time (the bitmask is filled in a worker thread while the
+forward runs).
 
     python benchmarks/structured.py [--model ladle-demo | --model qwen3-0.6b]
 """
@@ -9,6 +10,7 @@ step time (the bitmask is filled in a worker thread while the forward runs).
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -62,6 +64,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="ladle-demo")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--reps", type=int, default=3,
+                    help="constrained and free runs interleaved this many times; medians")
     args = ap.parse_args()
     llm = LLM(model_path(args.model), max_num_seqs=max(args.concurrency), max_model_len=2048,
               kv_cache_memory="2GiB")
@@ -81,9 +85,13 @@ def main():
     print(f"{'conc':>5} {'json tok/s':>11} {'free tok/s':>11} {'ratio':>6} {'step ms':>8} "
           f"{'bitmask ms/step':>16}")
     for n in args.concurrency:
-        c_tps, lengths, step_s, fill_s = run(llm, n, True, None)
-        f_tps, _, _, _ = run(llm, n, False, lengths)
-        print(f"{n:>5} {c_tps:>11.1f} {f_tps:>11.1f} {c_tps / f_tps:>6.2f} "
+        rows = []
+        for _ in range(args.reps):  # interleaved: the machine's speed drifts between runs
+            c_tps, lengths, step_s, fill_s = run(llm, n, True, None)
+            f_tps, _, _, _ = run(llm, n, False, lengths)
+            rows.append((c_tps, f_tps, c_tps / f_tps, step_s, fill_s))
+        c_tps, f_tps, ratio, step_s, fill_s = (statistics.median(col) for col in zip(*rows))
+        print(f"{n:>5} {c_tps:>11.1f} {f_tps:>11.1f} {ratio:>6.2f} "
               f"{step_s * 1000:>8.1f} {fill_s * 1000:>16.2f}", flush=True)
 
 

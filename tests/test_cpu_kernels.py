@@ -134,6 +134,7 @@ def test_apply_bitmask_matches_torch(kernels, dtype):
     V, rows = 1000, [0, 2, 3]
     mask = torch.randint(-(2**31), 2**31 - 1, (len(rows), -(-V // 32)), dtype=torch.int32)
     mask[1, 5:10] = -1  # every token of those words allowed
+    mask[0, 3:6] = 0  # every token of those words blocked
     logits = torch.randn(5, V).to(dtype)
     want = logits.clone()
     apply_bitmask_torch(want, rows, mask)

@@ -576,7 +576,22 @@ static void bitmask_kernel(T* logits, int64_t ld, const int64_t* rows, const int
     for (int64_t i = begin; i < end; ++i) {
       T* row = logits + rows[i] * ld;
       const uint32_t* m = reinterpret_cast<const uint32_t*>(mask + i * W);
-      for (int64_t w = 0; w < W; ++w) {
+      int64_t w = 0;
+#if defined(__AVX512F__)
+      // Whole words inside the vocabulary: one masked store per 16 tokens instead of one store
+      // per blocked token (a JSON grammar's mask blocks most of a 152k vocabulary).
+      if (sizeof(T) == 4) {
+        const __m512 ninf = _mm512_set1_ps(-INFINITY);
+        for (; w < W && w * 32 + 32 <= V; ++w) {
+          const uint32_t blocked = ~m[w];
+          if (blocked == 0) continue;
+          float* r = reinterpret_cast<float*>(row) + w * 32;
+          _mm512_mask_storeu_ps(r, static_cast<__mmask16>(blocked & 0xffff), ninf);
+          _mm512_mask_storeu_ps(r + 16, static_cast<__mmask16>(blocked >> 16), ninf);
+        }
+      }
+#endif
+      for (; w < W; ++w) {
         uint32_t blocked = ~m[w];
         while (blocked) {
           const int64_t t = w * 32 + __builtin_ctz(blocked);
