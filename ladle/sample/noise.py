@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from ladle.runner import cpu_kernels
+
 _M32 = 0xFFFFFFFF
 
 
@@ -95,6 +97,16 @@ class SeededNoise:
         tk = self.token_key[None, :] if token_ids is None else self.token_key[token_ids]
         shape = (seeds.shape[0], tk.shape[1])
         h, tmp, out = self._buffers(shape)
+        kern = cpu_kernels.kernels_for(out)
+        if kern is not None:  # the same uniforms, bit for bit, in one pass
+            kern.noise_uniform(tk.expand(shape), k1.contiguous(), k2.contiguous(), out)
+        else:
+            self._uniform_torch(tk, k1, k2, h, tmp, out)
+        return out.log_().neg_()
+
+    @staticmethod
+    def _uniform_torch(tk, k1, k2, h, tmp, out) -> None:
+        """The kernel's twin: out = uniforms in (0, 1) from the hash of (token key, row keys)."""
         torch.bitwise_xor(tk, k1[:, None], out=h)
         h.add_(k2[:, None])
         _fmix32_(h, tmp)
@@ -102,5 +114,4 @@ class SeededNoise:
         # the top value rounds to 1.0 and a masked token's 0 / 0 would win the race).
         h.bitwise_right_shift_(9).bitwise_and_(0x7FFFFF)
         torch.add(h, 0.5, out=out)
-        out.mul_(1.0 / (1 << 23)).log_().neg_()
-        return out
+        out.mul_(1.0 / (1 << 23))
