@@ -220,10 +220,11 @@ def test_logprob_stats_match_torch(kernels):
     from ladle.sample.sampler import logprob_stats, logprob_stats_torch
 
     torch.manual_seed(9)
-    src = torch.randn(4, 5000) * 3
+    src = torch.randn(4, 5003) * 3  # 16-lane chunks and a scalar tail
     src[1, ::2] = float("-inf")  # masked tokens
+    src[3, :4000] = float("-inf")  # a row masked down to its tail
     src[2, 7] = src[2, 9]  # a tie with the chosen token does not count as better
-    chosen = torch.tensor([0, 4, 9, 4999])
+    chosen = torch.tensor([0, 4, 9, 5001])
     for got, want in zip(logprob_stats(src, chosen), logprob_stats_torch(src, chosen),
                          strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

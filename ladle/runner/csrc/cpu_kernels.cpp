@@ -713,6 +713,9 @@ void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, tor
 // for exp(r) (the Cephes expf coefficients), then scalef by 2^n, which gives inf above ~88.7,
 // 0 below ~-103 and passes NaN through, as std::exp does.
 static inline __m512 exp16(__m512 x) {
+  // Clamped first so that +-inf give inf and 0 (not inf - inf in the reduction); the second
+  // operand is returned for NaN, so NaN stays NaN.
+  x = _mm512_min_ps(_mm512_set1_ps(89.f), _mm512_max_ps(_mm512_set1_ps(-104.f), x));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -848,7 +851,19 @@ std::vector<torch::Tensor> logprob_stats(torch::Tensor src, torch::Tensor chosen
       if (mx == -INFINITY) {
         o_lse[n] = -INFINITY;
       } else {
-        for (int64_t v = 0; v < V; ++v) {
+        int64_t v = 0;
+#if defined(__AVX512F__)
+        // 16 lanes: the vector exp (within an ulp of std::exp) and a mask count for the rank.
+        __m512 vs = _mm512_setzero_ps();
+        const __m512 vmx = _mm512_set1_ps(mx), vc = _mm512_set1_ps(c);
+        for (; v + 16 <= V; v += 16) {
+          const __m512 xv = _mm512_loadu_ps(x + v);
+          vs = _mm512_add_ps(vs, exp16(_mm512_sub_ps(xv, vmx)));
+          above += __builtin_popcount(_mm512_cmp_ps_mask(xv, vc, _CMP_GT_OQ));
+        }
+        sum = _mm512_reduce_add_ps(vs);
+#endif
+        for (; v < V; ++v) {
           sum += std::exp(x[v] - mx);
           above += x[v] > c;
         }
