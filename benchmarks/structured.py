@@ -90,7 +90,7 @@ def main():
             c_tps, lengths, step_s, fill_s = run(llm, n, True, None)
             f_tps, _, _, _ = run(llm, n, False, lengths)
             rows.append((c_tps, f_tps, c_tps / f_tps, step_s, fill_s))
-        c_tps, f_tps, ratio, step_s, fill_s = (statistics.median(col) for col in zip(*rows))
+        c_tps, f_tps, ratio, step_s, fill_s = (statistics.median(col) for col in zip(*rows, strict=True))
         print(f"{n:>5} {c_tps:>11.1f} {f_tps:>11.1f} {ratio:>6.2f} "
               f"{step_s * 1000:>8.1f} {fill_s * 1000:>16.2f}", flush=True)
 
