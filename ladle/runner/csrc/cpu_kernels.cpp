@@ -816,13 +816,18 @@ void apply_penalties(torch::Tensor logits, torch::Tensor counts, torch::Tensor p
       const float* p = P + r * V;
       const bool* sn = S + r * V;
       const float rp = rep[r], inv_rp = 1.f / rep[r], f = freq[r], pr = pres[r];
-      if (use_rep)
-        for (int64_t v = 0; v < V; ++v)
-          if (sn[v]) l[v] *= l[v] > 0.f ? inv_rp : rp;
-      if (use_freq && f != 0.f)
-        for (int64_t v = 0; v < V; ++v) l[v] -= c[v] * f;
-      if (use_pres && pr != 0.f)
-        for (int64_t v = 0; v < V; ++v) l[v] -= p[v] * pr;
+      const bool do_freq = use_freq && f != 0.f, do_pres = use_pres && pr != 0.f;
+      // One pass over the row, the three penalties in the twin's order; presence is read from
+      // the counts (a token is present when its count is positive) rather than from `present`,
+      // a fifth of the memory traffic less.
+      (void)p;
+      for (int64_t v = 0; v < V; ++v) {
+        float x = l[v];
+        if (use_rep && sn[v]) x *= x > 0.f ? inv_rp : rp;
+        if (do_freq) x -= c[v] * f;
+        if (do_pres && c[v] > 0.f) x -= pr;
+        l[v] = x;
+      }
     }
   });
 }
