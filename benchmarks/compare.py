@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -104,6 +105,22 @@ def prompts(n: int, length: int = PROMPT_LEN, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(1000, 100000) for _ in range(length)] for _ in range(n)]
 
 
+@dataclass(frozen=True)
+class SinglePrompts:
+    """The single-stream prompts, none of them in the batch: each TTFT repetition and the decode
+    run get a prompt of their own, so no system answers from a cached prefix (ladle's prefix
+    cache would otherwise serve a repeated prompt without a prefill)."""
+
+    warm_up: list[int]
+    ttft: list[list[int]]
+    decode: list[int]
+
+
+def single_prompts() -> SinglePrompts:
+    p = prompts(5, seed=2)  # seed 1: the server prompts
+    return SinglePrompts(warm_up=p[0][:16], ttft=p[1:4], decode=p[4])
+
+
 # --- Workers: one system, one model, one process; print one JSON line. ----------------------
 
 def worker_ladle(path, dtype, cases):
@@ -111,17 +128,17 @@ def worker_ladle(path, dtype, cases):
 
     llm = LLM(str(path), dtype=dtype, max_num_seqs=BATCH, max_model_len=512,
               max_num_batched_tokens=2048, kv_cache_memory="2GiB")
-    p = prompts(BATCH)
+    p, single = prompts(BATCH), single_prompts()
 
     def run(ps, n):
         return llm.generate(ps, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
 
-    run([p[0][:16]], 4)  # warm-up
+    run([single.warm_up], 4)
     out = {}
     if "single" in cases:
-        ttft = _median_time(lambda: run([p[1]], 1))
+        ttft = _median_over(lambda q: run([q], 1), single.ttft)
         t = time.perf_counter()
-        run([p[2]], DECODE_TOKENS + 1)
+        run([single.decode], DECODE_TOKENS + 1)
         out["ttft_ms"] = ttft * 1e3
         out["decode_tps"] = DECODE_TOKENS / (time.perf_counter() - t - ttft)
     if "batch" in cases:
@@ -137,7 +154,7 @@ def worker_hf(path, dtype, cases):
     import transformers as tf
 
     model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-    p = prompts(BATCH)
+    p, single = prompts(BATCH), single_prompts()
 
     @torch.inference_mode()
     def run(ps, n):
@@ -145,12 +162,12 @@ def worker_hf(path, dtype, cases):
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                               min_new_tokens=n, do_sample=False, pad_token_id=0)
 
-    run([p[0][:16]], 4)
+    run([single.warm_up], 4)
     out = {}
     if "single" in cases:
-        ttft = _median_time(lambda: run([p[1]], 1))
+        ttft = _median_over(lambda q: run([q], 1), single.ttft)
         t = time.perf_counter()
-        run([p[2]], DECODE_TOKENS + 1)
+        run([single.decode], DECODE_TOKENS + 1)
         out["ttft_ms"] = ttft * 1e3
         out["decode_tps"] = DECODE_TOKENS / (time.perf_counter() - t - ttft)
     if "batch" in cases:
@@ -167,19 +184,19 @@ def worker_llama(path, outtype, cases):
 
     llm = Llama(model_path=str(path), n_ctx=512, n_batch=512, n_threads=os.cpu_count(),
                 verbose=False)
-    p = prompts(BATCH)
+    single = single_prompts()
 
     def run(ids, n):
         llm.reset()
         r = llm.create_completion(prompt=ids, max_tokens=n, temperature=0.0)
         return r["usage"]["completion_tokens"]
 
-    run(p[0][:16], 4)
+    run(single.warm_up, 4)
     out = {}
     if "single" in cases:
-        ttft = _median_time(lambda: run(p[1], 1))
+        ttft = _median_over(lambda q: run(q, 1), single.ttft)
         t = time.perf_counter()
-        n = run(p[2], DECODE_TOKENS + 1)
+        n = run(single.decode, DECODE_TOKENS + 1)
         out["ttft_ms"] = ttft * 1e3
         out["decode_tps"] = (n - 1) / (time.perf_counter() - t - ttft)
     return out
@@ -190,6 +207,16 @@ def _median_time(fn, reps=3) -> float:
     for _ in range(reps):
         t = time.perf_counter()
         fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def _median_over(fn, inputs) -> float:
+    """Median time of fn(x) over the inputs."""
+    ts = []
+    for x in inputs:
+        t = time.perf_counter()
+        fn(x)
         ts.append(time.perf_counter() - t)
     return statistics.median(ts)
 
@@ -482,6 +509,11 @@ def report(name, dtype, path, results, limits):
         cells = [f"{v:8.1f}" if v is not None else f"{'-':>8}" for v in vals.values()]
         print(f"| {label:48} | {cells[0]} | {cells[1]:>12} | {cells[2]:>9} | {ratio('llama.cpp'):>15}"
               f" | {ratio('transformers'):>18} | {share} |")
+    itl, llama_tps = med("ladle", "srv_itl_med_ms"), med("llama.cpp", "decode_tps")
+    if itl is not None and llama_tps:
+        # What one client waits per token while 8 share ladle, against one alone on llama.cpp.
+        print(f"server median inter-token latency / llama.cpp single-stream inter-token latency: "
+              f"{itl:.1f} / {1e3 / llama_tps:.1f} ms = {itl * llama_tps / 1e3:.2f}x")
     sys.stdout.flush()
 
 
