@@ -590,6 +590,17 @@ static void bitmask_kernel(T* logits, int64_t ld, const int64_t* rows, const int
           _mm512_mask_storeu_ps(r + 16, static_cast<__mmask16>(blocked >> 16), ninf);
         }
       }
+#if defined(__AVX512BW__)
+      if (sizeof(T) == 2) {  // bfloat16: a whole word in one masked store of 32 halves
+        const __m512i ninf = _mm512_set1_epi16(static_cast<short>(0xFF80));
+        for (; w < W && w * 32 + 32 <= V; ++w) {
+          const uint32_t blocked = ~m[w];
+          if (blocked != 0)
+            _mm512_mask_storeu_epi16(reinterpret_cast<void*>(row + w * 32),
+                                     static_cast<__mmask32>(blocked), ninf);
+        }
+      }
+#endif
 #endif
       for (; w < W; ++w) {
         uint32_t blocked = ~m[w];
