@@ -119,7 +119,9 @@ class MinTokensProcessor(RowStateProcessor):
         # Rows left with no finite logit get their stop tokens back as they were (a stop token
         # the constraint forbids stays forbidden).
         empty = torch.zeros(logits.shape[0], dtype=torch.bool, device=dev)
-        empty[scan] = torch.isneginf(logits[scan].amax(dim=-1))
+        # The max of every row (one read pass) rather than of logits[scan]: that gather copies
+        # the rows, a fresh (rows, V) tensor that page-faults its whole size on CPU.
+        empty[scan] = torch.isneginf(logits.amax(dim=-1)[scan])
         logits[r, t] = torch.where(empty[r], kept, NEG_INF)
         return logits
 
