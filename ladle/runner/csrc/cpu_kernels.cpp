@@ -37,6 +37,45 @@ static inline __m512 load16(const at::BFloat16* p) {
 #endif
 
 #if defined(__AVX512F__)
+// exp(x) for 16 floats within ~1 ulp: x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial
+// for exp(r) (the Cephes expf coefficients), then scalef by 2^n, which gives inf above ~88.7,
+// 0 below ~-103 and passes NaN through, as std::exp does.
+static inline __m512 exp16(__m512 x) {
+  // Clamped first so that +-inf give inf and 0 (not inf - inf in the reduction); the second
+  // operand is returned for NaN, so NaN stays NaN.
+  x = _mm512_min_ps(_mm512_set1_ps(89.f), _mm512_max_ps(_mm512_set1_ps(-104.f), x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Round 16 floats to T's precision (bfloat16: to nearest even, NaN kept), returned as floats.
+static inline __m512 round_to(__m512 x, const float*) { return x; }
+static inline __m512 round_to(__m512 x, const at::BFloat16*) {
+  const __m512i b = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000)));
+}
+static inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+static inline void store16(at::BFloat16* p, __m512 x) {  // x already rounded: the top halves
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
+}
+#endif
+
+#if defined(__AVX512F__)
 // The four sums of a[0..3] in one __m128: one shuffle tree for four outputs instead of four
 // full horizontal reductions (a reduction costs about a quarter of a K=1024 dot product).
 static inline __m128 hsum4(const __m512* a) {
@@ -50,12 +89,26 @@ static inline __m128 hsum4(const __m512* a) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+// Cached rows this many tokens ahead are prefetched into L1, and each job prefetches the next
+// job's keys and values into L2: a sequence's blocks lie anywhere in the cache, so the hardware
+// prefetcher loses the stream at every block boundary. Measured on a Zen 4 at 32 sequences x
+// 192 tokens (Qwen3-0.6B heads), with the vector softmax: 1.98 -> 1.35 ms per layer.
+constexpr int64_t kPrefetchTokens = 8;
+
+template <typename T>
+static inline void prefetch_rows(const T* const* rows, int64_t begin, int64_t end, int64_t D) {
+  for (int64_t t = begin; t < end; ++t)
+    for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rows[t]) + b, _MM_HINT_T0);
+}
+
 // scores[t] = q . keys[t] for n keys (row pointers), four keys per shuffle-tree reduction.
 template <typename T>
 static inline void key_scores(const float* q, const T* const* keys, int64_t n, int64_t D,
                               float* scores) {
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) {
+    prefetch_rows(keys, t + kPrefetchTokens, std::min(n, t + kPrefetchTokens + 4), D);
     __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                    _mm512_setzero_ps()};
     for (int64_t d = 0; d < D; d += 16) {
@@ -80,6 +133,7 @@ static inline void weighted_values(const float* p, int64_t n, const T* const* va
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < P; ++c) a[g][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < n; ++t) {
+    if (t + kPrefetchTokens < n) prefetch_rows(values, t + kPrefetchTokens, t + kPrefetchTokens + 1, D);
     __m512 pg[GB];
     for (int g = 0; g < GB; ++g) pg[g] = _mm512_set1_ps(p[g * n + t]);
     for (int c = 0; c < P; ++c) {
@@ -101,6 +155,35 @@ static void weighted_values_all(const float* p, int64_t n, const T* const* value
     }
 }
 #endif
+
+// x[0..n) = softmax(x), in float32; 16 lanes at a time with the vector exp where available.
+static inline void softmax_in_place(float* x, int64_t n) {
+  float mx = -INFINITY, sum = 0.f;
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  __m512 vm = _mm512_set1_ps(-INFINITY);
+  for (; t + 16 <= n; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(x + t));
+  mx = _mm512_reduce_max_ps(vm);
+#endif
+  for (; t < n; ++t) mx = std::max(mx, x[t]);
+  t = 0;
+#if defined(__AVX512F__)
+  __m512 vs = _mm512_setzero_ps();
+  const __m512 vmx = _mm512_set1_ps(mx);
+  for (; t + 16 <= n; t += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + t), vmx));
+    _mm512_storeu_ps(x + t, e);
+    vs = _mm512_add_ps(vs, e);
+  }
+  sum = _mm512_reduce_add_ps(vs);
+#endif
+  for (; t < n; ++t) {
+    x[t] = std::exp(x[t] - mx);
+    sum += x[t];
+  }
+  const float inv = 1.f / sum;
+  for (t = 0; t < n; ++t) x[t] *= inv;
+}
 
 // One (sequence, KV head): out[g] = softmax(q[g] . K^T) V for its G query heads, in float32.
 // qf: (G, D) queries already scaled; keys/values: row pointers of the n cached tokens; scores:
@@ -124,14 +207,7 @@ static void attend(const float* qf, const T* const* keys, const T* const* values
         for (int64_t d = 0; d < D; ++d) dot += qf[g * D + d] * to_f(keys[t][d]);
         sg[t] = dot;
       }
-    float mx = -INFINITY, sum = 0.f;
-    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
-    for (int64_t t = 0; t < n; ++t) {
-      sg[t] = std::exp(sg[t] - mx);
-      sum += sg[t];
-    }
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < n; ++t) sg[t] *= inv;
+    softmax_in_place(sg, n);
   }
 #if defined(__AVX512F__)
   if (vec) {
@@ -169,13 +245,29 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* b
     for (int64_t job = begin; job < end; ++job) {
       const int64_t b = job / KVH, h = job % KVH;
       const int64_t n = ctx[b];
+#if defined(__AVX512F__)
+      if (job + 1 < end) {  // the next job's keys and values into L2 while this one runs
+        const int64_t nb = job + 1, b2 = nb / KVH, h2 = nb % KVH;
+        const int64_t bytes = bs * D * static_cast<int64_t>(sizeof(T));
+        for (int64_t t0 = 0; t0 < ctx[b2]; t0 += bs) {
+          const int64_t base = (bt[b2 * max_blocks + t0 / bs] * KVH + h2) * bs * D;
+          const int64_t len = std::min<int64_t>(bytes, (ctx[b2] - t0) * D * sizeof(T));
+          for (int64_t o = 0; o < len; o += 64) {
+            _mm_prefetch(reinterpret_cast<const char*>(kc + base) + o, _MM_HINT_T1);
+            _mm_prefetch(reinterpret_cast<const char*>(vc + base) + o, _MM_HINT_T1);
+          }
+        }
+      }
+#endif
       scores.resize(G * n);
       keys.resize(n);
       values.resize(n);
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t row = ((bt[b * max_blocks + t / bs] * KVH + h) * bs + t % bs) * D;
-        keys[t] = kc + row;
-        values[t] = vc + row;
+      for (int64_t t0 = 0; t0 < n; t0 += bs) {  // block by block: no division per token
+        const int64_t base = (bt[b * max_blocks + t0 / bs] * KVH + h) * bs * D;
+        for (int64_t t = t0, row = base; t < std::min(n, t0 + bs); ++t, row += D) {
+          keys[t] = kc + row;
+          values[t] = vc + row;
+        }
       }
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
@@ -719,44 +811,6 @@ void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, tor
     }
 }
 
-#if defined(__AVX512F__)
-// exp(x) for 16 floats within ~1 ulp: x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial
-// for exp(r) (the Cephes expf coefficients), then scalef by 2^n, which gives inf above ~88.7,
-// 0 below ~-103 and passes NaN through, as std::exp does.
-static inline __m512 exp16(__m512 x) {
-  // Clamped first so that +-inf give inf and 0 (not inf - inf in the reduction); the second
-  // operand is returned for NaN, so NaN stays NaN.
-  x = _mm512_min_ps(_mm512_set1_ps(89.f), _mm512_max_ps(_mm512_set1_ps(-104.f), x));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-// Round 16 floats to T's precision (bfloat16: to nearest even, NaN kept), returned as floats.
-static inline __m512 round_to(__m512 x, const float*) { return x; }
-static inline __m512 round_to(__m512 x, const at::BFloat16*) {
-  const __m512i b = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000)));
-}
-static inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-static inline void store16(at::BFloat16* p, __m512 x) {  // x already rounded: the top halves
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
-}
-#endif
 
 template <typename T>
 static void silu_mul_kernel(const T* x, T* out, int64_t R, int64_t I, int64_t ldx) {
