@@ -137,7 +137,7 @@ class EngineCore:
         self.structured = StructuredOutputManager(
             self.tokenizer, self.vocab_size, eos, config.structured_outputs_backend,
             self.reasoning, config.max_num_seqs, config.structured_outputs_compile_timeout,
-            config.structured_outputs_cache_bytes)
+            config.structured_outputs_cache_bytes, overlap_fill=device.type != "cpu")
         self.structured.warm_up()  # before ready, not inside the first constrained step
         self.hf_config = hf_config
         self.num_steps = 0
