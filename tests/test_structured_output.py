@@ -240,7 +240,11 @@ def test_thinking_is_unconstrained_then_answer_validates():
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
-def test_applied_mask_equals_backend_matcher_mask(llm, backend):
+# Inline is the CPU path; the worker thread is the accelerator path (it overlaps the forward).
+@pytest.mark.parametrize("overlap", [False, True], ids=["inline", "thread"])
+def test_applied_mask_equals_backend_matcher_mask(llm, backend, overlap, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
     import llguidance
     import llguidance.torch
     import xgrammar as xgr
@@ -265,7 +269,13 @@ def test_applied_mask_equals_backend_matcher_mask(llm, backend):
             time.sleep(0.01)
         assert r.grammar.matcher.accept_tokens(prefix)
     # Row 0 is not sampling this step (a prefill chunk): only row 1 is masked.
-    rows, mask = mgr.submit_bitmask(reqs, [False, True]).result()
+    pool = ThreadPoolExecutor(max_workers=1) if overlap else None
+    monkeypatch.setattr(mgr, "fill_pool", pool)
+    try:
+        rows, mask = mgr.submit_bitmask(reqs, [False, True]).result()
+    finally:
+        if pool is not None:
+            pool.shutdown()
     assert rows == [1]
     if backend == "xgrammar":
         ref = xgr.GrammarMatcher(compiled)
