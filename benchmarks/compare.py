@@ -246,11 +246,14 @@ def free_port() -> int:
 
 
 def start_server(cmd: list[str], url: str, log: Path, timeout=600,
-                 ready_path="/health") -> subprocess.Popen:
+                 ready_path="/health", env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start cmd in its own process group (stop_server ends its children too) and wait for
+    ready_path to answer 200; env: extra environment variables."""
     import httpx
 
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+                            stdin=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, **env} if env else None)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -16,34 +16,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import httpx
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from serve import run_level, summarize, workload  # noqa: E402 - a sibling script
+import compare  # noqa: E402 - sibling scripts
+from compare import free_port, stop_server  # noqa: E402
+from serve import run_level, summarize, workload  # noqa: E402
 
 
 def resolve_model(name: str) -> tuple[str, str]:
     """(checkpoint, dtype) for a name: tiny / 0.6b build random checkpoints once (as
     benchmarks/compare.py does); anything else is passed to `ladle serve` as it is."""
     if name in ("tiny", "0.6b"):
-        from compare import MODELS, checkpoint
-
-        return str(checkpoint(name)), MODELS[name][1]
+        return str(compare.checkpoint(name)), compare.MODELS[name][1]
     return name, "auto"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(model: str, dtype: str, dp: int, max_model_len: int,
@@ -53,32 +43,9 @@ def start_server(model: str, dtype: str, dp: int, max_model_len: int,
            "--dtype", dtype, "--max-model-len", str(max_model_len), "--data-parallel-size",
            str(dp), "--disable-access-log", "--disable-log-stats", "--uvicorn-log-level",
            "warning"]
-    log = tempfile.NamedTemporaryFile("w+", prefix=f"ladle-bench-dp{dp}-", suffix=".log",
-                                      delete=False)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env={**os.environ, **env} if env else None)
+    log = Path(tempfile.mkdtemp(prefix="ladle-bench-")) / f"dp{dp}.log"
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server (-dp {dp}) exited with {proc.returncode}; see {log.name}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    stop_server(proc)
-    raise RuntimeError(f"server (-dp {dp}) did not become healthy; see {log.name}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    return compare.start_server(cmd, url, log, env=env), url
 
 
 async def one_pass(url: str, model: str, prompts: list[list[int]], output_len: int) -> dict:
