@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import ARCHS, make_checkpoint
+from test_engine_numerics import run
 from test_server import API_KEY, MODEL, RemoteServer, child_pids, is_alive
 from test_server_engine_death import kill_engine_while_serving
 
@@ -38,20 +39,7 @@ def engine(path, tp: int, **kw) -> EngineCore:
 
 def greedy(eng: EngineCore, prompts):
     """Greedy-decode the prompts as one batch; tokens and per-step logits by request."""
-    for i, p in enumerate(prompts):
-        eng.add_request(EngineCoreRequest(
-            str(i), p, SamplingParams(temperature=0, max_tokens=NUM_DECODE), [], 0.0))
-    tokens = {str(i): [] for i in range(len(prompts))}
-    logits = {str(i): [] for i in range(len(prompts))}
-    while eng.has_unfinished_requests():
-        outs = eng.step()
-        emitted = {o.req_id for o in outs}
-        for o in outs:
-            tokens[o.req_id] += o.new_token_ids
-        for row, rid in enumerate(eng.last_req_ids):
-            if rid in emitted:
-                logits[rid].append(eng.last_logits[row])
-    return list(tokens.values()), [torch.stack(v) for v in logits.values()]
+    return run(eng, prompts, max_tokens=NUM_DECODE)
 
 
 def kv_bytes(eng: EngineCore) -> int:
