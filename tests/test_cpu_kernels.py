@@ -206,7 +206,6 @@ def test_penalties_match_torch(kernels):
     state = PenaltyState(4, V, torch.device("cpu"))
     state._allocate()
     state.counts[:R] = torch.randint(0, 3, (R, V)).float()
-    state.present[:R] = (state.counts[:R] > 0).float()
     state.seen[:R] = torch.rand(R, V) < 0.3
     rep, freq, pres = torch.tensor([1.3, 1.0, 0.7]), torch.tensor([0.2, 0.0, 0.5]), \
         torch.tensor([0.0, 0.4, 0.1])

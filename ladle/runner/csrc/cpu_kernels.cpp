@@ -857,19 +857,18 @@ torch::Tensor silu_mul(torch::Tensor x) {
 // Sampler passes over (rows, vocab) float32 logits, one read of each row instead of one per
 // torch op (each pass over 64 x 152k floats is ~40 MB of memory traffic).
 
-void apply_penalties(torch::Tensor logits, torch::Tensor counts, torch::Tensor present,
-                     torch::Tensor seen, torch::Tensor repetition, torch::Tensor frequency,
+void apply_penalties(torch::Tensor logits, torch::Tensor counts, torch::Tensor seen, torch::Tensor repetition, torch::Tensor frequency,
                      torch::Tensor presence, bool use_rep, bool use_freq, bool use_pres) {
-  // logits: (R, V) float32 contiguous, in place; counts / present: (>= R, V) float32; seen:
-  // (>= R, V) bool; penalties: (R,) float32. Same arithmetic as PenaltyState.apply's torch ops:
-  // seen logits times (1 / rep) if positive else rep, then minus freq * count and pres * present.
+  // logits: (R, V) float32 contiguous, in place; counts: (>= R, V) float32; seen: (>= R, V)
+  // bool; penalties: (R,) float32. Same arithmetic as PenaltyState.apply_torch: seen logits
+  // times (1 / rep) if positive else rep, then minus freq * count, then minus pres where the
+  // count is positive.
   TORCH_CHECK(logits.is_contiguous() && logits.scalar_type() == at::kFloat, "penalties: logits");
-  TORCH_CHECK(counts.is_contiguous() && present.is_contiguous() && seen.is_contiguous(),
+  TORCH_CHECK(counts.is_contiguous() && seen.is_contiguous(),
               "penalties: state layout");
   const int64_t R = logits.size(0), V = logits.size(1);
   float* L = logits.data_ptr<float>();
   const float* C = counts.data_ptr<float>();
-  const float* P = present.data_ptr<float>();
   const bool* S = seen.data_ptr<bool>();
   const float* rep = repetition.data_ptr<float>();
   const float* freq = frequency.data_ptr<float>();
@@ -878,14 +877,10 @@ void apply_penalties(torch::Tensor logits, torch::Tensor counts, torch::Tensor p
     for (int64_t r = begin; r < end; ++r) {
       float* l = L + r * V;
       const float* c = C + r * V;
-      const float* p = P + r * V;
       const bool* sn = S + r * V;
       const float rp = rep[r], inv_rp = 1.f / rep[r], f = freq[r], pr = pres[r];
       const bool do_freq = use_freq && f != 0.f, do_pres = use_pres && pr != 0.f;
-      // One pass over the row, the three penalties in the twin's order; presence is read from
-      // the counts (a token is present when its count is positive) rather than from `present`,
-      // a fifth of the memory traffic less.
-      (void)p;
+      // One pass over the row, the three penalties in the twin's order.
       for (int64_t v = 0; v < V; ++v) {
         float x = l[v];
         if (use_rep && sn[v]) x *= x > 0.f ? inv_rp : rp;
