@@ -197,3 +197,28 @@ def test_killed_worker_fails_requests_and_ends_the_server():
     while any(is_alive(p) for p in [engine_pid, *workers]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in [engine_pid, *workers] if is_alive(p)], "orphans left"
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(tensor_parallel_size=0), "tensor_parallel_size: must be an integer >= 1"),
+    (dict(tensor_parallel_size=1.5), "tensor_parallel_size: must be an integer >= 1"),
+    (dict(distributed_executor_backend="mpi"), "distributed_executor_backend: 'mpi'; accepted"),
+    (dict(distributed_timeout=0), "distributed_timeout: must be a positive number"),
+    (dict(distributed_timeout=float("inf")), "distributed_timeout: must be a positive number"),
+])
+def test_bad_distributed_settings_are_errors_naming_the_parameter(kw, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kw)
+
+
+def test_bad_distributed_flags_are_usage_errors(capsys):
+    from ladle.entrypoints.cli import parse_serve_args
+
+    for argv, message in [(["-tp", "0"], "must be >= 1"),
+                          (["--distributed-executor-backend", "mpi"], "invalid choice: 'mpi'"),
+                          (["--distributed-timeout", "-1"], "distributed_timeout: must be a "
+                                                             "positive number of seconds")]:
+        with pytest.raises(SystemExit) as e:
+            parse_serve_args(argv)
+        assert e.value.code == 2
+        assert message in capsys.readouterr().err

@@ -311,6 +311,14 @@ def parse_serve_args(argv: list[str]) -> argparse.Namespace:
         serve.error(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
     args.model = args.model or args.model_tag or "ladle-demo"
     args.command = "serve"
+    # The engine settings' own checks (EngineConfig) as usage errors now, not a traceback when
+    # the server builds its engine.
+    from ladle.entrypoints.api_server import engine_config_from_args
+
+    try:
+        engine_config_from_args(args)
+    except ValueError as e:
+        serve.error(str(e))
     return args
 
 
