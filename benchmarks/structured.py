@@ -1,8 +1,8 @@
 """Structured-output cost, in one script: output tokens/s with every request under a JSON schema
 against the same requests unconstrained (same prompts, same output lengths, ignore_eos), at 1, 8
 and 32 concurrent requests, as medians of interleaved repetitions; cold and cached compile times;
-bitmask time per step next to the step time (the bitmask is filled in a worker thread while the
-forward runs).
+bitmask time per step next to the step time (on CPU the bitmask is filled between forwards; on an
+accelerator in a worker thread while the forward runs).
 
     python benchmarks/structured.py [--model ladle-demo | --model qwen3-0.6b]
 """

@@ -60,10 +60,11 @@ def test_linear_dispatch_uses_torch_for_many_rows(kernels):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_matches_torch(kernels, dtype):
+@pytest.mark.parametrize("dim", [256, 200, 8])  # 16-lane chunks, chunks + a tail, a tail only
+def test_rms_norm_matches_torch(kernels, dtype, dim):
     torch.manual_seed(0)
-    x = torch.randn(7, 256).to(dtype)
-    w = torch.randn(256).to(dtype)
+    x = torch.randn(7, dim).to(dtype)
+    w = torch.randn(dim).to(dtype)
     torch.testing.assert_close(kernels.rms_norm(x, None, w, 1e-6),
                                cpu_kernels.rms_norm_torch(x, w, 1e-6), **TOL[dtype])
     # Heads of q inside the qkv output: (T, H, D) with a row stride wider than H * D.
@@ -75,10 +76,11 @@ def test_rms_norm_matches_torch(kernels, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_add_rms_norm_matches_torch(kernels, dtype):
+@pytest.mark.parametrize("dim", [128, 1000])
+def test_add_rms_norm_matches_torch(kernels, dtype, dim):
     torch.manual_seed(1)
-    x, res = torch.randn(6, 128).to(dtype), torch.randn(6, 128).to(dtype)
-    w = torch.randn(128).to(dtype)
+    x, res = torch.randn(6, dim).to(dtype), torch.randn(6, dim).to(dtype)
+    w = torch.randn(dim).to(dtype)
     want_out, want_sum = cpu_kernels.rms_norm_torch(res + x, w, 1e-6), res + x
     res_k = res.clone()
     out = kernels.rms_norm(x, res_k, w, 1e-6)
@@ -150,9 +152,10 @@ def _rope_tables(D, P=64):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_qk_norm_rotary_matches_torch(kernels, dtype):
+@pytest.mark.parametrize("D", [32, 40, 128])  # rotary halves of 16, 16 + a tail of 4, 4 x 16
+def test_qk_norm_rotary_matches_torch(kernels, dtype, D):
     torch.manual_seed(5)
-    T, H, KVH, D = 4, 4, 2, 32
+    T, H, KVH = 4, 4, 2
     cos, sin = _rope_tables(D)
     pos = torch.tensor([0, 9, 33, 2])
     qkv = torch.randn(T, (H + 2 * KVH) * D).to(dtype)
@@ -287,3 +290,53 @@ def test_noise_uniform_is_bit_identical_to_torch(kernels, gathered):
         cpu_kernels._loaded["module"] = kernels
     assert torch.equal(got, want)
     assert (got > 0).all() and torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("vocab", [1003, 4096])  # 16-lane chunks with and without a tail
+def test_seeded_race_matches_its_twin(kernels, vocab):
+    """The fused seeded race picks the token the twin (softmax, the seeded Exp(1) noise, the
+    quotient's argmax) picks, on rows that are dense, masked to a few tokens, masked to one,
+    all -inf, or hold a NaN or +inf (both give 0, like the twin's argmax over NaN)."""
+    from ladle.sample.noise import SeededNoise
+
+    torch.manual_seed(10)
+    R = 64
+    noise = SeededNoise(vocab, torch.device("cpu"))
+    x = torch.randn(R, vocab) * 4
+    x[1, 40:] = float("-inf")
+    x[2] = float("-inf")
+    x[2, vocab - 1] = 0.25  # the only token left, in the tail
+    x[3, ::3] = float("-inf")
+    x[4] = float("-inf")
+    x[5, 17] = float("nan")
+    x[6, 900] = float("inf")
+    x[7] = x[7] * 1e-3  # nearly uniform: the noise decides
+    seeds = torch.randint(-(2**62), 2**62, (R,))
+    positions = torch.randint(0, 5000, (R,))
+    got = kernels.seeded_race(x, noise.token_key, *(k.contiguous() for k in
+                                                     noise.row_keys(seeds, positions)))
+    want = noise.race_torch(x, seeds, positions)
+    assert torch.equal(got, want)
+    assert got[2] == vocab - 1 and got[4] == 0 and got[5] == 0 and got[6] == 0
+    assert torch.equal(noise.race(x, seeds, positions), want)  # the dispatcher takes the kernel
+
+
+def test_seeded_race_frequencies_match_softmax(kernels):
+    """Over many output positions the fused race draws each token with its softmax probability
+    (within 5 standard errors), also when most of the row is masked."""
+    from ladle.sample.noise import SeededNoise
+
+    V, N = 300, 20000
+    noise = SeededNoise(V, torch.device("cpu"))
+    g = torch.Generator().manual_seed(12)
+    row = torch.randn(V, generator=g) * 1.5
+    row[::2] = float("-inf")
+    probs = torch.softmax(row, dim=-1)
+    x = row.expand(N, V).contiguous()
+    seeds = torch.full((N,), 77, dtype=torch.int64)
+    counts = torch.bincount(kernels.seeded_race(x, noise.token_key, *(
+        k.contiguous() for k in noise.row_keys(seeds, torch.arange(N)))), minlength=V)
+    freq = counts.double() / N
+    se = (probs.double() * (1 - probs.double()) / N).sqrt()
+    assert (counts[::2] == 0).all()
+    assert ((freq - probs.double()).abs() <= 5 * se + 1e-9).all()

@@ -1,4 +1,5 @@
-"""Counter-based exponential noise for seeded sampling.
+"""Counter-based exponential noise for sampling (seeded rows; unseeded rows hash a fresh random
+seed each step).
 
 The noise for token j of a request's k-th output token is a hash of (seed, k, j), computed for all
 rows at once with integer tensor ops. A seeded request therefore draws the same sample alone, in
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ladle.runner import cpu_kernels
+from ladle.sample.ops import race
 
 _M32 = 0xFFFFFFFF
 
@@ -103,6 +105,20 @@ class SeededNoise:
         else:
             self._uniform_torch(tk, k1, k2, h, tmp, out)
         return out.log_().neg_()
+
+    def race(self, logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+             stream: int = TOKEN_STREAM) -> torch.Tensor:
+        """The sampled token of each row of (R, V) logits: the exponential race of
+        softmax(logits) against this noise. On CPU one fused kernel pass, which hashes only the
+        tokens that are not -inf (a grammar mask removes most); race_torch is its twin."""
+        kern = cpu_kernels.kernels_for(logits)
+        if kern is not None and logits.dtype == torch.float32 and logits.is_contiguous():
+            k1, k2 = self.row_keys(seeds, positions, stream)
+            return kern.seeded_race(logits, self.token_key, k1.contiguous(), k2.contiguous())
+        return self.race_torch(logits, seeds, positions, stream)
+
+    def race_torch(self, logits, seeds, positions, stream: int = TOKEN_STREAM) -> torch.Tensor:
+        return race(torch.softmax(logits, dim=-1), self.exponential(seeds, positions, None, stream))
 
     @staticmethod
     def _uniform_torch(tk, k1, k2, h, tmp, out) -> None:

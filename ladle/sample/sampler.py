@@ -184,6 +184,16 @@ class Sampler:
             noise[rows] = self.noise.exponential(seeds[rows], positions[rows], sub_ids, stream)
         return noise
 
+    def _race_seeds(self, meta: SamplingMetadata) -> torch.Tensor:
+        """The seeds of the hashed noise for a race over full rows: a seeded row's own seed; an
+        unseeded row a fresh random one from the engine's generator every step, so its draws
+        are independent from step to step (and need no (rows, V) generator pass)."""
+        if meta.all_seeded:
+            return meta.seeds
+        fresh = torch.randint(-(2**63), 2**63 - 1, meta.seeds.shape, generator=self.generator,
+                              device=meta.seeds.device)
+        return torch.where(meta.has_seed, meta.seeds, fresh) if meta.any_seeded else fresh
+
     def _sample_random(self, logits, meta: SamplingMetadata, positions,
                        draft: DraftTest | None = None):
         """Returns the sampled ids and the final logits (what the token was drawn from; the
@@ -193,6 +203,8 @@ class Sampler:
                 return self.draw_noise(meta.seeds[rows], meta.has_seed[rows], positions[rows],
                                        ids, shape, stream)
         if not (meta.need_top_k or meta.need_top_p):
+            if draft is None:  # the race fused with its hashed noise
+                return self.noise.race(logits, self._race_seeds(meta), positions), logits
             probs = torch.softmax(logits, dim=-1)
             sampled = race(probs, self._noise(meta, positions, None, probs.shape))
             if draft is not None:
