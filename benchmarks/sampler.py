@@ -4,7 +4,11 @@
     logprobs),
   - all features with every row seeded and penalized (presence, frequency, repetition),
 and the penalty stage after 10, 500 and 4000 output tokens next to a history-histogram baseline
-(counts rebuilt from each row's full output history every step, as vLLM does), implemented here.
+(counts rebuilt from each row's full output history every step, as vLLM does), implemented here;
+and the settings most clients send (temperature alone; temperature with top_p = 0.9 and no
+top_k) next to a full-sort baseline (sort every row, top-p on the sorted row, softmax, race),
+on flat logits and on peaked ones whose nucleus is tens to hundreds of tokens, like a trained
+model's.
 
     python benchmarks/sampler.py [--rows 1 16 64 256]
 """
@@ -104,6 +108,45 @@ def bench_penalties(rows: int, history_len: int, steps: int = 5) -> tuple[float,
     return ours, base
 
 
+def client_params(kind: str) -> SamplingParams:
+    if kind == "temperature":
+        return SamplingParams(temperature=0.8, max_tokens=8000)
+    return SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8000)
+
+
+def full_sort_baseline(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """What this sampler did before the fused race and the top-p candidates (temperature
+    alone: softmax and the race over unsorted rows)."""
+    x = logits / 0.8
+    if top_p >= 1:
+        probs = torch.softmax(x, dim=-1)
+        return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+    vals, ids = x.sort(dim=-1, descending=True)
+    probs = torch.softmax(vals, dim=-1)
+    vals = vals.masked_fill(torch.cumsum(probs, dim=-1) - probs >= top_p, float("-inf"))
+    probs = torch.softmax(vals, dim=-1)
+    choice = (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+    return ids.gather(1, choice[:, None])
+
+
+def bench_client_settings(rows: int, steps: int) -> None:
+    g = torch.Generator().manual_seed(2)
+    for shape, scale in (("flat", 1.0), ("peaked", 5.0)):
+        logits = torch.randn(rows, V, generator=g) * scale
+        for kind in ("temperature", "top_p"):
+            h = Harness(V, max_rows=rows)
+            h.set_requests([(client_params(kind), [1, 2, 3], []) for _ in range(rows)])
+            ours = time_steps(h, logits, steps)
+            top_p = 0.9 if kind == "top_p" else 1.0
+            full_sort_baseline(logits, top_p)
+            t = time.perf_counter()
+            for _ in range(max(1, steps // 2)):
+                full_sort_baseline(logits, top_p)
+            base = (time.perf_counter() - t) / max(1, steps // 2) * 1000
+            print(f"{rows:>5} {shape:>7} {kind:>12} {ours:>9.2f} {base:>10.2f} "
+                  f"{base / ours:>6.1f}x", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
@@ -116,6 +159,10 @@ def main():
         ratio = r["seeded_penalized"] / r["greedy"]
         print(f"{rows:>5} {r['greedy']:>9.2f} {r['all_features']:>9.2f} "
               f"{r['seeded_penalized']:>10.2f} {ratio:>6.1f}x", flush=True)
+    print("\nclient settings, ms per sampler step: ladle vs the full-sort baseline")
+    print(f"{'rows':>5} {'logits':>7} {'setting':>12} {'ladle':>9} {'full sort':>10} {'ratio':>7}")
+    for rows in args.rows:
+        bench_client_settings(rows, args.steps)
     print("\npenalty stage at 64 rows, ms per step: ladle (incremental) vs history histogram")
     for n in (10, 500, 4000):
         ours, base = bench_penalties(64, n)

@@ -365,3 +365,28 @@ def test_adapter_wraps_per_request_callables():
     torch.testing.assert_close(got[0], r0)
     torch.testing.assert_close(got[1], logits[1])  # a row that did not ask is untouched
     assert seen_outputs[-1] == [4, 6]  # the callable sees the request's live output ids
+
+
+@pytest.mark.parametrize("scale", [0.5, 8.0])  # flat rows: a full sort; peaked: the candidates
+def test_mask_top_k_top_p_keeps_the_reference_sets(scale):
+    """The full-row mask keeps, per row, exactly the tokens of the per-row reference (sort,
+    top-k, then top-p on what is left), for rows with neither, either or both, in one batch
+    with a vocabulary larger than the first candidate level."""
+    from ladle.sample.ops import TOP_P_LEVELS, mask_top_k_top_p
+
+    vocab = 3 * TOP_P_LEVELS[1]
+    g = torch.Generator().manual_seed(21)
+    cases = [(0, 1.0), (0, 0.9), (0, 0.5), (0, 0.999), (40, 1.0), (40, 0.7), (5000, 0.95),
+             (0, 0.2), (1, 1.0), (0, 1e-6)]
+    logits = torch.randn(len(cases), vocab, generator=g) * scale
+    top_k = torch.tensor([k for k, _ in cases])
+    top_p = torch.tensor([p for _, p in cases], dtype=torch.float32)
+    want = [ref_top_k_top_p(row, k, p) for row, (k, p) in zip(logits, cases, strict=True)]
+    got = mask_top_k_top_p(logits.clone(), top_k, top_p)
+    for i, (row, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(torch.isfinite(row), torch.isfinite(w)), cases[i]
+        assert torch.equal(row[torch.isfinite(row)], w[torch.isfinite(w)]), cases[i]
+    # Only some rows restricted: the others are left as they were, in place.
+    x = logits.clone()
+    mask_top_k_top_p(x, torch.tensor([0] * 9 + [3]), torch.ones(len(cases)))
+    assert torch.equal(x[:9], logits[:9]) and int(torch.isfinite(x[9]).sum()) == 3

@@ -46,7 +46,7 @@ from ladle.sample.logits_processors.interface import (
 )
 from ladle.sample.metadata import SamplingMetadata
 from ladle.sample.noise import TOKEN_STREAM, SeededNoise
-from ladle.sample.ops import NEG_INF, race, restrict_top_k_top_p
+from ladle.sample.ops import NEG_INF, mask_top_k_top_p, race, restrict_top_k_top_p
 from ladle.sample.penalties import PenaltyState
 from ladle.sample.rejection import DraftTest, accept_or_resample
 
@@ -211,6 +211,11 @@ class Sampler:
                 sampled[draft.rows] = accept_or_resample(probs[draft.rows], None, draft,
                                                          test_noise)
             return sampled, logits
+        if draft is None and meta.candidate_k is None:
+            # Some row samples from the whole vocabulary or its top-p: mask the full rows (no
+            # full sort for a peaked distribution), then the same fused race.
+            logits = mask_top_k_top_p(logits, meta.top_k, meta.top_p)
+            return self.noise.race(logits, self._race_seeds(meta), positions), logits
         vals, ids = restrict_top_k_top_p(logits, meta.top_k, meta.top_p, meta.candidate_k,
                                          meta.need_top_p)
         probs = torch.softmax(vals, dim=-1)
