@@ -232,9 +232,20 @@ def test_logprob_stats_match_torch(kernels):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_logsumexp_matches_torch(kernels):
+    torch.manual_seed(13)
+    x = torch.randn(4, 5003) * 3
+    x[1, ::2] = float("-inf")
+    x[2] = float("-inf")  # an all -inf row: -inf
+    x[3, 4990:] += 50  # the maximum in the scalar tail
+    torch.testing.assert_close(cpu_kernels.logsumexp(x), torch.logsumexp(x, dim=-1),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_min_p_matches_torch(kernels):
     torch.manual_seed(10)
-    logits = torch.randn(3, 2000) * 2
+    logits = torch.randn(3, 2003) * 2  # 16-lane chunks and a tail
+    logits[2, 2001] = 9.0  # the row maximum in the tail
     log_min_p = torch.tensor([float("-inf"), -1.0, -0.1])  # row 0 has no min_p
     want = logits.clone()
     cutoff = want.max(dim=-1, keepdim=True).values + log_min_p[:, None]

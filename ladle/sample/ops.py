@@ -64,8 +64,7 @@ def mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
     takes the largest candidates of the next level and their probabilities under the whole
     row's softmax (its logsumexp); once the candidates hold top_p of the mass, every token
     past them has at least that much mass before it, so the kept set lies among them and
-    equals the full sort's. Returns the masked logits (the input, updated in place, when only
-    some rows are restricted)."""
+    equals the full sort's. Updates logits in place and returns it."""
     R, V = logits.shape
     restricted = (top_k > 0) | (top_p < 1)
     rows = restricted.nonzero().squeeze(1)
@@ -73,18 +72,19 @@ def mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
         return logits
     sub = logits if rows.numel() == R else logits[rows]
     tk, tp = top_k[rows], top_p[rows]
-    out = torch.full_like(sub, NEG_INF)
-
     n = sub.shape[0]
 
     def rows_of(t: torch.Tensor, i: torch.Tensor) -> torch.Tensor:  # no copy for all rows
         return t if i.numel() == n else t[i]
 
     def keep(i: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor) -> None:
+        """Rows i of sub become -inf but for their kept candidates (in place: a fresh (R, V)
+        tensor page-faults its whole size on CPU)."""
         if i.numel() == n:
-            out.scatter_(1, ids, vals)
-        else:
-            out[i] = out[i].scatter_(1, ids, vals)
+            sub.fill_(NEG_INF).scatter_(1, ids, vals)
+        elif i.numel():
+            sub.index_fill_(0, i, NEG_INF)
+            sub.view(-1)[(i[:, None] * V + ids).view(-1)] = vals.reshape(-1)
 
     by_k = (tk > 0).nonzero().squeeze(1)
     if by_k.numel():
@@ -92,7 +92,7 @@ def mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
                                          int(tk[by_k].max()), bool((tp[by_k] < 1).any()))
         keep(by_k, vals, ids)
     rest = (tk <= 0).nonzero().squeeze(1)  # top-p only (top_p < 1)
-    lse = torch.logsumexp(rows_of(sub, rest), dim=-1) if rest.numel() else None
+    lse = cpu_kernels.logsumexp(rows_of(sub, rest)) if rest.numel() else None
     for level in (*TOP_P_LEVELS, V):
         if rest.numel() == 0:
             break
@@ -104,9 +104,8 @@ def mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
         done = (mass[:, -1:] >= p)[:, 0] if level < V else torch.ones_like(rest, dtype=torch.bool)
         keep(rest[done], vals[done], ids[done])
         rest, lse = rest[~done], lse[~done]
-    if rows.numel() == R:
-        return out
-    logits[rows] = out
+    if rows.numel() < R:
+        logits[rows] = sub
     return logits
 
 

@@ -934,6 +934,19 @@ void apply_penalties(torch::Tensor logits, torch::Tensor counts, torch::Tensor s
   });
 }
 
+// The largest of x[0..V) (NaNs skipped; callers that care look for them separately).
+static inline float row_max(const float* x, int64_t V) {
+  float mx = -INFINITY;
+  int64_t v = 0;
+#if defined(__AVX512F__)
+  __m512 vmx = _mm512_set1_ps(-INFINITY);
+  for (; v + 16 <= V; v += 16) vmx = _mm512_max_ps(_mm512_loadu_ps(x + v), vmx);
+  mx = _mm512_reduce_max_ps(vmx);
+#endif
+  for (; v < V; ++v) mx = std::max(mx, x[v]);
+  return mx;
+}
+
 std::vector<torch::Tensor> logprob_stats(torch::Tensor src, torch::Tensor chosen) {
   // src: (N, V) float32 contiguous; chosen: (N,) int64. Returns (logsumexp (N,), src[chosen]
   // (N,), rank (N,) int64 = 1 + number of tokens with a larger value).
@@ -950,8 +963,7 @@ std::vector<torch::Tensor> logprob_stats(torch::Tensor src, torch::Tensor chosen
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const float* x = X + n * V;
-      float mx = -INFINITY;
-      for (int64_t v = 0; v < V; ++v) mx = std::max(mx, x[v]);
+      const float mx = row_max(x, V);
       const float c = x[ch[n]];
       float sum = 0.f;
       int64_t above = 0;
@@ -983,6 +995,13 @@ std::vector<torch::Tensor> logprob_stats(torch::Tensor src, torch::Tensor chosen
   return {lse, val, rank};
 }
 
+torch::Tensor logsumexp_rows(torch::Tensor src) {
+  // src: (N, V) float32 contiguous. logprob_stats' pass (its rank count costs nothing beside
+  // the exp in a memory-bound loop).
+  auto chosen = torch::zeros({src.size(0)}, src.options().dtype(at::kLong));
+  return logprob_stats(src, chosen)[0];
+}
+
 void min_p(torch::Tensor logits, torch::Tensor log_min_p) {
   // logits: (R, V) float32 contiguous, in place: -inf where logit < row max + log_min_p[r].
   TORCH_CHECK(logits.is_contiguous() && logits.scalar_type() == at::kFloat, "min_p: logits");
@@ -992,10 +1011,16 @@ void min_p(torch::Tensor logits, torch::Tensor log_min_p) {
   at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* l = L + r * V;
-      float mx = -INFINITY;
-      for (int64_t v = 0; v < V; ++v) mx = std::max(mx, l[v]);
-      const float cutoff = mx + m[r];
-      for (int64_t v = 0; v < V; ++v)
+      const float cutoff = row_max(l, V) + m[r];
+      int64_t v = 0;
+#if defined(__AVX512F__)
+      const __m512 vc = _mm512_set1_ps(cutoff), ninf = _mm512_set1_ps(-INFINITY);
+      for (; v + 16 <= V; v += 16) {
+        const __mmask16 below = _mm512_cmp_ps_mask(_mm512_loadu_ps(l + v), vc, _CMP_LT_OQ);
+        _mm512_mask_storeu_ps(l + v, below, ninf);
+      }
+#endif
+      for (; v < V; ++v)
         if (l[v] < cutoff) l[v] = -INFINITY;
     }
   });
@@ -1304,6 +1329,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("apply_penalties", &apply_penalties, "repetition/frequency/presence in one pass");
   m.def("logprob_stats", &logprob_stats, "logsumexp, chosen value and rank per row");
+  m.def("logsumexp_rows", &logsumexp_rows, "logsumexp per row");
   m.def("min_p", &min_p, "min-p filter in place");
   m.def("topk_rows", &topk_rows, "k largest per row, sorted");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum");
