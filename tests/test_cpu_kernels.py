@@ -351,3 +351,55 @@ def test_seeded_race_frequencies_match_softmax(kernels):
     se = (probs.double() * (1 - probs.double()) / N).sqrt()
     assert (counts[::2] == 0).all()
     assert ((freq - probs.double()).abs() <= 5 * se + 1e-9).all()
+
+
+@pytest.mark.parametrize("quantized", [False, True])  # bf16-rounded logits: many exact ties
+def test_top_p_mask_keeps_the_smallest_nucleus(kernels, quantized):
+    """The radix-select top-p keeps, per row, the smallest set of the largest tokens whose
+    probability reaches top_p (checked in float64), ties at the boundary in index order, and
+    agrees with the sorted twin except where top_p falls within float32 rounding of its
+    cumulative sum; rows with top_p = 1 and -inf tokens are left alone."""
+    from ladle.sample.ops import mask_top_k_top_p
+
+    torch.manual_seed(14)
+    R, V = 12, 20011  # 16-lane chunks and a tail
+    x = torch.randn(R, V) * torch.linspace(0.5, 4.0, R)[:, None]
+    if quantized:
+        x = x.bfloat16().float()
+    x[3, ::5] = float("-inf")
+    top_p = torch.rand(R) * 0.9 + 0.05
+    top_p[4] = 1.0
+    top_p[5] = 1e-7  # the single largest token
+    lse = torch.logsumexp(x, dim=-1)
+    got = x.clone()
+    assert cpu_kernels.top_p_mask(got, lse, top_p)
+    kept = torch.isfinite(got)
+    assert torch.equal(got[kept], x[kept])  # kept tokens keep their value
+    assert torch.equal(got[4], x[4])
+    assert int(kept[5].sum()) == 1 and kept[5, x[5].argmax()]
+    p64 = torch.softmax(x.double(), dim=-1)
+    for r in range(R):
+        if top_p[r] >= 1:
+            continue
+        mass = float(p64[r][kept[r]].sum())
+        smallest = float(p64[r][kept[r]].min())
+        assert mass >= top_p[r] - 1e-6 and mass - smallest < top_p[r] + 1e-6, r
+        # every dropped token is no larger than every kept one
+        assert x[r][kept[r]].min() >= x[r][~kept[r] & torch.isfinite(x[r])].max(), r
+        if quantized:  # ties at the boundary value are kept in index order
+            tau = x[r][kept[r]].min()
+            tied = (x[r] == tau).nonzero().squeeze(1)
+            n_kept = int(kept[r][tied].sum())
+            assert kept[r][tied[:n_kept]].all() and not kept[r][tied[n_kept:]].any(), r
+    # The sorted twin (ops.mask_top_k_top_p without the kernel): the same sets but for at most
+    # a token or two at a boundary that float32 rounding places differently (with ties, the
+    # same number kept: the sort picks among tied tokens in its own order).
+    cpu_kernels._loaded["module"] = None
+    try:
+        want = torch.isfinite(mask_top_k_top_p(x.clone(), torch.zeros(R, dtype=torch.long),
+                                               top_p))
+    finally:
+        cpu_kernels._loaded["module"] = kernels
+    assert int((want.sum(dim=-1) - kept.sum(dim=-1)).abs().max()) <= 2
+    if not quantized:
+        assert int((want != kept).sum(dim=-1).max()) <= 2

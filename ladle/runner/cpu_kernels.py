@@ -301,6 +301,18 @@ def logsumexp(x: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(x, dim=-1)
 
 
+def top_p_mask(x: torch.Tensor, lse: torch.Tensor, top_p: torch.Tensor) -> bool:
+    """In place on x (R, V): -inf on every token outside its row's nucleus (the smallest set of
+    the largest tokens whose probability exp(x - lse) reaches top_p), by a radix select instead
+    of a sort. Returns False, leaving x alone, where the kernel does not apply; the caller's
+    sorted path (ops.mask_top_k_top_p) is the twin."""
+    kern = kernels_for(x)
+    if kern is None or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
+        return False
+    kern.top_p_mask(x, lse.float().contiguous(), top_p.float().contiguous())
+    return True
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """Index of the largest value in each row of x (R, V): the first on ties, a NaN counting as
     the largest, like its twin torch.argmax(dim=-1). One kernel pass per row on one thread."""

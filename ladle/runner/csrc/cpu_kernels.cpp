@@ -965,34 +965,177 @@ std::vector<torch::Tensor> logprob_stats(torch::Tensor src, torch::Tensor chosen
       const float* x = X + n * V;
       const float mx = row_max(x, V);
       const float c = x[ch[n]];
-      float sum = 0.f;
       int64_t above = 0;
       if (mx == -INFINITY) {
         o_lse[n] = -INFINITY;
       } else {
         int64_t v = 0;
+        double total = 0.0;
 #if defined(__AVX512F__)
         // 16 lanes: the vector exp (within an ulp of std::exp) and a mask count for the rank.
-        __m512 vs = _mm512_setzero_ps();
+        // Every 64 chunks the float lanes are added into double ones: a float sum over a
+        // 152k vocabulary drifts by ~1e-5 relative, enough to move a top-p boundary.
+        __m512d vd = _mm512_setzero_pd();
         const __m512 vmx = _mm512_set1_ps(mx), vc = _mm512_set1_ps(c);
-        for (; v + 16 <= V; v += 16) {
-          const __m512 xv = _mm512_loadu_ps(x + v);
-          vs = _mm512_add_ps(vs, exp16(_mm512_sub_ps(xv, vmx)));
-          above += __builtin_popcount(_mm512_cmp_ps_mask(xv, vc, _CMP_GT_OQ));
+        while (v + 16 <= V) {
+          __m512 vs = _mm512_setzero_ps();
+          for (int i = 0; i < 64 && v + 16 <= V; ++i, v += 16) {
+            const __m512 xv = _mm512_loadu_ps(x + v);
+            vs = _mm512_add_ps(vs, exp16(_mm512_sub_ps(xv, vmx)));
+            above += __builtin_popcount(_mm512_cmp_ps_mask(xv, vc, _CMP_GT_OQ));
+          }
+          vd = _mm512_add_pd(vd, _mm512_cvtps_pd(_mm512_castps512_ps256(vs)));
+          vd = _mm512_add_pd(vd, _mm512_cvtps_pd(_mm256_castpd_ps(
+                                     _mm512_extractf64x4_pd(_mm512_castps_pd(vs), 1))));
         }
-        sum = _mm512_reduce_add_ps(vs);
+        total = _mm512_reduce_add_pd(vd);
 #endif
         for (; v < V; ++v) {
-          sum += std::exp(x[v] - mx);
+          total += std::exp(x[v] - mx);
           above += x[v] > c;
         }
-        o_lse[n] = mx + std::log(sum);
+        o_lse[n] = static_cast<float>(mx + std::log(total));
       }
       o_val[n] = c;
       o_rank[n] = above + 1;
     }
   });
   return {lse, val, rank};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Top-p without a sort: per row, the smallest set of the largest tokens whose probability
+// exp(x - lse) reaches p (ties at the boundary kept in index order), everything else set to
+// -inf in place. The boundary value is found by a radix select on the float's sortable bits
+// (11, 11 and 10 bits), each level summing the probability of the tokens in each bucket (in
+// double) from the top until the mass reaches p: four passes over the row instead of a sort.
+// Its twin is the sorted cumsum of ops.mask_top_k_top_p; the two differ only where p falls
+// within the float32 rounding of the sorted cumsum (this sums more exactly).
+
+static inline uint32_t sortable_key(float f) {  // larger float -> larger key (non-NaN)
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+#if defined(__AVX512F__)
+static inline __m512i sortable_keys16(__m512 x) {
+  const __m512i b = _mm512_castps_si512(x);
+  const __m512i neg = _mm512_srai_epi32(b, 31);  // all ones where the sign bit is set
+  return _mm512_xor_si512(b, _mm512_or_si512(neg, _mm512_set1_epi32(static_cast<int>(0x80000000u))));
+}
+#endif
+
+static void top_p_row(float* x, int64_t V, float lse, float p, double* hist) {
+  constexpr int kShift[3] = {21, 10, 0};
+  constexpr uint32_t kBuckets[3] = {2048, 2048, 1024};
+  uint32_t prefix = 0, prefix_mask = 0;
+  double above = 0.0;  // probability of the tokens with a key above the current range
+  for (int level = 0; level < 3; ++level) {
+    const int sh = kShift[level];
+    const uint32_t nb = kBuckets[level];
+    std::fill(hist, hist + nb, 0.0);
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    if (level == 0) {  // every live token: vector exp, then the bucket adds
+      const __m512 vl = _mm512_set1_ps(lse), ninf = _mm512_set1_ps(-INFINITY);
+      alignas(64) float e[16];
+      alignas(64) uint32_t k[16];
+      for (; j + 16 <= V; j += 16) {
+        const __m512 xv = _mm512_loadu_ps(x + j);
+        __mmask16 live = _mm512_cmp_ps_mask(xv, ninf, _CMP_NEQ_OQ);  // not -inf, not NaN
+        if (!live) continue;
+        _mm512_store_ps(e, exp16(_mm512_sub_ps(xv, vl)));
+        _mm512_store_si512(reinterpret_cast<void*>(k), sortable_keys16(xv));
+        for (; live; live &= live - 1) {
+          const int l = __builtin_ctz(live);
+          hist[k[l] >> sh] += e[l];
+        }
+      }
+    } else {  // only the tokens inside the chosen range, found 16 at a time
+      const __m512i vpm = _mm512_set1_epi32(static_cast<int>(prefix_mask));
+      const __m512i vp = _mm512_set1_epi32(static_cast<int>(prefix));
+      for (; j + 16 <= V; j += 16) {
+        const __m512 xv = _mm512_loadu_ps(x + j);
+        const __m512i kv = sortable_keys16(xv);
+        __mmask16 in = _mm512_cmpeq_epi32_mask(_mm512_and_si512(kv, vpm), vp);
+        for (; in; in &= in - 1) {
+          const int64_t t = j + __builtin_ctz(in);
+          if (x[t] == -INFINITY || std::isnan(x[t])) continue;
+          hist[(sortable_key(x[t]) >> sh) & (nb - 1)] += std::exp(x[t] - lse);
+        }
+      }
+    }
+#endif
+    for (; j < V; ++j) {
+      if (x[j] == -INFINITY || std::isnan(x[j])) continue;
+      const uint32_t k = sortable_key(x[j]);
+      if ((k & prefix_mask) != prefix) continue;
+      hist[(k >> sh) & (nb - 1)] += std::exp(x[j] - lse);
+    }
+    // From the top bucket down: the first whose mass brings the total to p. If rounding keeps
+    // the total below p, the lowest bucket with any mass (every live token is kept).
+    double cum = above;
+    int64_t b = nb - 1, lowest = -1;
+    for (; b >= 0; --b) {
+      if (hist[b] == 0.0) continue;
+      lowest = b;
+      if (cum + hist[b] >= p) break;
+      cum += hist[b];
+    }
+    if (b < 0) {
+      if (lowest < 0) return;  // nothing live in range (cannot happen at level 0 unless all -inf)
+      b = lowest;
+      cum -= hist[b];
+    }
+    prefix |= static_cast<uint32_t>(b) << sh;
+    prefix_mask |= (nb - 1) << sh;
+    above = cum;
+  }
+  // prefix is the boundary token's key; tokens above it are kept, and of the tokens equal to
+  // it the first m in index order, while the mass before each is below p.
+  float tau;
+  {
+    const uint32_t u = (prefix & 0x80000000u) ? (prefix & 0x7FFFFFFFu) : ~prefix;
+    std::memcpy(&tau, &u, sizeof(tau));
+  }
+  const double q = std::exp(tau - lse);
+  int64_t m = 1;
+  if (q > 0.0 && p - above > q) m = static_cast<int64_t>(std::ceil((p - above) / q));
+  int64_t ties = 0;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 vt = _mm512_set1_ps(tau), ninf = _mm512_set1_ps(-INFINITY);
+  for (; j + 16 <= V; j += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + j);
+    _mm512_mask_storeu_ps(x + j, _mm512_cmp_ps_mask(xv, vt, _CMP_LT_OQ), ninf);
+    for (__mmask16 eq = _mm512_cmp_ps_mask(xv, vt, _CMP_EQ_OQ); eq; eq &= eq - 1)
+      if (ties++ >= m) x[j + __builtin_ctz(eq)] = -INFINITY;
+  }
+#endif
+  for (; j < V; ++j) {
+    if (x[j] < tau) x[j] = -INFINITY;
+    else if (x[j] == tau && ties++ >= m) x[j] = -INFINITY;
+  }
+}
+
+void top_p_mask(torch::Tensor logits, torch::Tensor lse, torch::Tensor top_p) {
+  // logits: (R, V) float32 contiguous, in place; lse: (R,) float32 logsumexp of each row;
+  // top_p: (R,) float32 in (0, 1].
+  TORCH_CHECK(logits.is_contiguous() && logits.scalar_type() == at::kFloat && logits.dim() == 2,
+              "top_p_mask: logits");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && top_p.scalar_type() == at::kFloat &&
+              lse.is_contiguous() && top_p.is_contiguous() && lse.numel() == logits.size(0) &&
+              top_p.numel() == logits.size(0), "top_p_mask: lse / top_p");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  float* X = logits.data_ptr<float>();
+  const float* L = lse.data_ptr<float>();
+  const float* P = top_p.data_ptr<float>();
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> hist(2048);
+    for (int64_t r = begin; r < end; ++r)
+      if (P[r] < 1.f && std::isfinite(L[r])) top_p_row(X + r * V, V, L[r], P[r], hist.data());
+  });
 }
 
 torch::Tensor logsumexp_rows(torch::Tensor src) {
@@ -1331,6 +1474,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("logprob_stats", &logprob_stats, "logsumexp, chosen value and rank per row");
   m.def("logsumexp_rows", &logsumexp_rows, "logsumexp per row");
   m.def("min_p", &min_p, "min-p filter in place");
+  m.def("top_p_mask", &top_p_mask, "top-p by radix select, in place");
   m.def("topk_rows", &topk_rows, "k largest per row, sorted");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum");
   m.def("noise_uniform", &noise_uniform, "seeded noise's uniforms, hashed in one pass");
