@@ -201,20 +201,20 @@ class Sampler:
             def test_noise(rows, ids, shape, stream):
                 return self.draw_noise(meta.seeds[rows], meta.has_seed[rows], positions[rows],
                                        ids, shape, stream)
-        if not (meta.need_top_k or meta.need_top_p):
-            if draft is None:  # the race fused with its hashed noise
-                return self.noise.race(logits, self._race_seeds(meta), positions), logits
-            probs = torch.softmax(logits, dim=-1)
-            sampled = race(probs, self._noise(meta, positions, None, probs.shape))
-            if draft is not None:
-                sampled[draft.rows] = accept_or_resample(probs[draft.rows], None, draft,
-                                                         test_noise)
-            return sampled, logits
-        if draft is None and meta.candidate_k is None:
-            # Some row samples from the whole vocabulary or its top-p: mask the full rows (no
-            # full sort for a peaked distribution), then the same fused race.
+        restricted = meta.need_top_k or meta.need_top_p
+        if restricted and meta.candidate_k is None:
+            # Some row has no top-k, so no few candidates hold every row's draw: top-k/top-p
+            # become a -inf mask on the full rows (ops.mask_top_k_top_p: no full sort).
             logits = mask_top_k_top_p(logits, meta.top_k, meta.top_p)
-            return self.noise.race(logits, self._race_seeds(meta), positions), logits
+            restricted = False
+        if not restricted:
+            # The race fused with its hashed noise (rows without a draft draw what plain
+            # decoding draws); rows with a draft then test it against their probabilities.
+            sampled = self.noise.race(logits, self._race_seeds(meta), positions)
+            if draft is not None:
+                probs = torch.softmax(logits[draft.rows], dim=-1)
+                sampled[draft.rows] = accept_or_resample(probs, None, draft, test_noise)
+            return sampled, logits
         vals, ids = restrict_top_k_top_p(logits, meta.top_k, meta.top_p, meta.candidate_k,
                                          meta.need_top_p)
         probs = torch.softmax(vals, dim=-1)

@@ -37,7 +37,13 @@ import numpy as np
 import torch
 
 from ladle.sample.noise import DRAFT_STREAM
-from ladle.sample.ops import NEG_INF, TOPK_CANDIDATE_LIMIT, race, restrict_top_k_top_p
+from ladle.sample.ops import (
+    NEG_INF,
+    TOPK_CANDIDATE_LIMIT,
+    mask_top_k_top_p,
+    race,
+    restrict_top_k_top_p,
+)
 from ladle.sample.rejection import DraftTest
 
 if TYPE_CHECKING:
@@ -181,15 +187,18 @@ class DraftModel:
         need_top_k, need_top_p = bool((top_k > 0).any()), bool((top_p < 1).any())
         seeds, has_seed = meta.seeds[r], meta.has_seed[r]
         pos = torch.from_numpy(positions[rand]).to(dev)
-        if not (need_top_k or need_top_p):
+        k = None
+        if need_top_k or need_top_p:
+            if bool((top_k > 0).all()) and int(top_k.max()) <= TOPK_CANDIDATE_LIMIT:
+                k = int(top_k.max())
+            else:  # as the sampler: a -inf mask on the full rows rather than a full sort
+                scaled = mask_top_k_top_p(scaled, top_k, top_p)
+        if k is None:
             probs = torch.softmax(scaled, dim=-1)
             noise = runner.sampler.draw_noise(seeds, has_seed, pos, None, probs.shape,
                                               DRAFT_STREAM)
             drawn = race(probs, noise)
         else:
-            k = None
-            if bool((top_k > 0).all()) and int(top_k.max()) <= TOPK_CANDIDATE_LIMIT:
-                k = int(top_k.max())
             vals, ids = restrict_top_k_top_p(scaled, top_k, top_p, k, need_top_p)
             cand = torch.softmax(vals, dim=-1)
             noise = runner.sampler.draw_noise(seeds, has_seed, pos, ids, cand.shape,
