@@ -300,7 +300,11 @@ def drive_streams(url: str, ps: list[str], clients: int, rounds: int, out_tokens
                 "stream": True, "ignore_eos": True}
         t0 = time.perf_counter()
         stamps = []
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        # A connection per request: llama-server closes keep-alive connections idle for 5 s,
+        # and a request sent on one it is closing fails with "Server disconnected without
+        # sending a response" (seen in some 8-client repetitions). Both servers are driven alike.
+        async with client.stream("POST", url + "/v1/completions", json=body,
+                                 headers={"Connection": "close"}) as r:
             r.raise_for_status()
             async for line in r.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
