@@ -24,9 +24,10 @@ class DraftTest:
     probs: torch.Tensor  # (N, V) float32 q: the distribution each draft token was drawn from
 
 
-# noise(rows, ids, shape, stream) -> (N, K) Exp(1) noise for the test rows (seeded rows from the
-# counter-based hash of their seed and output position, the others from the engine's generator)
-NoiseFn = Callable[[torch.Tensor, torch.Tensor | None, tuple, int], torch.Tensor]
+# noise(rows, ids, stream) -> Exp(1) noise for the test rows over the token ids (N, K), or over
+# the whole vocabulary for ids None: the counter-based hash of each row's seed (an unseeded row's
+# drawn fresh) and output position
+NoiseFn = Callable[[torch.Tensor, torch.Tensor | None, int], torch.Tensor]
 
 
 def accept_or_resample(probs: torch.Tensor, ids: torch.Tensor | None, test: DraftTest,
@@ -47,13 +48,13 @@ def accept_or_resample(probs: torch.Tensor, ids: torch.Tensor | None, test: Draf
     zeros = torch.zeros((n, 1), dtype=torch.int64, device=x.device)
     # u = exp(-E) with E ~ Exp(1) is uniform on (0, 1]; u < p/q happens with probability
     # min(1, p/q).
-    u = torch.exp(-noise(test.rows, zeros, (n, 1), ACCEPT_STREAM)[:, 0])
+    u = torch.exp(-noise(test.rows, zeros, ACCEPT_STREAM)[:, 0])
     accepted = u * q_x < p_x
     residual = (probs - q_cand).clamp_min_(0.0)
     # Where p <= q everywhere (p == q up to rounding) no rejection is possible in exact
     # arithmetic; one that rounding caused draws from p itself.
     empty = residual.sum(dim=1, keepdim=True) <= 0
     residual = torch.where(empty, probs, residual)
-    choice = race(residual, noise(test.rows, ids, tuple(residual.shape), RESIDUAL_STREAM))
+    choice = race(residual, noise(test.rows, ids, RESIDUAL_STREAM))
     drawn = choice if ids is None else ids.gather(1, choice[:, None])[:, 0]
     return torch.where(accepted, x, drawn)

@@ -163,15 +163,15 @@ class Sampler:
             lp = self._logprobs(raw, processed, sampled, meta)
         return SamplerOutput(sampled, lp)
 
-    def _noise(self, meta: SamplingMetadata, positions, ids: torch.Tensor | None, shape):
-        return self.draw_noise(meta.seeds, meta.has_seed, positions, ids, shape,
+    def _noise(self, meta: SamplingMetadata, positions, ids: torch.Tensor | None):
+        return self.draw_noise(meta.seeds, meta.has_seed, positions, ids,
                                all_seeded=meta.all_seeded, any_seeded=meta.any_seeded)
 
-    def draw_noise(self, seeds, has_seed, positions, ids: torch.Tensor | None, shape,
+    def draw_noise(self, seeds, has_seed, positions, ids: torch.Tensor | None,
                    stream: int = TOKEN_STREAM, all_seeded: bool | None = None,
                    any_seeded: bool | None = None) -> torch.Tensor:
-        """Exp(1) noise of `shape` from the hash of (seed, position, token id) on `stream`, the
-        seeds from noise_seeds."""
+        """Exp(1) noise over the token ids (R, K), or (R, V) for ids None, from the hash of
+        (seed, position, token id) on `stream`, the seeds from noise_seeds."""
         return self.noise.exponential(self.noise_seeds(seeds, has_seed, all_seeded, any_seeded),
                                       positions, ids, stream)
 
@@ -198,9 +198,9 @@ class Sampler:
         """Returns the sampled ids and the final logits (what the token was drawn from; the
         full (R, V) tensor, with -inf where top-k/top-p removed a token)."""
         if draft is not None:
-            def test_noise(rows, ids, shape, stream):
+            def test_noise(rows, ids, stream):
                 return self.draw_noise(meta.seeds[rows], meta.has_seed[rows], positions[rows],
-                                       ids, shape, stream)
+                                       ids, stream)
         restricted = meta.need_top_k or meta.need_top_p
         if restricted and meta.candidate_k is None:
             # Some row has no top-k, so no few candidates hold every row's draw: top-k/top-p
@@ -218,7 +218,7 @@ class Sampler:
         vals, ids = restrict_top_k_top_p(logits, meta.top_k, meta.top_p, meta.candidate_k,
                                          meta.need_top_p)
         probs = torch.softmax(vals, dim=-1)
-        choice = race(probs, self._noise(meta, positions, ids, probs.shape))
+        choice = race(probs, self._noise(meta, positions, ids))
         sampled = ids.gather(1, choice[:, None])[:, 0]
         if draft is not None:
             sampled[draft.rows] = accept_or_resample(probs[draft.rows], ids[draft.rows], draft,

@@ -195,14 +195,12 @@ class DraftModel:
                 scaled = mask_top_k_top_p(scaled, top_k, top_p)
         if k is None:
             probs = torch.softmax(scaled, dim=-1)
-            noise = runner.sampler.draw_noise(seeds, has_seed, pos, None, probs.shape,
-                                              DRAFT_STREAM)
+            noise = runner.sampler.draw_noise(seeds, has_seed, pos, None, DRAFT_STREAM)
             drawn = race(probs, noise)
         else:
             vals, ids = restrict_top_k_top_p(scaled, top_k, top_p, k, need_top_p)
             cand = torch.softmax(vals, dim=-1)
-            noise = runner.sampler.draw_noise(seeds, has_seed, pos, ids, cand.shape,
-                                              DRAFT_STREAM)
+            noise = runner.sampler.draw_noise(seeds, has_seed, pos, ids, DRAFT_STREAM)
             drawn = ids.gather(1, race(cand, noise)[:, None])[:, 0]
             probs = torch.zeros_like(scaled).scatter_(1, ids, cand)
         q[torch.from_numpy(q_index[rows[rand]]).to(dev), j] = probs
