@@ -934,16 +934,29 @@ void apply_penalties(torch::Tensor logits, torch::Tensor counts, torch::Tensor s
   });
 }
 
-// The largest of x[0..V) (NaNs skipped; callers that care look for them separately).
-static inline float row_max(const float* x, int64_t V) {
+// The largest of x[0..V) with NaNs skipped; *has_nan, when asked for, tells whether one was seen.
+template <typename T>
+static inline float row_max(const T* x, int64_t V, bool* has_nan = nullptr) {
   float mx = -INFINITY;
+  bool nan_seen = false;
   int64_t v = 0;
 #if defined(__AVX512F__)
   __m512 vmx = _mm512_set1_ps(-INFINITY);
-  for (; v + 16 <= V; v += 16) vmx = _mm512_max_ps(_mm512_loadu_ps(x + v), vmx);
+  __mmask16 nan = 0;
+  for (; v + 16 <= V; v += 16) {
+    const __m512 xv = load16(x + v);
+    nan |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
+    vmx = _mm512_max_ps(xv, vmx);  // the second operand where the first is NaN
+  }
   mx = _mm512_reduce_max_ps(vmx);
+  nan_seen = nan != 0;
 #endif
-  for (; v < V; ++v) mx = std::max(mx, x[v]);
+  for (; v < V; ++v) {
+    const float f = to_f(x[v]);
+    nan_seen |= std::isnan(f);
+    mx = std::max(mx, f);
+  }
+  if (has_nan != nullptr) *has_nan = nan_seen;
   return mx;
 }
 
@@ -1214,30 +1227,13 @@ std::vector<torch::Tensor> topk_rows(torch::Tensor x, int64_t k) {
 // wakes every thread for a few microseconds of work.
 template <typename T>
 static int64_t row_argmax(const T* x, int64_t V) {
-  float best = -INFINITY;
   bool has_nan = false;
-  int64_t v = 0;
-#if defined(__AVX512F__)
-  __m512 vmax = _mm512_set1_ps(-INFINITY);
-  __mmask16 nan = 0;
-  for (; v + 16 <= V; v += 16) {
-    const __m512 xv = load16(x + v);
-    nan |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
-    vmax = _mm512_max_ps(vmax, xv);
-  }
-  best = _mm512_reduce_max_ps(vmax);
-  has_nan = nan != 0;
-#endif
-  for (int64_t t = v; t < V; ++t) {
-    const float f = to_f(x[t]);
-    has_nan |= std::isnan(f);
-    best = std::max(best, f);
-  }
+  const float best = row_max(x, V, &has_nan);
   if (has_nan) {
     for (int64_t t = 0; t < V; ++t)
       if (std::isnan(to_f(x[t]))) return t;
   }
-  v = 0;
+  int64_t v = 0;
 #if defined(__AVX512F__)
   const __m512 bv = _mm512_set1_ps(best);
   for (; v + 16 <= V; v += 16) {
@@ -1349,28 +1345,12 @@ static inline __m512 log16(__m512 x) {
 // or +inf, gives 0, as the twin's argmax over its NaN probabilities does.
 static int64_t seeded_race_row(const float* x, const uint32_t* tk, uint32_t k1, uint32_t k2,
                                int64_t V) {
-  float m = -INFINITY;
   bool bad = false;
-  int64_t j = 0;
-#if defined(__AVX512F__)
-  __m512 vmax = _mm512_set1_ps(-INFINITY);
-  __mmask16 nan = 0;
-  for (; j + 16 <= V; j += 16) {
-    const __m512 xv = _mm512_loadu_ps(x + j);
-    nan |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
-    vmax = _mm512_max_ps(vmax, xv);
-  }
-  m = _mm512_reduce_max_ps(vmax);
-  bad = nan != 0;
-#endif
-  for (; j < V; ++j) {
-    bad |= std::isnan(x[j]);
-    m = std::max(m, x[j]);
-  }
+  const float m = row_max(x, V, &bad);
   if (bad || !std::isfinite(m)) return 0;
   float best = -1.f;
   int64_t arg = 0;
-  j = 0;
+  int64_t j = 0;
 #if defined(__AVX512F__)
   const __m512 vm = _mm512_set1_ps(m), ninf = _mm512_set1_ps(-INFINITY);
   const __m512i vk1 = _mm512_set1_epi32(static_cast<int>(k1));
