@@ -11,11 +11,13 @@ Steps, in order (each skipped when no row needs it):
    6. greedy argmax for greedy rows
    7. temperature
    8. processors that cannot change the argmax: min_p, then custom ones
-   9. top-k, then top-p on the mass top-k left (on the top-k candidates only, when every random
-      row has a small top_k; otherwise on a full sort)
-  10. sampling by exponential race, argmax(p / E) with E ~ Exp(1); seeded rows draw E from a
-      counter-based hash of (seed, output position, token id), the others from the engine's
-      generator
+   9. top-k, then top-p on the mass top-k left: on the top-k candidates only when every random
+      row has a small top_k; otherwise as a -inf mask on the full rows (ops.mask_top_k_top_p:
+      a top-p row's nucleus from its largest 256 tokens, else the radix-select kernel, else a
+      sort)
+  10. sampling by exponential race, argmax(p / E) with E ~ Exp(1) from a counter-based hash of
+      (seed, output position, token id): a seeded row's own seed, an unseeded row's drawn fresh
+      from the engine's generator each step; over full rows one fused kernel pass on CPU
       (rows testing a draft-model token at this position instead keep it with probability
       min(1, p/q) or draw from the residual max(0, p - q): rejection.py)
   11. per-row choice between the greedy and the random token
