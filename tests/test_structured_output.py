@@ -138,34 +138,30 @@ def slow_schema(n: int) -> dict:
 
 
 def test_long_compile_does_not_delay_running_requests(llm):
+    """A grammar compile runs beside the loop: while it is pending, every step still gives the
+    running request its token. (A compile inside the step would leave the grammar pending for
+    at most one step.) Timings are printed, not asserted: a loaded machine stretches them."""
     eng = llm.engine
     eng.add_request(EngineCoreRequest("bg", [1, 2, 3], SamplingParams(
         temperature=0, max_tokens=400, ignore_eos=True), [], time.monotonic()))
 
-    def gaps(n):
-        out, last = [], time.perf_counter()
-        for _ in range(n):
-            eng.step()
-            now = time.perf_counter()
-            out.append(now - last)
-            last = now
-        return out
+    def step_tokens() -> int:
+        return sum(len(o.new_token_ids) for o in eng.step() if o.req_id == "bg")
 
-    gaps(5)
-    base = sorted(gaps(40))[20]
+    for _ in range(5):
+        step_tokens()
     eng.add_request(EngineCoreRequest("slow", [1, 2], so_params(0, json=slow_schema(150)), [],
                                       time.monotonic()))
-    during, t0 = [], time.perf_counter()
     slot = eng.scheduler.requests["slow"].grammar
-    while slot.poll() == "pending":
-        during += gaps(1)
+    per_step, t0 = [], time.perf_counter()
+    while slot.poll() == "pending" and len(per_step) < 380:
+        per_step.append(step_tokens())
     compile_s = time.perf_counter() - t0
     eng.abort_request("bg")
     eng.abort_request("slow")
-    assert compile_s > 10 * base  # the compile really spanned many steps
-    # Steps went on at their usual pace (2 cores are shared with the compile thread, so allow
-    # a factor); a blocked loop would show one gap as long as the compile.
-    assert max(during) < max(5 * base, 0.1) and max(during) < compile_s / 4
+    print(f"compile {compile_s * 1000:.0f} ms over {len(per_step)} steps")
+    assert len(per_step) >= 3, "the compile finished within the steps: it did not run beside them"
+    assert per_step == [1] * len(per_step)  # one token for the running request in every step
 
 
 def test_repeated_schema_hits_the_compile_cache(llm):
@@ -174,13 +170,11 @@ def test_repeated_schema_hits_the_compile_cache(llm):
     schema = {"type": "object", "properties": {"k": {"enum": [1, 2, 3]}}, "required": ["k"]}
     llm.generate(["x"], so_params(0, json=schema))
     mid = stats()
-    t = time.perf_counter()
     llm.generate(["y"], so_params(1, json=schema))
     after = stats()
     assert mid["grammar_compiles"] == before["grammar_compiles"] + 1
     assert after["grammar_compiles"] == mid["grammar_compiles"]
     assert after["grammar_cache_hits"] == mid["grammar_cache_hits"] + 1
-    assert time.perf_counter() - t < 5
 
 
 @pytest.mark.parametrize("kind, message", [

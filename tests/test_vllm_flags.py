@@ -357,9 +357,9 @@ def test_tls_special_markers_plugin_and_memory_fraction(tmp_path):
         "--api-key", API_KEY, model=None, scheme="https", verify=context)
     try:
         with pytest.raises(httpx.RemoteProtocolError):  # plain http is not served
-            httpx.get(s.url.replace("https", "http") + "/health", timeout=5)
+            httpx.get(s.url.replace("https", "http") + "/health", timeout=30)
         with pytest.raises(httpx.ConnectError):  # nor https to a client without the CA
-            httpx.get(s.url + "/health", timeout=5)
+            httpx.get(s.url + "/health", timeout=30)
         http = httpx.Client(verify=context)  # closed below: shutdown waits for open connections
         c = openai.OpenAI(base_url=s.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120,
                           http_client=http)
