@@ -1,5 +1,7 @@
 """Tensor parallelism on CPU (gloo): -tp 2 against -tp 1, which is itself checked against
-transformers in test_engine_numerics.py. Logits of prefill + 16 decode steps within 1e-5, the
+transformers in test_engine_numerics.py. Logits of prefill + 16 decode steps within 2e-6 of their
+largest magnitude (float32 rounding of a sum split in two; the portable AVX2 kernels reach about
+1e-6 of it at |logit| 12), the
 same tokens for a mixed batch (penalties, logit_bias, json_schema, logprobs, seeds), half the KV
 bytes per rank, a clear error for a split that does not divide, a padded vocabulary, KV-head
 replication, the Ray backend, and a killed worker ending `ladle serve` with no orphans left."""
@@ -28,7 +30,7 @@ from ladle.sampling_params import SamplingParams, StructuredOutputsParams
 
 PROMPTS = [[5, 6, 7], list(range(10, 47)), [300, 2, 300, 2, 9]]
 NUM_DECODE = 16
-TOL = 1e-5
+TOL = 2e-6  # relative to the row set's largest |logit|
 
 
 def engine(path, tp: int, **kw) -> EngineCore:
@@ -64,7 +66,7 @@ def test_tp2_logits_tokens_and_kv_bytes_equal_tp1(arch, vocab, tmp_path):
     assert tok2 == tok1
     for a, b in zip(log1, log2, strict=True):
         assert a.shape == b.shape == (NUM_DECODE, vocab)
-        assert (a - b).abs().max().item() <= TOL
+        assert (a - b).abs().max().item() <= TOL * max(1.0, a.abs().max().item())
     assert blocks2 == blocks1 and kv2 * 2 == kv1
 
 
@@ -108,7 +110,7 @@ def test_tp4_replicates_kv_heads(tmp_path):
             eng.close()
     assert out[4][0] == out[1][0]
     for a, b in zip(out[1][1], out[4][1], strict=True):
-        assert (a - b).abs().max().item() <= TOL
+        assert (a - b).abs().max().item() <= TOL * max(1.0, a.abs().max().item())
 
 
 def mixed_batch() -> list[tuple[str, SamplingParams]]:
