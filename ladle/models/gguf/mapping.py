@@ -1,0 +1,287 @@
+"""From a GGUF file back to the Hugging Face checkpoint it was converted from: `hf_config_from_gguf`
+rebuilds config.json from the metadata, with the defaults llama.cpp applies where a key is absent;
+`iter_hf_tensors` yields every tensor under its HF name, dequantized, with what llama.cpp's
+converter (convert_hf_to_gguf.py) changed undone:
+
+- llama: q_proj and k_proj rows (weights and biases) were permuted so that rotary pairs sit next
+  to each other (ggml's interleaved rope); they are put back in HF's rotate-half order.
+- gemma2, gemma3: every RMSNorm weight was stored as 1 + w (ggml's norm multiplies by w, HF's
+  Gemma norm by 1 + w); w is the stored value minus 1 in float32, as transformers' GGUF loader
+  computes it.
+- llama with Llama 3 rope scaling: the parameters survive only as per-frequency factors (the
+  `rope_freqs` tensor); rope_scaling is rebuilt from them and checked against them.
+
+Two changes cannot be undone: gemma3's embedding rows past the tokenizer's vocabulary were
+dropped (vocab_size is the rows kept), and a bf16 checkpoint's norms had 1 added in bf16.
+
+HF names come from gguf-py's HF -> GGUF name map, inverted over the tensor names of the HF model
+class (built on the meta device, so nothing is allocated): exactly the names the converter read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any
+
+import gguf
+import torch
+
+from ladle.models.gguf.reader import GGUFFile, GGUFTensor
+from ladle.models.loader import ModelLoadError
+
+# GGUF architecture -> (HF `architectures` entry, HF `model_type`); the reader's
+# SUPPORTED_ARCHITECTURES, each with its HF class.
+HF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+}
+GELU_TANH = "gelu_pytorch_tanh"  # Gemma's MLP activation (llama.cpp: LLM_FFN_GELU)
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3 rope factors: read into the config, not a weight
+# Llama 3.x's published rope_scaling besides `factor`, the one set of values the factors in
+# `rope_freqs` are checked against (the GGUF keeps only the factors they produce).
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+
+
+def hf_config_from_gguf(gguf_file: GGUFFile) -> dict[str, Any]:
+    """config.json of the HF checkpoint, in the flat style of transformers 4.5x (top-level
+    rope_theta, rope_scaling, rope_local_base_freq)."""
+    arch, hp = gguf_file.architecture, _HParams(gguf_file)
+    hf_class, model_type = HF_ARCHITECTURES[arch]
+    embedding = gguf_file.tensors.get("token_embd.weight")
+    if embedding is None:
+        raise ModelLoadError(f"{gguf_file.path}: no token_embd.weight tensor")
+    hidden = hp.require("embedding_length")
+    num_heads = hp.uniform("attention.head_count")
+    num_kv_heads = hp.uniform("attention.head_count_kv", num_heads)
+    head_dim = (hp.get("attention.key_length") or hp.get("rope.dimension_count")
+                or hidden // num_heads)
+    theta = float(hp.get("rope.freq_base", 10000.0))
+    config: dict[str, Any] = {
+        "architectures": [hf_class],
+        "model_type": model_type,
+        "vocab_size": embedding.shape[0],
+        "hidden_size": hidden,
+        "intermediate_size": hp.uniform("feed_forward_length"),
+        "num_hidden_layers": hp.require("block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": hp.require("attention.layer_norm_rms_epsilon"),
+        "rope_theta": theta,
+        "rope_scaling": _rope_scaling(gguf_file, hp, head_dim, theta),
+        "max_position_embeddings": hp.require("context_length"),
+        # llama.cpp ties the head to the embedding exactly when output.weight is absent.
+        "tie_word_embeddings": "output.weight" not in gguf_file.tensors,
+    }
+    for key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                          ("pad_token_id", "padding_token_id")):
+        if (token_id := gguf_file.metadata.get(f"tokenizer.ggml.{gguf_key}")) is not None:
+            config[key] = token_id
+    if arch == "llama":
+        config["attention_bias"] = "blk.0.attn_q.bias" in gguf_file.tensors
+        config["mlp_bias"] = "blk.0.ffn_up.bias" in gguf_file.tensors
+    elif arch == "qwen3":
+        config["attention_bias"] = "blk.0.attn_q.bias" in gguf_file.tensors
+    elif arch in ("gemma2", "gemma3"):
+        config.update(_gemma_fields(gguf_file, hp, config))
+    return config
+
+
+def hf_tensor_names(gguf_file: GGUFFile, hf_config: dict[str, Any]) -> dict[str, str]:
+    """GGUF tensor name -> HF tensor name for every weight in the file (rope_freqs, which is
+    configuration, excepted). Every tensor must have an HF counterpart of the same shape."""
+    arch = gguf_file.architecture
+    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    name_map = gguf.get_tensor_name_map(arch_id, hf_config["num_hidden_layers"])
+    hf_shapes = _hf_parameter_shapes(hf_config)
+    gguf_to_hf: dict[str, str] = {}
+    for hf_name in hf_shapes:
+        module, _, suffix = hf_name.rpartition(".")  # "weight" or "bias"
+        if (gguf_module := name_map.get_name(module)) is not None:
+            gguf_to_hf[f"{gguf_module}.{suffix}"] = hf_name
+    hf_class = hf_config["architectures"][0]
+    names: dict[str, str] = {}
+    for gguf_name, tensor in gguf_file.tensors.items():
+        if gguf_name == ROPE_FREQS:
+            continue
+        hf_name = gguf_to_hf.get(gguf_name)
+        if hf_name is None:
+            raise ModelLoadError(f"{gguf_file.path}: tensor {gguf_name!r} has no counterpart "
+                                 f"in {hf_class}")
+        if tensor.shape != hf_shapes[hf_name]:
+            raise ModelLoadError(
+                f"{gguf_file.path}: tensor {gguf_name!r} has shape {tensor.shape}; {hf_name} "
+                f"of {hf_class} with this file's metadata has {hf_shapes[hf_name]}")
+        names[gguf_name] = hf_name
+    return names
+
+
+def iter_hf_tensors(gguf_file: GGUFFile, hf_config: dict[str, Any]
+                    ) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """(HF name, load) for each weight, in file order; `load()` dequantizes it to float32 and
+    undoes the converter's change, so it equals the HF checkpoint's tensor. Names and shapes
+    are all checked before the first is yielded."""
+    names = hf_tensor_names(gguf_file, hf_config)
+    for gguf_name, hf_name in names.items():
+        yield hf_name, partial(_load, gguf_file.tensors[gguf_name], gguf_file.architecture,
+                               hf_config)
+
+
+def _load(tensor: GGUFTensor, arch: str, hf_config: dict[str, Any]) -> torch.Tensor:
+    values = tensor.dequantize()
+    name = tensor.name
+    if arch == "llama" and name.startswith("blk."):
+        if ".attn_q." in name:
+            values = _unpermute_rotary(values, hf_config["num_attention_heads"])
+        elif ".attn_k." in name:
+            values = _unpermute_rotary(values, hf_config["num_key_value_heads"])
+    elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+        values = values - 1.0  # float32, as transformers' Gemma2TensorProcessor
+    return values
+
+
+def _unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of the converter's LlamaModel.permute: within each head, rows were reordered from
+    (pair half, i) to (i, pair half); put them back. Works for weights and biases."""
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+class _HParams:
+    """`{arch}.KEY` from the metadata; a missing required key names the file and the key."""
+
+    def __init__(self, gguf_file: GGUFFile):
+        self.path = gguf_file.path
+        self.arch = gguf_file.architecture
+        self.metadata = gguf_file.metadata
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(f"{self.arch}.{key}", default)
+
+    def require(self, key: str) -> Any:
+        if (value := self.get(key)) is None:
+            raise ModelLoadError(f"{self.path}: metadata {self.arch}.{key} is missing")
+        return value
+
+    def uniform(self, key: str, default: Any = None) -> int:
+        """A per-layer value that may be stored as one number or one per layer (equal here)."""
+        value = self.get(key, default) if default is not None else self.require(key)
+        if isinstance(value, list):
+            if len(set(value)) != 1:
+                raise ModelLoadError(f"{self.path}: {self.arch}.{key} differs between layers "
+                                     f"({value}); ladle needs one value for all of them")
+            value = value[0]
+        return value
+
+
+def _rope_scaling(gguf_file: GGUFFile, hp: _HParams, head_dim: int,
+                  theta: float) -> dict[str, Any] | None:
+    """HF rope_scaling from the rope.scaling.* keys (llama.cpp reads a factor with no type as
+    linear), or for Llama 3 from the rope_freqs factors."""
+    if ROPE_FREQS in gguf_file.tensors:
+        return _llama3_rope_scaling(gguf_file, head_dim, theta)
+    kind = hp.get("rope.scaling.type", "linear")
+    factor = hp.get("rope.scaling.factor") or hp.get("rope.scale_linear") or 1.0
+    if kind == "none" or (kind == "linear" and factor == 1.0):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        scaling = {"rope_type": "yarn", "factor": factor,
+                   "original_max_position_embeddings":
+                       hp.get("rope.scaling.original_context_length") or
+                       hp.require("context_length")}
+        for hf_key, key in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow"),
+                            ("attention_factor", "yarn_attn_factor")):
+            if (value := hp.get(f"rope.scaling.{key}")) is not None:
+                scaling[hf_key] = value
+        return scaling
+    raise ModelLoadError(f"{gguf_file.path}: rope scaling type {kind!r} is not supported; "
+                         "supported: none, linear, yarn, and Llama 3's rope_freqs")
+
+
+def _llama3_rope_scaling(gguf_file: GGUFFile, head_dim: int, theta: float) -> dict[str, Any]:
+    """The factors divide each rotary frequency: 1 for short wavelengths, `factor` for long
+    ones, a blend between. Rebuilt with Llama 3's published band (LLAMA3_ROPE) and checked by
+    recomputing every factor, so a file with another band fails here instead of drifting."""
+    stored = gguf_file.tensors[ROPE_FREQS].dequantize().double()
+    if stored.shape != (head_dim // 2,):
+        raise ModelLoadError(f"{gguf_file.path}: {ROPE_FREQS} has shape {tuple(stored.shape)}, "
+                             f"expected ({head_dim // 2},) for head_dim {head_dim}")
+    scaling = {"rope_type": "llama3", "factor": float(stored.max()), **LLAMA3_ROPE}
+    recomputed = _llama3_factors(head_dim, theta, scaling)
+    if not torch.allclose(recomputed, stored, rtol=1e-5, atol=0):
+        raise ModelLoadError(
+            f"{gguf_file.path}: {ROPE_FREQS} holds Llama 3 rope factors that Llama 3's band "
+            f"({LLAMA3_ROPE}) with factor {scaling['factor']} does not reproduce; ladle cannot "
+            "rebuild this model's rope_scaling")
+    return scaling
+
+
+def _llama3_factors(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """What the converter stores per frequency: 1 / (how much HF's llama3 rope scales it)."""
+    inv_freq = theta ** -(torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    return torch.where(wavelen < old_len / high, 1.0,
+                       torch.where(wavelen > old_len / low, factor, blended))
+
+
+def _gemma_fields(gguf_file: GGUFFile, hp: _HParams, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma's attention layout, as llama.cpp's gemma2/gemma3 loaders decide it."""
+    is_gemma3 = gguf_file.architecture == "gemma3"
+    num_layers = config["num_hidden_layers"]
+    # Sliding window: gemma3 has none when the key is absent or 0; gemma2 defaults to 4096.
+    window = hp.get("attention.sliding_window", None if is_gemma3 else 4096) or None
+    # Which layers slide: a per-layer list, or every n-th layer is full (gemma3 6, gemma2 2).
+    pattern = hp.get("attention.sliding_window_pattern", 6 if is_gemma3 else 2)
+    if window is None:
+        sliding = [False] * num_layers
+    elif isinstance(pattern, list):
+        sliding = [bool(p) for p in pattern[:num_layers]]
+    else:
+        sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(num_layers)]
+    # Gemma's 27B models scale queries by hidden / heads, the others by head_dim; GGUF does not
+    # store it, and llama.cpp tells the 27B models by their layer count (62 gemma3, 46 gemma2).
+    is_27b = num_layers == (62 if is_gemma3 else 46)
+    fields: dict[str, Any] = {
+        "sliding_window": window,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "query_pre_attn_scalar": (config["hidden_size"] // config["num_attention_heads"]
+                                  if is_27b else config["head_dim"]),
+        "hidden_activation": GELU_TANH,
+        "final_logit_softcapping": hp.get("final_logit_softcapping",
+                                          None if is_gemma3 else 30.0),
+    }
+    if is_gemma3:
+        # Local (sliding) layers use their own rope base: llama.cpp's default is 10000.
+        fields["rope_local_base_freq"] = float(hp.get("rope.freq_base_swa", 10000.0))
+        fields["attn_logit_softcapping"] = None
+    else:
+        local_theta = hp.get("rope.freq_base_swa")
+        if local_theta is not None and float(local_theta) != config["rope_theta"]:
+            raise ModelLoadError(f"{gguf_file.path}: gemma2.rope.freq_base_swa ({local_theta}) "
+                                 "differs from rope.freq_base; Gemma2 has one rope base")
+        fields["attn_logit_softcapping"] = hp.get("attn_logit_softcapping", 50.0)
+    return fields
+
+
+def _hf_parameter_shapes(hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the HF model class's state dict, from a model built on
+    the meta device (no memory, no init)."""
+    import transformers
+
+    kwargs = {k: v for k, v in hf_config.items() if k != "model_type"}
+    config = transformers.AutoConfig.for_model(hf_config["model_type"], **kwargs)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}

