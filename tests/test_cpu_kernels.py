@@ -128,6 +128,42 @@ def test_paged_decode_attention_matches_torch(kernels, dtype, H, KVH, D, monkeyp
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,KVH,D", [(8, 2, 64), (6, 2, 40)])  # vector and scalar paths
+# Windows of one token, inside a block, across blocks (not a multiple of 16) and wider than
+# every context; soft-caps that bite hard (2) and barely (50), and none.
+@pytest.mark.parametrize("window", [None, 1, 7, 23, 40, 1000])
+@pytest.mark.parametrize("softcap", [None, 2.0, 50.0])
+def test_windowed_softcapped_decode_attention_matches_torch(kernels, dtype, H, KVH, D, window,
+                                                            softcap, monkeypatch):
+    torch.manual_seed(5)
+    B, bs, nblocks = 4, 16, 12
+    k_cache = torch.randn(nblocks, KVH, bs, D).to(dtype)
+    v_cache = torch.randn(nblocks, KVH, bs, D).to(dtype)
+    q = (torch.randn(B, H, D) * 2).to(dtype)  # scores of several units, so the cap changes them
+    table = torch.tensor([[3, 7, 1, 0], [5, 2, 0, 0], [11, 10, 9, 8], [4, 0, 0, 0]])
+    batch = DecodeBatch(rows=torch.arange(B), block_table=table,
+                        ctx_lens=torch.tensor([40, 17, 64, 1]))
+    got = decode_attention(q, k_cache, v_cache, batch, D**-0.5, window, softcap)
+    monkeypatch.setitem(cpu_kernels._loaded, "module", None)  # the torch path
+    want = decode_attention(q, k_cache, v_cache, batch, D**-0.5, window, softcap)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_window_wider_than_context_is_bit_identical(kernels, dtype):
+    """A window that reaches every cached token reads exactly what full attention reads."""
+    torch.manual_seed(6)
+    k_cache = torch.randn(12, 2, 16, 64).to(dtype)
+    v_cache = torch.randn(12, 2, 16, 64).to(dtype)
+    q = torch.randn(3, 8, 64).to(dtype)
+    batch = DecodeBatch(rows=torch.arange(3), block_table=torch.tensor([[3, 7, 1], [5, 2, 0],
+                                                                        [11, 10, 9]]),
+                        ctx_lens=torch.tensor([40, 17, 48]))
+    full = decode_attention(q, k_cache, v_cache, batch, 0.125)
+    assert torch.equal(decode_attention(q, k_cache, v_cache, batch, 0.125, 48), full)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_apply_bitmask_matches_torch(kernels, dtype):
     """Rows of a larger batch, a vocabulary that is not a multiple of 32, words all set."""
     from ladle.structured_output.manager import apply_bitmask, apply_bitmask_torch

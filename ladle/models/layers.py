@@ -1,6 +1,6 @@
-"""Layers shared by the decoder architectures: RMSNorm, rotary embedding (with HF rope scaling),
-the gated MLP. Paged attention lives in runner/attention.py because it depends on the KV cache.
-The arithmetic goes through runner/cpu_kernels.py, which uses the fused CPU kernels where they
+"""Layers shared by the decoder architectures: RMSNorm (and Gemma's (1 + w) variant), rotary
+embedding (with HF rope scaling), the gated MLP (SiLU or GELU). Paged attention lives in
+runner/attention.py because it depends on the KV cache. The arithmetic goes through runner/cpu_kernels.py, which uses the fused CPU kernels where they
 apply and their pure-torch twins elsewhere."""
 
 from __future__ import annotations
@@ -30,6 +30,20 @@ class RMSNorm(nn.Module):
         if residual is None:
             return cpu_kernels.rms_norm(x, self.weight, self.eps)
         return cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the checkpoint stores w, the scale is (1 + w), and the whole product is
+    formed in float32 and cast once (HF: `(x.float() * rsqrt(...)) * (1 + w.float())`)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """As RMSNorm.forward: with a residual, (norm(residual + x), residual + x)."""
+        return cpu_kernels.gemma_rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
@@ -64,11 +78,21 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
-        inv_freq, attn_factor = rope_inv_freq(head_dim, theta, scaling)
-        t = torch.arange(max_positions, dtype=torch.float32)
+        self.head_dim, self.max_positions, self.theta, self.scaling = \
+            head_dim, max_positions, theta, scaling
+        self.rebuild()
+
+    def rebuild(self, device: torch.device | None = None) -> None:
+        """(Re)compute the float32 cos/sin tables on the default device, then move them to
+        `device`: the loader calls this after building the model on the meta device."""
+        inv_freq, attn_factor = rope_inv_freq(self.head_dim, self.theta, self.scaling)
+        t = torch.arange(self.max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # (P, D/2)
-        self.register_buffer("cos", (freqs.cos() * attn_factor), persistent=False)
-        self.register_buffer("sin", (freqs.sin() * attn_factor), persistent=False)
+        cos, sin = freqs.cos() * attn_factor, freqs.sin() * attn_factor
+        if device is not None:
+            cos, sin = cos.to(device), sin.to(device)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # q: (T, H, D), k: (T, KVH, D); positions: (T,). The kernel rotates in place.
@@ -81,20 +105,29 @@ class RotaryEmbedding(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP with gate and up projections fused into one matmul."""
+    """Gated MLP with gate and up projections fused into one matmul: SwiGLU by default, GeGLU
+    with `activation` "gelu_tanh" (Gemma's gelu_pytorch_tanh) or "gelu" (exact erf)."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False,
-                 tp: TPGroup | None = None):
+                 tp: TPGroup | None = None, activation: str = "silu"):
         """Tensor-parallel: `intermediate` is this rank's slice (gate/up column-parallel, down
         row-parallel, one all-reduce)."""
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.tp = tp
+        if activation not in ("silu", "gelu_tanh", "gelu"):
+            raise ValueError(f"MLP activation {activation!r} is not supported; supported: "
+                             "silu, gelu_tanh, gelu")
+        self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.gate_up_proj
-        h = cpu_kernels.silu_mul(cpu_kernels.linear(x, p.weight, p.bias))
+        gate_up = cpu_kernels.linear(x, p.weight, p.bias)
+        if self.activation == "silu":
+            h = cpu_kernels.silu_mul(gate_up)
+        else:
+            h = cpu_kernels.gelu_mul(gate_up, "tanh" if self.activation == "gelu_tanh" else "none")
         if self.tp is None:
             return cpu_kernels.linear(h, self.down_proj.weight, self.down_proj.bias)
         y = self.tp.all_reduce(cpu_kernels.linear(h, self.down_proj.weight, None))

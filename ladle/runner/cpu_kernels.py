@@ -211,6 +211,30 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * x32.to(x.dtype)
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None):
+    """Gemma's RMSNorm, scaled by (1 + weight) in float32 and cast once; with a residual,
+    (norm(residual + x), residual + x). In float32 that is the RMSNorm kernel with the weight
+    1 + w (its products are float32 already). In bfloat16 the kernel would round 1 + w and the
+    normalised x to bfloat16 before the product, so the twin runs."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        scale = weight + 1  # (D,): one tiny op, so a reloaded weight can never be stale
+        if residual is None:
+            return rms_norm(x, scale, eps)
+        return add_rms_norm(x, residual, scale, eps)
+    if residual is None:
+        return gemma_rms_norm_torch(x, weight, eps)
+    residual = residual + x
+    return gemma_rms_norm_torch(residual, weight, eps), residual
+
+
+def gemma_rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The twin, as HF's Gemma2/Gemma3 RMSNorm: normalise and scale in float32, cast once."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.float())).to(x.dtype)
+
+
 def _rows_in_place(x: torch.Tensor) -> bool:
     if x.stride(-1) != 1:
         return False
@@ -272,6 +296,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_mul(gate_up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """(R, 2I) = [gate | up] -> gelu(gate) * up, (R, I); Gemma's GeGLU ("tanh" is HF's
+    gelu_pytorch_tanh). Torch ops only: no kernel yet."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate=approximate) * up
 
 
 def _heads_adjacent(x: torch.Tensor) -> bool:
