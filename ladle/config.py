@@ -12,6 +12,10 @@ from ladle.sampling_params import DEFAULT_MAX_N, INT64_MAX, INT64_MIN
 from ladle.spec_decode.config import SpeculativeConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# --quantization (vLLM's flag): None = what the checkpoint is (gguf for a .gguf file, else none);
+# "gguf" = the weights come from a GGUF file; "none" = GGUF blocks are dequantized at load into
+# --dtype. Until quantized kernels land, a GGUF file always runs dequantized (the log says so).
+QUANTIZATIONS = ("gguf", "none")
 DISTRIBUTED_BACKENDS = ("mp", "ray")
 
 
@@ -20,6 +24,7 @@ class EngineConfig:
     model: str = "ladle-demo"
     tokenizer: str | None = None  # defaults to the model directory
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    quantization: str | None = None  # None (the checkpoint's own) | gguf | none
     device: str = "auto"  # auto: cuda when present, else cpu
     # Defaults to the model's max_position_embeddings; -1 ("auto"): that, shrunk to what the KV
     # cache can hold.
@@ -79,6 +84,9 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy: {self.scheduling_policy!r}; accepted: "
                              + ", ".join(SCHEDULING_POLICIES))
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization: {self.quantization!r}; accepted: "
+                             + ", ".join(QUANTIZATIONS))
         if self.structured_outputs_backend not in ("auto", "xgrammar", "guidance"):
             raise ValueError(
                 f"structured_outputs_backend: {self.structured_outputs_backend!r}; "

@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+logger = logging.getLogger(__name__)
+
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """From a checkpoint or tokenizer directory, or built from a GGUF file's metadata (with the
+    file's chat template, else ladle's for the model's family, logged)."""
+    if Path(path).is_file():
+        from ladle.models.gguf_tokenizer import load_gguf_tokenizer
+
+        loaded = load_gguf_tokenizer(Path(path))
+        if loaded.chat_template is not None and loaded.chat_template.is_fallback:
+            logger.info("%s has no tokenizer.chat_template: using %s (--chat-template FILE "
+                        "overrides it)", path, loaded.chat_template.source)
+        return loaded.tokenizer
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as e:
@@ -32,6 +45,11 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_path: str | Path) ->
         ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
+    if Path(model_path).is_file():  # a GGUF file: no generation_config.json, but end-of-turn
+        from ladle.models.gguf_tokenizer import end_of_generation_ids, read_tokenizer_metadata
+
+        ids += [i for i in end_of_generation_ids(read_tokenizer_metadata(model_path))
+                if i not in ids]
     return ids
 
 

@@ -6,7 +6,6 @@ server's running count returns to 0). Also: --disable-playground and the page's 
 from __future__ import annotations
 
 import re
-import shutil
 
 import pytest
 from fastapi.testclient import TestClient
@@ -14,8 +13,6 @@ from test_server import API_KEY, MODEL, RemoteServer
 
 from ladle.entrypoints.api_server import build_app
 from ladle.entrypoints.common import ServerState
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 def test_pages_served_and_disable_playground():
@@ -43,18 +40,11 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def page(server):
-    if CHROMIUM is None:
-        pytest.skip("no Chromium installed (apt-get install -y chromium; scripts/test.sh does "
-                    "it): the playground's browser test cannot run")
-    sync_api = pytest.importorskip("playwright.sync_api")
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                    args=["--no-sandbox"])
-        page = browser.new_page()
-        page.set_default_timeout(60_000)
-        yield page
-        browser.close()
+def page(browser):
+    page = browser.new_page()
+    page.set_default_timeout(60_000)
+    yield page
+    page.close()
 
 
 def running(server) -> float:
@@ -97,3 +87,25 @@ def test_chat_streams_and_stop_aborts(server, page, tmp_path):
     expect(page.locator("#send")).to_be_enabled()
     page.screenshot(path=str(tmp_path / "playground.png"), full_page=True)
     assert (tmp_path / "playground.png").stat().st_size > 0
+
+
+def test_completion_mode_continues_text_with_the_real_model(gemma_server, page, tmp_path):
+    """The first minute of a new user: the real model in the playground's completion mode."""
+    from playwright.sync_api import expect
+
+    expect.set_options(timeout=60_000)
+    page.goto(gemma_server.url + "/")
+    expect(page.locator("#model option")).to_have_text(["gemma-3-270m"])
+    page.select_option("#mode", "completion")
+    expect(page.locator("#system-label")).to_be_hidden()
+    page.fill("#temperature", "0")
+    page.fill("#max_tokens", "8")
+    prompt = "The Eiffel Tower is located in the city of"
+    page.fill("#message", prompt)
+    page.press("#message", "Enter")
+    turn = page.locator(".turn.completion").last
+    expect(turn.locator(".prompt")).to_have_text(prompt)
+    expect(turn.locator(".stats")).to_contain_text("finish:")
+    assert turn.locator(".content").inner_text().startswith(" Paris"), turn.inner_text()
+    assert re.search(r"\d+ tokens · TTFT \d+ ms", turn.locator(".stats").inner_text())
+    page.screenshot(path=str(tmp_path / "completion.png"), full_page=True)

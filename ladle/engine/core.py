@@ -22,7 +22,13 @@ from ladle.engine.kv_cache_manager import KVCacheManager
 from ladle.engine.request import FinishReason, Request, RequestStatus
 from ladle.engine.scheduler import Scheduler, SchedulerOutput
 from ladle.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
-from ladle.models.loader import load_model, read_hf_config, resolve_dtype, resolve_model_path
+from ladle.models.loader import (
+    check_quantization,
+    load_model,
+    read_hf_config,
+    resolve_dtype,
+    resolve_model_path,
+)
 from ladle.reasoning import ReasoningConfig
 from ladle.runner.model_runner import ModelRunner, RunnerOutput
 from ladle.sampling_params import RequestLimits
@@ -39,6 +45,7 @@ class EngineCore:
         self.config = config
         device = config.torch_device()
         self.model_path = resolve_model_path(config.model)
+        check_quantization(self.model_path, config.quantization)
         hf_config = read_hf_config(self.model_path)
         self.dtype = resolve_dtype(config.dtype, hf_config, device)
         torch.manual_seed(config.seed)

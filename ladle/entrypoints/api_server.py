@@ -349,6 +349,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model,
         tokenizer=args.tokenizer,
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,

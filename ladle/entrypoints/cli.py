@@ -148,6 +148,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "architectures load)")
     g.add_argument("--dtype", default=_DEFAULTS.dtype,
                    choices=["auto", "bfloat16", "float16", "half", "float32", "float"])
+    g.add_argument("--quantization", "-q", default=None, choices=["gguf", "none"],
+                   help="gguf: weights from a GGUF file (the default for one); none: its "
+                        "blocks dequantized into --dtype at load")
     g.add_argument("--max-model-len", type=max_model_len, default=None,
                    help="context length: 4096, 32k, 32K, 1m, or auto (default: the model's)")
     g.add_argument("--generation-config", default="auto",
@@ -311,15 +314,27 @@ def parse_serve_args(argv: list[str]) -> argparse.Namespace:
         serve.error(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
     args.model = args.model or args.model_tag or "ladle-demo"
     args.command = "serve"
-    # The engine settings' own checks (EngineConfig) as usage errors now, not a traceback when
-    # the server builds its engine.
-    from ladle.entrypoints.api_server import engine_config_from_args
-
+    # The model file's and the engine settings' own checks (EngineConfig) as usage errors now,
+    # not a traceback when the server builds its engine.
     try:
+        _check_model_file(args.model)
+        from ladle.entrypoints.api_server import engine_config_from_args
+
         engine_config_from_args(args)
     except ValueError as e:
         serve.error(str(e))
     return args
+
+
+def _check_model_file(model: str) -> None:
+    """A GGUF file's header, metadata and tensor table are read now (milliseconds, memory-
+    mapped), so a truncated, corrupt or unsupported file is a usage error naming the file
+    before any process starts; the engine reads it again to load."""
+    path = Path(model).expanduser()
+    if path.is_file():
+        from ladle.models.gguf import hf_config_from_gguf, open_gguf
+
+        hf_config_from_gguf(open_gguf(path))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,9 +1,12 @@
-"""Find a checkpoint (local directory, the built-in `ladle-demo`, or a hub id), build its model
-class and load its safetensors weights, sharded or not, exactly as they are published."""
+"""Find a checkpoint (a local directory of safetensors, a GGUF file or a directory holding one,
+the built-in `ladle-demo`, a packaged model such as `gemma-3-270m`, or a hub id), build its model
+class and load its weights exactly as they are published. Both formats feed one loop
+(`load_weights`) as (Hugging Face tensor name, reader) pairs."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -11,6 +14,8 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from ladle.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from ladle.models.layers import RotaryEmbedding
 from ladle.models.llama import LlamaForCausalLM
 from ladle.models.qwen2 import Qwen2ForCausalLM
 from ladle.models.qwen3 import Qwen3ForCausalLM
@@ -19,8 +24,11 @@ ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 DEMO_MODEL = "ladle-demo"
+logger = logging.getLogger(__name__)
 
 
 class ModelLoadError(ValueError):
@@ -34,8 +42,21 @@ def resolve_model_path(model: str) -> Path:
         from ladle.models.demo import ensure_demo_model
 
         return Path(ensure_demo_model())
+    from ladle.models.packaged import PACKAGED_MODELS, ensure_packaged_model
+
+    if model in PACKAGED_MODELS:
+        return ensure_packaged_model(model)
     path = Path(model).expanduser()
+    if path.is_file():
+        return path  # a GGUF file (its header is checked when it is read)
     if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs and not (path / "config.json").is_file():
+            if len(ggufs) > 1:
+                raise ModelLoadError(
+                    f"{path}: holds {len(ggufs)} GGUF files ({', '.join(g.name for g in ggufs)})"
+                    "; pass the one to serve (split multi-part GGUF files are not supported)")
+            return ggufs[0]
         return path
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise ModelLoadError(f"model {model!r}: not a directory and not a hub id (owner/name)")
@@ -54,7 +75,26 @@ def resolve_model_path(model: str) -> Path:
     return Path(local)
 
 
+def is_gguf(path: Path) -> bool:
+    """A resolved model path names a GGUF file (a checkpoint directory otherwise)."""
+    return path.is_file()
+
+
+def check_quantization(path: Path, quantization: str | None) -> None:
+    """--quantization gguf names the format of the file: it cannot apply to safetensors."""
+    if quantization == "gguf" and not is_gguf(path):
+        raise ModelLoadError(f"quantization: gguf needs a .gguf model file, but {path} is a "
+                             "safetensors checkpoint; accepted for it: none (or leave it unset)")
+
+
 def read_hf_config(path: Path) -> dict:
+    """config.json of a checkpoint directory; for a GGUF file, the same keys read from its
+    `{arch}.*` metadata."""
+    if is_gguf(path):
+        from ladle.models.gguf import hf_config_from_gguf, open_gguf
+
+        # A GGUF file records no float dtype of its own: `auto` runs it in bfloat16.
+        return {"torch_dtype": "bfloat16"} | hf_config_from_gguf(open_gguf(path))
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ModelLoadError(f"{cfg_file}: missing; a checkpoint directory needs config.json")
@@ -65,7 +105,7 @@ def read_hf_config(path: Path) -> dict:
     return cfg
 
 
-def model_class(hf_config: dict, path: Path) -> type[LlamaForCausalLM]:
+def model_class(hf_config: dict, path: Path) -> type[torch.nn.Module]:
     archs = hf_config.get("architectures") or []
     for arch in archs:
         if arch in ARCHITECTURES:
@@ -102,13 +142,14 @@ def load_model(path: Path, hf_config: dict, dtype: torch.dtype, device: torch.de
     with torch.device("meta"):
         model = cls(hf_config, tp)
     model = model.to_empty(device=device).to(dtype)
-    # Buffers (rotary tables) were created on meta: rebuild them on the real device.
-    cfg = model.config
-    from ladle.models.layers import RotaryEmbedding
-
-    model.rotary = RotaryEmbedding(
-        cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
-    ).to(device)
+    # Buffers (rotary tables) were created on meta: every rotary rebuilds its own, in float32
+    # on the real device (a model may hold several: Gemma 3's local and global ones).
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.rebuild(device)
+    if is_gguf(path) and (tp is None or tp.rank == 0):
+        logger.info("%s: GGUF blocks dequantized to %s at load (quantized kernels are not "
+                    "built yet)", path, str(dtype).removeprefix("torch."))
     load_weights(model, path)
     return model.eval()
 
@@ -129,32 +170,47 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
+def _checkpoint_tensors(path: Path):
+    """(checkpoint tensor name, read) pairs, where read(part) returns the tensor, or only the
+    part (dim, start, length) of it that this tensor-parallel rank holds (part None: all)."""
+    if is_gguf(path):
+        from ladle.models.gguf import hf_config_from_gguf, iter_hf_tensors, open_gguf
+
+        reader = open_gguf(path)
+        for name, load in iter_hf_tensors(reader, hf_config_from_gguf(reader)):
+            # GGUF blocks are dequantized whole (float32); a rank then keeps its slice.
+            yield name, (lambda part, load=load, name=name:
+                         load() if part is None else _read_slice(load(), name, part))
+        return
+    for file in _weight_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, (lambda part, f=f, name=name: f.get_tensor(name) if part is None
+                             else _read_slice(f.get_slice(name), name, part))
+
+
 @torch.no_grad()
 def load_weights(model: LlamaForCausalLM, path: Path) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    files = _weight_files(path)
     with tqdm(total=len(params), desc="Loading weights", unit="tensor", leave=False,
               disable=os.environ.get("LADLE_NO_PROGRESS") == "1") as bar:
-        for file in files:
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    target = _target(name, model, params)
-                    if target is None:
-                        continue
-                    pname, shard = target
-                    part = model.checkpoint_slice(pname, shard)
-                    tensor = f.get_tensor(name) if part is None else _read_slice(f, name, part)
-                    param = params[pname]
-                    if shard is None:
-                        _copy(param, tensor, name)
-                        loaded.add(pname)
-                    else:
-                        sizes = model.shard_sizes(pname.rsplit(".", 1)[0].rsplit(".", 1)[1])
-                        start = sum(sizes[:shard])
-                        _copy(param.narrow(0, start, sizes[shard]), tensor, name)
-                        loaded.add(f"{pname}#{shard}")
-                    bar.update(1)
+        for name, read in _checkpoint_tensors(path):
+            target = _target(name, model, params)
+            if target is None:
+                continue
+            pname, shard = target
+            tensor = read(model.checkpoint_slice(pname, shard))
+            param = params[pname]
+            if shard is None:
+                _copy(param, tensor, name)
+                loaded.add(pname)
+            else:
+                sizes = model.shard_sizes(pname.rsplit(".", 1)[0].rsplit(".", 1)[1])
+                start = sum(sizes[:shard])
+                _copy(param.narrow(0, start, sizes[shard]), tensor, name)
+                loaded.add(f"{pname}#{shard}")
+            bar.update(1)
     expected = set()
     for pname in params:
         fused = pname.rsplit(".", 1)[0].rsplit(".", 1)[-1]
@@ -186,12 +242,12 @@ def _target(name: str, model, params: dict) -> tuple[str, int | None] | None:
     return None  # tensors of heads ladle does not run (e.g. mtp layers) are skipped
 
 
-def _read_slice(f, name: str, part: tuple[int, int, int]) -> torch.Tensor:
-    """Rows (dim 0) or columns (dim 1) [start, start + length) of tensor `name`, read without
-    loading the rest; rows past the end (the padded vocabulary) are zeros."""
+def _read_slice(view, name: str, part: tuple[int, int, int]) -> torch.Tensor:
+    """Rows (dim 0) or columns (dim 1) [start, start + length) of tensor `name` (`view`: a
+    safetensors slice, read without loading the rest, or a tensor); rows past the end (the
+    padded vocabulary) are zeros."""
     dim, start, length = part
-    view = f.get_slice(name)
-    size = view.get_shape()[dim]
+    size = view.get_shape()[dim] if hasattr(view, "get_shape") else view.shape[dim]
     start, end = min(start, size), min(start + length, size)  # a slice wholly past the end
     tensor = view[start:end] if dim == 0 else view[:, start:end]  # is empty, then all padding
     if end - start < length:

@@ -1,6 +1,8 @@
-// ladle's playground: a chat that streams from /v1/chat/completions. Each reply shows its
-// reasoning (collapsible), tool calls, time to first token and tokens/s; Stop aborts the request
-// (the server aborts it in the engine when the connection closes).
+// ladle's playground. Chat mode streams from /v1/chat/completions: each reply shows its
+// reasoning (collapsible), tool calls, time to first token and tokens/s. Completion mode streams
+// from /v1/completions: the text typed is continued as it is, with no chat template, which is
+// how a base model (one not trained to chat) is used. Stop aborts the request (the server aborts
+// it in the engine when the connection closes).
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -33,14 +35,21 @@ function numberField(id, parse) {
   return raw === "" ? undefined : parse(raw);
 }
 
-function buildRequest() {
-  const messages = [];
-  const system = $("system").value.trim();
-  if (system) messages.push({ role: "system", content: system });
-  messages.push(...state.messages);
-  const body = {
-    model: $("model").value,
-    messages,
+function isCompletion() { return $("mode").value === "completion"; }
+
+// The body for the mode: chat sends the conversation so far, completion the text to continue.
+function buildRequest(prompt) {
+  const body = { model: $("model").value };
+  if (isCompletion()) {
+    body.prompt = prompt;
+  } else {
+    const messages = [];
+    const system = $("system").value.trim();
+    if (system) messages.push({ role: "system", content: system });
+    messages.push(...state.messages);
+    body.messages = messages;
+  }
+  Object.assign(body, {
     stream: true,
     stream_options: { include_usage: true, continuous_usage_stats: true },
     temperature: numberField("temperature", parseFloat),
@@ -49,7 +58,7 @@ function buildRequest() {
     min_p: numberField("min_p", parseFloat),
     max_tokens: numberField("max_tokens", (v) => parseInt(v, 10)),
     seed: numberField("seed", (v) => parseInt(v, 10)),
-  };
+  });
   const schema = $("schema").value.trim();
   if (schema) {
     body.response_format = { type: "json_schema", json_schema: { name: "playground", schema: JSON.parse(schema) } };
@@ -94,10 +103,17 @@ function addTurn(role, text) {
 }
 
 class Reply {
-  // The assistant's turn on the page, filled as chunks arrive.
-  constructor() {
-    this.turn = addTurn("assistant", "");
+  // The assistant's turn on the page, filled as chunks arrive. In completion mode the turn
+  // shows the prompt, then the continuation as it streams.
+  constructor(prompt) {
+    this.turn = addTurn(prompt === undefined ? "assistant" : "assistant completion", "");
     this.content = this.turn.querySelector(".content");
+    if (prompt !== undefined) {
+      const shown = document.createElement("span");
+      shown.className = "prompt";
+      shown.textContent = prompt;
+      this.turn.insertBefore(shown, this.content);
+    }
     this.text = "";
     this.reasoning = null;
     this.calls = [];
@@ -153,15 +169,21 @@ class Reply {
 }
 
 async function send(text) {
-  state.messages.push({ role: "user", content: text });
-  addTurn("user", text);
-  const reply = new Reply();
+  const completion = isCompletion();
+  let reply;
+  if (completion) {
+    reply = new Reply(text);
+  } else {
+    state.messages.push({ role: "user", content: text });
+    addTurn("user", text);
+    reply = new Reply();
+  }
   let body;
   try {
-    body = buildRequest();
+    body = buildRequest(text);
   } catch (e) {
     reply.showError("JSON schema: " + e.message);
-    state.messages.pop();
+    if (!completion) state.messages.pop();
     return;
   }
   state.controller = new AbortController();
@@ -173,7 +195,7 @@ async function send(text) {
   let numTokens = 0;
   let finish = null;
   try {
-    const res = await fetch("/v1/chat/completions", {
+    const res = await fetch(completion ? "/v1/completions" : "/v1/chat/completions", {
       method: "POST", headers: headers(), body: JSON.stringify(body), signal: state.controller.signal,
     });
     if (!res.ok) {
@@ -185,7 +207,8 @@ async function send(text) {
       if (chunk.usage) numTokens = chunk.usage.completion_tokens;
       const choice = chunk.choices?.[0];
       if (!choice) return;
-      const d = choice.delta || {};
+      // A completion chunk carries `text`; a chat chunk a `delta`.
+      const d = completion ? { content: choice.text } : (choice.delta || {});
       if (tFirst === null && (d.content || d.reasoning_content || d.tool_calls)) tFirst = performance.now();
       if (d.reasoning_content) reply.addReasoning(d.reasoning_content);
       if (d.content) reply.addContent(d.content);
@@ -198,7 +221,7 @@ async function send(text) {
     if (e.name === "AbortError") reply.showStats(t0, tFirst, numTokens, "stopped");
     else reply.showError(e.message);
   } finally {
-    state.messages.push({ role: "assistant", content: reply.text });
+    if (!completion) state.messages.push({ role: "assistant", content: reply.text });
     state.controller = null;
     $("send").disabled = false;
     $("stop").disabled = true;
@@ -209,11 +232,24 @@ async function send(text) {
 // ---- wiring -----------------------------------------------------------------------------------
 $("composer").addEventListener("submit", (ev) => {
   ev.preventDefault();
-  const text = $("message").value.trim();
-  if (!text || state.controller) return;
+  // A completion prompt is sent as typed: a trailing space changes what a base model writes.
+  const raw = $("message").value;
+  const text = isCompletion() ? raw : raw.trim();
+  if (!text.trim() || state.controller) return;
   $("message").value = "";
   send(text);
 });
+// Each mode keeps its own page: switching clears the log and the conversation.
+function applyMode() {
+  const completion = isCompletion();
+  $("system-label").hidden = completion;
+  $("message").placeholder = completion
+    ? "Text for the model to continue (Enter sends, Shift+Enter adds a line)"
+    : "Message (Enter sends, Shift+Enter adds a line)";
+  state.messages = [];
+  $("log").replaceChildren();
+}
+$("mode").addEventListener("change", applyMode);
 $("message").addEventListener("keydown", (ev) => {
   if (ev.key === "Enter" && !ev.shiftKey) {
     ev.preventDefault();
@@ -230,4 +266,5 @@ $("save-key").addEventListener("click", () => {
   localStorage.setItem("ladle-api-key", state.key);
   loadModels();
 });
+applyMode();
 loadModels().catch((e) => setStatus("cannot reach the server: " + e.message));
