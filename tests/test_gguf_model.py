@@ -85,18 +85,32 @@ def test_greedy_tokens_equal_transformers_gguf_load(gemma_gguf, reference):
 
 def test_bad_gguf_is_a_startup_error_naming_the_file(tmp_path, gemma_gguf):
     """`ladle serve` on a broken file exits non-zero within seconds, with one line naming the
-    file and what is wrong (no traceback needed to understand it)."""
+    file and what is wrong (no traceback needed to understand it): truncated, wrong magic,
+    unknown architecture, unsupported tensor type."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from test_gguf import f32_tensor, write_gguf
+
     truncated = tmp_path / "truncated.gguf"
     with open(gemma_gguf, "rb") as f:
         truncated.write_bytes(f.read(50_000_000))
     magic = tmp_path / "magic.gguf"
     magic.write_bytes(b"GGML" + b"\0" * 4096)
-    for path, problem in ((truncated, "truncated"), (magic, "not a GGUF file")):
+    arch = write_gguf(tmp_path / "mamba.gguf", arch="mamba", tensors=[f32_tensor()])
+    iq2 = GGMLQuantizationType.IQ2_XXS
+    raw = np.zeros((2, GGML_QUANT_SIZES[iq2][1]), np.uint8)
+    qtype = write_gguf(tmp_path / "iq2.gguf", tensors=[f32_tensor(),
+                                                        ("blk.0.attn_q.weight", raw, iq2)])
+    cases = ((truncated, "truncated"), (magic, "not a GGUF file"),
+             (arch, "architecture 'mamba' is not supported"),
+             (qtype, "tensor 'blk.0.attn_q.weight' is IQ2_XXS"))
+    for path, problem in cases:
         t0 = time.monotonic()
         proc = subprocess.run([sys.executable, "-m", "ladle.entrypoints.cli", "serve", str(path),
-                               "--port", "0"], capture_output=True, text=True, timeout=120)
+                               "--port", "8"], capture_output=True, text=True, timeout=120)
         took = time.monotonic() - t0
         print(f"{path.name}: exit {proc.returncode} after {took:.1f} s")
         assert proc.returncode != 0
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
         lines = [ln for ln in proc.stderr.splitlines() if str(path) in ln and problem in ln]
         assert lines, proc.stderr[-3000:]
