@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ladle.models.layers import GatedMLP, GemmaRMSNorm, RotaryEmbedding, VocabParallelEmbedding
-from ladle.models.llama import LlamaForCausalLM, ShardLayout, shard_layout
+from ladle.models.layers import GatedMLP, GemmaRMSNorm, RotaryEmbedding
+from ladle.models.llama import LlamaForCausalLM, ShardLayout, shard_layout, vocab_layers
 from ladle.runner.attention import AttentionMetadata, paged_attention
 from ladle.runner.cpu_kernels import linear
 
@@ -214,12 +214,7 @@ class GemmaForCausalLM(nn.Module):
         lay = self.layout
         # The heads this process's KV cache holds (the model runner sizes the cache with it).
         self.num_local_kv_heads = cfg.num_kv_heads if lay is None else lay.num_kv_heads
-        num_vocab = cfg.vocab_size if lay is None else lay.vocab_per_rank
-        if lay is None:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        else:
-            self.embed_tokens = VocabParallelEmbedding(num_vocab, cfg.hidden_size,
-                                                       lay.rank * num_vocab, tp)
+        self.embed_tokens, self.lm_head = vocab_layers(cfg, lay, tp)
         self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, w, lay, tp) for w in cfg.windows)
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
@@ -229,10 +224,6 @@ class GemmaForCausalLM(nn.Module):
         if cfg.rope_sliding != cfg.rope_full:
             self.rotary_sliding = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
                                                   cfg.rope_sliding.theta, cfg.rope_sliding.scaling)
-        if cfg.tie_word_embeddings:
-            self.lm_head = None  # the embedding matrix doubles as the output projection
-        else:
-            self.lm_head = nn.Linear(cfg.hidden_size, num_vocab, bias=False)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         """input_ids, positions: (T,). Returns final hidden states (T, hidden)."""

@@ -105,6 +105,20 @@ def shard_layout(cfg: DecoderConfig, rank: int, world_size: int) -> ShardLayout:
                        cfg.intermediate_size // world_size, -(-cfg.vocab_size // world_size))
 
 
+def vocab_layers(cfg, lay: ShardLayout | None, tp: TPGroup | None):
+    """(embedding, lm_head or None when tied) of this rank: the whole vocabulary, or with a
+    layout this rank's zero-padded slice of it. `cfg` needs vocab_size, hidden_size and
+    tie_word_embeddings (DecoderConfig and GemmaConfig both have them)."""
+    num_vocab = cfg.vocab_size if lay is None else lay.vocab_per_rank
+    if lay is None:
+        embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+    else:
+        embed = VocabParallelEmbedding(num_vocab, cfg.hidden_size, lay.rank * num_vocab, tp)
+    # Tied: the embedding matrix doubles as the output projection.
+    head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, num_vocab, bias=False)
+    return embed, head
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig, layout: ShardLayout | None = None,
                  tp: TPGroup | None = None):
@@ -185,21 +199,12 @@ class LlamaForCausalLM(nn.Module):
         lay = self.layout
         # The heads this process's KV cache holds (the model runner sizes the cache with it).
         self.num_local_kv_heads = cfg.num_kv_heads if lay is None else lay.num_kv_heads
-        num_vocab = cfg.vocab_size if lay is None else lay.vocab_per_rank
-        if lay is None:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        else:
-            self.embed_tokens = VocabParallelEmbedding(num_vocab, cfg.hidden_size,
-                                                       lay.rank * num_vocab, tp)
+        self.embed_tokens, self.lm_head = vocab_layers(cfg, lay, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, lay, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
-        if cfg.tie_word_embeddings:
-            self.lm_head = None  # the embedding matrix doubles as the output projection
-        else:
-            self.lm_head = nn.Linear(cfg.hidden_size, num_vocab, bias=False)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         """input_ids, positions: (T,). Returns final hidden states (T, hidden)."""
