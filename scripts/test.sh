@@ -18,7 +18,7 @@ if ! command -v openssl >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; t
         >/dev/null 2>&1 || echo "openssl could not be installed; the TLS test will skip"
 fi
 .venv/bin/ruff check ladle tests benchmarks
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"
 # With no arguments (CI): the server's chat, completions, streaming and structured-output tests
 # once more against a tensor-parallel server (-tp 2 over gloo; issue 12).
 if [ $# -eq 0 ]; then

@@ -1,28 +1,14 @@
-"""Fixtures that are heavy to start, so the whole session shares one of each: the browser that
-drives the playground, and a `ladle serve gemma-3-270m` server on the real trained model."""
+"""A fixture that is heavy to start, so the whole session shares it: a `ladle serve
+gemma-3-270m` server on the real trained model (tests/test_gguf_server.py and the playground's
+browser test use it). The browser stays in test_playground.py, module-scoped: Playwright's sync
+API holds an event loop in the main thread while it is open, and asyncio.run() in later test
+modules would fail beside it."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 GEMMA = "gemma-3-270m"
-
-
-@pytest.fixture(scope="session")
-def browser():
-    """Headless Debian Chromium through Playwright (which cannot download browsers here)."""
-    if CHROMIUM is None:
-        pytest.skip("no Chromium installed (apt-get install -y chromium; scripts/test.sh does "
-                    "it): the playground's browser tests cannot run")
-    sync_api = pytest.importorskip("playwright.sync_api")
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                    args=["--no-sandbox"])
-        yield browser
-        browser.close()
 
 
 @pytest.fixture(scope="session")

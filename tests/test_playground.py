@@ -6,6 +6,7 @@ server's running count returns to 0). Also: --disable-playground and the page's 
 from __future__ import annotations
 
 import re
+import shutil
 
 import pytest
 from fastapi.testclient import TestClient
@@ -13,6 +14,8 @@ from test_server import API_KEY, MODEL, RemoteServer
 
 from ladle.entrypoints.api_server import build_app
 from ladle.entrypoints.common import ServerState
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 def test_pages_served_and_disable_playground():
@@ -37,6 +40,21 @@ def server():
                      "--disable-access-log")
     yield s
     assert s.stop() == 0, s.log()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Debian Chromium through Playwright (which cannot download browsers here); one
+    per module, closed before the next module runs (its sync API holds an event loop)."""
+    if CHROMIUM is None:
+        pytest.skip("no Chromium installed (apt-get install -y chromium; scripts/test.sh does "
+                    "it): the playground's browser tests cannot run")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                    args=["--no-sandbox"])
+        yield browser
+        browser.close()
 
 
 @pytest.fixture(scope="module")

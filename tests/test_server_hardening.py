@@ -50,6 +50,9 @@ CASES = [
     ("n x prompts over the queue", C, completion(prompt=["a"] * 8, n=128), J, 503, None),
     ("seed above int64", C, completion(seed=2**64), J, 400, "seed"),
     ("priority above int64", C, completion(priority=2**70), J, 400, "priority"),
+    # a free-form field's integer past 64 bits once reached the engine link and failed there
+    ("vllm_xargs int past 64 bits", C, completion(vllm_xargs={"k": [2**70]}), J, 400,
+     "vllm_xargs.k.0"),
     ("priority without policy", C, completion(priority=1), J, 400, "priority"),
     ("temperature Infinity literal", C, b'{"model": "ladle-demo", "prompt": "a", '
      b'"temperature": Infinity}', J, 400, "temperature"),

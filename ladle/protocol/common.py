@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ladle.sampling_params import INT64_MAX, INT64_MIN
+
 logger = logging.getLogger("ladle.protocol")
 
 
@@ -61,8 +63,11 @@ MAX_PROMPTS = 1024  # prompts in one completions batch
 
 def check_json_text(data: Any, path: str = "") -> None:
     """Reject what JSON can carry but text and numbers cannot be: lone UTF-16 surrogates
-    ("\ud800", which no tokenizer can encode) and NaN/Infinity literals (not JSON, but Python's
-    parser takes them). ValueError names the field, e.g. "messages.0.content"."""
+    ("\ud800", which no tokenizer can encode), NaN/Infinity literals (not JSON, but Python's
+    parser takes them) and integers past 64 bits (Python's are unbounded; the engine's wire and
+    every integer setting stop at int64, so a free-form field such as vllm_xargs could otherwise
+    carry one to the engine link and fail there). ValueError names the field, e.g.
+    "messages.0.content"."""
     stack = [(path, data)]
     while stack:
         where, value = stack.pop()
@@ -72,6 +77,10 @@ def check_json_text(data: Any, path: str = "") -> None:
             except UnicodeEncodeError:
                 raise ValueError(f"{where or 'body'}: contains a lone UTF-16 surrogate (e.g. "
                                  "\\ud800); accepted: valid Unicode text") from None
+        elif isinstance(value, int) and not isinstance(value, bool):
+            if not INT64_MIN <= value <= INT64_MAX:
+                raise ValueError(f"{where or 'body'}: {value} is out of range; accepted: an "
+                                 f"integer in [{INT64_MIN}, {INT64_MAX}]")
         elif isinstance(value, float):
             if not math.isfinite(value):
                 raise ValueError(f"{where or 'body'}: {value} is not a JSON number; accepted: a "
