@@ -114,3 +114,29 @@ def test_bad_gguf_is_a_startup_error_naming_the_file(tmp_path, gemma_gguf):
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
         lines = [ln for ln in proc.stderr.splitlines() if str(path) in ln and problem in ln]
         assert lines, proc.stderr[-3000:]
+
+
+def test_generation_stops_at_gemmas_end_of_turn(gemma_gguf):
+    """A GGUF file has no generation_config.json: EOS plus the end-of-turn tokens llama.cpp
+    stops at (Gemma's <end_of_turn>, id 106) end generation, as google's config lists [1, 106]."""
+    from ladle.tokenizer import eos_token_ids, load_tokenizer
+
+    tok = load_tokenizer(gemma_gguf)
+    assert tok.convert_ids_to_tokens([1, 106]) == ["<eos>", "<end_of_turn>"]
+    assert eos_token_ids(tok, gemma_gguf) == [1, 106]
+
+
+def test_quantization_flag_is_checked(tmp_path):
+    """--quantization: gguf names a file format, so it is a start error for a safetensors
+    checkpoint (naming the flag and what it accepts); an unknown method is refused by name."""
+    from ladle.config import EngineConfig
+    from ladle.engine.core import EngineCore
+    from ladle.models.loader import ModelLoadError
+
+    with pytest.raises(ValueError, match="quantization: 'awq'; accepted: gguf, none"):
+        EngineConfig(quantization="awq")
+    with pytest.raises(ModelLoadError, match="quantization: gguf needs a .gguf model file"):
+        EngineCore(EngineConfig(model="ladle-demo", quantization="gguf"))
+    proc = subprocess.run([sys.executable, "-m", "ladle.entrypoints.cli", "serve", "ladle-demo",
+                           "--quantization", "awq"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--quantization" in proc.stderr, proc.stderr
