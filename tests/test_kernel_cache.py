@@ -6,6 +6,7 @@ Every test uses its own LADLE_KERNEL_CACHE_DIR, never the shared one."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -79,6 +80,22 @@ def test_cache_key_follows_cpu_and_flags(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(cpu_kernels, "_CFLAGS", cpu_kernels._CFLAGS + ["-O0"])
     assert cpu_kernels.build_key() != key
+
+
+def test_cache_key_follows_every_source_and_header(tmp_path, monkeypatch):
+    """The module is built from every .cpp in csrc/ and they include its headers: a change to
+    any of them, or a new source, is a new build."""
+    csrc = tmp_path / "csrc"
+    shutil.copytree(Path(cpu_kernels.__file__).parent / "csrc", csrc)
+    monkeypatch.setattr(cpu_kernels, "_CSRC", csrc)
+    assert [p.name for p in cpu_kernels._sources()] == sorted(p.name for p in csrc.glob("*.cpp"))
+    keys = {cpu_kernels.build_key()}
+    with open(csrc / "vec.h", "a") as f:
+        f.write("// a header change\n")
+    keys.add(cpu_kernels.build_key())
+    (csrc / "extra.cpp").write_text("// a new source\n")
+    keys.add(cpu_kernels.build_key())
+    assert len(keys) == 3
 
 
 def test_failed_build_falls_back_to_torch(tmp_path, monkeypatch, caplog):

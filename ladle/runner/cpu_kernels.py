@@ -1,18 +1,21 @@
-"""CPU kernels for the decode path (csrc/cpu_kernels.cpp) and their pure-torch twins.
+"""CPU kernels for the decode path (the C++ sources in csrc/) and their pure-torch twins.
 
 Decode on a CPU is bound by memory and by the number of ops per step: it must stream every
 weight once per token, and in torch ops a layer is ~60 small dispatches. The C++ module reads the
 paged KV cache in place, multiplies one or a few rows by a weight matrix at close to memory speed
 (AVX512-BF16 `vdpbf16ps` where the CPU has it), and folds residual-add + RMSNorm and rotary into
-one op each. Every kernel has a pure-torch twin below: the path on other devices (CUDA keeps pure
-torch), without a compiler, after a failed build, or with LADLE_DISABLE_CPU_KERNELS=1; the tests
-compare the two.
+one op each. Its sources are split by concern (csrc/attention.cpp, linear.cpp, elementwise.cpp,
+sampler.cpp, quant.cpp for runner/quant.py; the helpers they share in vec.h, the module's bindings
+in bindings.cpp) and built as one module. Every kernel has a pure-torch twin below: the path on
+other devices (CUDA keeps pure torch), without a compiler, after a failed build, or with
+LADLE_DISABLE_CPU_KERNELS=1; the tests compare the two.
 
 The module is built once per machine at engine start (ModelRunner), before the engine reports
-ready. Its cache directory is keyed by the source, the compiler flags, the compiler, torch's
-version and the CPU's feature flags (the build uses -march=native, so a cache shared with another
-CPU must not load it). A build runs in a private directory that is renamed into place when
-complete, so an engine killed mid-build leaves nothing a later start would wait on."""
+ready. Its cache directory is keyed by the sources and headers in csrc/, the compiler flags, the
+compiler, torch's version and the CPU's feature flags (the build uses -march=native, so a cache
+shared with another CPU must not load it). A build runs in a private directory that is renamed
+into place when complete, so an engine killed mid-build leaves nothing a later start would wait
+on."""
 
 from __future__ import annotations
 
@@ -30,10 +33,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ladle.runner.quant import QuantWeight, quant_linear
+
 logger = logging.getLogger(__name__)
 
 _NAME = "ladle_cpu_kernels"
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+_CSRC = Path(__file__).parent / "csrc"  # every *.cpp there is built into the module
 # Reassociation lets the dot products vectorise; no finite-math (softmax uses -inf).
 _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
            "-fno-trapping-math", "-fopenmp"]
@@ -79,10 +84,19 @@ def _compiler() -> str:
         return cxx
 
 
+def _sources() -> list[Path]:
+    """The module's C++ sources, in a fixed order (ninja compiles them in parallel)."""
+    return sorted(_CSRC.glob("*.cpp"))
+
+
 def build_key() -> str:
     """What a built module depends on, hashed: a change in any part means a new build."""
     h = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), " ".join(_CFLAGS + _LDFLAGS).encode(), _compiler().encode(),
+    for path in sorted(p for p in _CSRC.iterdir() if p.suffix in (".cpp", ".h")):
+        for part in (path.name.encode(), path.read_bytes()):  # a rename is a change too
+            h.update(part)
+            h.update(b"\0")
+    for part in (" ".join(_CFLAGS + _LDFLAGS).encode(), _compiler().encode(),
                  torch.__version__.encode(), _cpu_features().encode()):
         h.update(part)
         h.update(b"\0")
@@ -126,8 +140,8 @@ def _load_or_build(root: Path):
                 " ".join(_CFLAGS), final)
     t = time.perf_counter()
     try:
-        load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
-             build_directory=str(private), verbose=False)
+        load(name=_NAME, sources=[str(s) for s in _sources()], extra_cflags=_CFLAGS,
+             extra_ldflags=_LDFLAGS, build_directory=str(private), verbose=False)
         try:
             private.rename(final)  # atomic: a reader sees no directory or a complete one
         except OSError:  # another engine finished first; use its build
@@ -175,7 +189,10 @@ def supports(q: torch.Tensor) -> bool:
 # --- The kernels as the model calls them; each falls back to its twin. -------------------------
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """x (..., K) @ weight (N, K)^T + bias; the kernel for a few rows (decode), torch otherwise."""
+    """x (..., K) @ weight (N, K)^T + bias; the kernel for a few rows (decode), torch otherwise.
+    A QuantWeight (runner/quant.py) runs its quantized kernels for any number of rows."""
+    if isinstance(weight, QuantWeight):
+        return quant_linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if 0 < rows <= MAX_LINEAR_ROWS and weight.is_contiguous():
         k = kernels_for(x, weight) if bias is None else kernels_for(x, weight, bias)

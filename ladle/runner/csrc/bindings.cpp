@@ -1,0 +1,46 @@
+// The extension module: every kernel's binding (declared in kernels.h) and the quantized
+// kernels' (quant.h).
+#include <torch/extension.h>
+
+#include "kernels.h"
+#include "quant.h"
+
+// What this build was compiled for, logged at engine start.
+std::string isa() {
+#if defined(__AVX512BF16__)
+  return "avx512-bf16";
+#elif defined(__AVX512F__)
+  return "avx512";
+#else
+  return "portable";
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "paged decode attention, optionally windowed and soft-capped");
+  m.def("linear", &linear, "small-M linear", py::arg("x"), py::arg("w"), py::arg("b"));
+  m.def("rms_norm", &rms_norm, "RMSNorm with optional residual add", py::arg("x"),
+        py::arg("residual"), py::arg("w"), py::arg("eps"));
+  m.def("rotary", &rotary, "neox rotary embedding in place");
+  m.def("apply_bitmask", &apply_bitmask, "grammar bitmask applied in place");
+  m.def("qk_norm_rotary", &qk_norm_rotary, "per-head q/k RMSNorm then rotary");
+  m.def("write_kv_cache", &write_kv_cache, "k and v into their cache slots");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("apply_penalties", &apply_penalties, "repetition/frequency/presence in one pass");
+  m.def("logprob_stats", &logprob_stats, "logsumexp, chosen value and rank per row");
+  m.def("logsumexp_rows", &logsumexp_rows, "logsumexp per row");
+  m.def("min_p", &min_p, "min-p filter in place");
+  m.def("top_p_mask", &top_p_mask, "top-p by radix select, in place");
+  m.def("topk_rows", &topk_rows, "k largest per row, sorted");
+  m.def("argmax_rows", &argmax_rows, "first index of each row's maximum");
+  m.def("noise_uniform", &noise_uniform, "seeded noise's uniforms, hashed in one pass");
+  m.def("seeded_race", &seeded_race, "seeded exponential race over full rows, fused");
+  m.def("isa", &isa, "instruction set this build uses");
+  m.def("quantize_blocks", &quantize_blocks, "activations to int8 per block of 32");
+  m.def("quantize_rows", &quantize_rows, "activations to int8 per row");
+  m.def("quant_linear", &quant_linear, "x (int8 blocks) @ GGUF-block weights^T into out");
+  m.def("int8_linear", &int8_linear, "x (int8 rows) @ int8-row weights^T into out");
+  m.def("dequantize_rows", &dequantize_rows, "rows of GGUF-block weights, dequantized");
+  m.def("quant_isa", &quant_isa, "instruction set of the quantized kernels");
+}

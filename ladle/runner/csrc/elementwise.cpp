@@ -1,0 +1,278 @@
+// Elementwise passes of the decode path: RMSNorm (with the residual add), rotary, q/k norm +
+// rotary, the KV-cache write and silu * up.
+#include "kernels.h"
+#include "vec.h"
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm over the last dimension, optionally after adding a residual (in place), in one pass per
+// row instead of eight torch ops. Numerics follow the HF reference: normalise in float32, round
+// to T, then multiply by the weight in T.
+
+// Sum of squares of D values in float32 (16 lanes, then the tail).
+template <typename T>
+static inline float sum_squares(const T* x, int64_t D) {
+  int64_t d = 0;
+  float ss = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; d + 16 <= D; d += 16) {
+    const __m512 v = load16(x + d);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  ss = _mm512_reduce_add_ps(acc);
+#endif
+  for (; d < D; ++d) ss += to_f(x[d]) * to_f(x[d]);
+  return ss;
+}
+
+// out[d] = w[d] * (x[d] * inv), each product rounded to T like the unfused layers (the norm in
+// float32, cast to T, then the weight multiply in T). O is T, or float for values kept rounded
+// to T's precision (the rotary that follows reads them).
+template <typename T, typename O>
+static inline void scale_row(const T* x, const T* w, float inv, int64_t D, O* out) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  const __m512 vinv = _mm512_set1_ps(inv);
+  for (; d + 16 <= D; d += 16) {
+    const __m512 n = round_to(_mm512_mul_ps(load16(x + d), vinv), x);
+    store16(out + d, round_to(_mm512_mul_ps(load16(w + d), n), x));
+  }
+#endif
+  for (; d < D; ++d)
+    out[d] = static_cast<O>(static_cast<T>(to_f(w[d]) * to_f(static_cast<T>(to_f(x[d]) * inv))));
+}
+
+template <typename T>
+static void rms_norm_kernel(const T* x, T* residual, const T* w, T* out, int64_t R, int64_t D,
+                            int64_t inner, int64_t ld_outer, float eps) {
+  // Row r of x starts at (r / inner) * ld_outer + (r % inner) * D: a (T, H, D) view of a wider
+  // matrix (q or k heads inside the qkv output) is read in place.
+  at::parallel_for(0, R, grain_for(kElementWork * D), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* src = x + (r / inner) * ld_outer + (r % inner) * D;
+      if (residual != nullptr) {  // residual += x, rounded to T; the norm reads the sum
+        T* rr = residual + r * D;
+        int64_t d = 0;
+#if defined(__AVX512F__)
+        for (; d + 16 <= D; d += 16)
+          store16(rr + d, round_to(_mm512_add_ps(load16(rr + d), load16(src + d)), rr));
+#endif
+        for (; d < D; ++d) rr[d] = static_cast<T>(to_f(rr[d]) + to_f(src[d]));
+        src = rr;
+      }
+      const float inv = 1.f / std::sqrt(sum_squares(src, D) / D + eps);
+      scale_row(src, w, inv, D, out + r * D);
+    }
+  });
+}
+
+torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor w,
+                       double eps) {
+  // x: (R, D) or (T, H, D), unit stride in D and heads adjacent; residual: contiguous, same
+  // number of rows, updated in place to residual + x; w: (D,). Returns a contiguous x's shape.
+  TORCH_CHECK(x.dim() == 2 || x.dim() == 3, "rms_norm: 2 or 3 dims");
+  const int64_t D = x.size(-1);
+  const int64_t inner = x.dim() == 3 ? x.size(1) : 1;
+  TORCH_CHECK(x.stride(-1) == 1 && (x.dim() == 2 || x.stride(1) == D) && w.is_contiguous(),
+              "rms_norm: layout");
+  const int64_t R = x.numel() / D;
+  auto out = torch::empty(x.sizes(), x.options());
+  const bool has_r = residual.has_value() && residual->defined();
+  if (has_r) TORCH_CHECK(residual->is_contiguous() && residual->numel() == x.numel(),
+                         "rms_norm: residual");
+  if (x.scalar_type() == at::kBFloat16) {
+    rms_norm_kernel<at::BFloat16>(x.data_ptr<at::BFloat16>(),
+                                  has_r ? residual->data_ptr<at::BFloat16>() : nullptr,
+                                  w.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), R, D,
+                                  inner, x.stride(0), (float)eps);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "rms_norm: bfloat16 or float32");
+    rms_norm_kernel<float>(x.data_ptr<float>(), has_r ? residual->data_ptr<float>() : nullptr,
+                           w.data_ptr<float>(), out.data_ptr<float>(), R, D, inner, x.stride(0),
+                           (float)eps);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Neox rotary embedding applied in place to q (T, H, D) and k (T, KVH, D), one op for both.
+// cos/sin tables are float32 (P, D/2); the rotation is computed in float32 and rounded to T.
+
+template <typename T>
+static void rotary_kernel(T* q, T* k, const int64_t* pos, const float* cos, const float* sin,
+                          int64_t Tn, int64_t H, int64_t KVH, int64_t D, int64_t ldq,
+                          int64_t ldk) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, Tn, grain_for(kElementWork * (H + KVH) * D), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos + pos[t] * half;
+      const float* s = sin + pos[t] * half;
+      auto rot = [&](T* x) {
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
+          x[i] = static_cast<T>(x1 * c[i] - x2 * s[i]);
+          x[i + half] = static_cast<T>(x2 * c[i] + x1 * s[i]);
+        }
+      };
+      for (int64_t h = 0; h < H; ++h) rot(q + t * ldq + h * D);
+      for (int64_t h = 0; h < KVH; ++h) rot(k + t * ldk + h * D);
+    }
+  });
+}
+
+void rotary(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos,
+            torch::Tensor sin) {
+  // q: (T, H, D), k: (T, KVH, D), each head contiguous; positions: (T,) int64.
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "rotary: q layout");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2), "rotary: k layout");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(),
+              "rotary: tables");
+  const int64_t Tn = q.size(0), H = q.size(1), KVH = k.size(1), D = q.size(2);
+  if (q.scalar_type() == at::kBFloat16) {
+    rotary_kernel<at::BFloat16>(q.data_ptr<at::BFloat16>(), k.data_ptr<at::BFloat16>(),
+                                positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
+                                sin.data_ptr<float>(), Tn, H, KVH, D, q.stride(0), k.stride(0));
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "rotary: bfloat16 or float32");
+    rotary_kernel<float>(q.data_ptr<float>(), k.data_ptr<float>(), positions.data_ptr<int64_t>(),
+                         cos.data_ptr<float>(), sin.data_ptr<float>(), Tn, H, KVH, D,
+                         q.stride(0), k.stride(0));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode-path glue, one op each instead of several: Qwen3's per-head q/k RMSNorm followed by
+// rotary, the KV-cache write, and SwiGLU's silu(gate) * up.
+
+template <typename T>
+static void qk_norm_rotary_kernel(const T* q, const T* k, T* q_out, T* k_out, const T* wq,
+                                  const T* wk, const int64_t* pos, const float* cos,
+                                  const float* sin, int64_t Tn, int64_t H, int64_t KVH, int64_t D,
+                                  int64_t ldq, int64_t ldk, float eps) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, Tn, grain_for(kElementWork * (H + KVH) * D), [&](int64_t begin, int64_t end) {
+    std::vector<float> row(D);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos + pos[t] * half;
+      const float* s = sin + pos[t] * half;
+      auto one = [&](const T* x, T* o, const T* w) {
+        const float inv = 1.f / std::sqrt(sum_squares(x, D) / D + eps);
+        // The norm's output is rounded to T (as the unfused layers store it), then rotated.
+        scale_row(x, w, inv, D, row.data());
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= half; i += 16) {
+          const __m512 x1 = _mm512_loadu_ps(row.data() + i);
+          const __m512 x2 = _mm512_loadu_ps(row.data() + i + half);
+          const __m512 ci = _mm512_loadu_ps(c + i), si = _mm512_loadu_ps(s + i);
+          store16(o + i, round_to(_mm512_sub_ps(_mm512_mul_ps(x1, ci), _mm512_mul_ps(x2, si)), o));
+          store16(o + i + half,
+                  round_to(_mm512_add_ps(_mm512_mul_ps(x2, ci), _mm512_mul_ps(x1, si)), o));
+        }
+#endif
+        for (; i < half; ++i) {
+          const float x1 = row[i], x2 = row[i + half];
+          o[i] = static_cast<T>(x1 * c[i] - x2 * s[i]);
+          o[i + half] = static_cast<T>(x2 * c[i] + x1 * s[i]);
+        }
+      };
+      for (int64_t h = 0; h < H; ++h) one(q + t * ldq + h * D, q_out + (t * H + h) * D, wq);
+      for (int64_t h = 0; h < KVH; ++h) one(k + t * ldk + h * D, k_out + (t * KVH + h) * D, wk);
+    }
+  });
+}
+
+std::vector<torch::Tensor> qk_norm_rotary(torch::Tensor q, torch::Tensor k, torch::Tensor wq,
+                                          torch::Tensor wk, double eps, torch::Tensor positions,
+                                          torch::Tensor cos, torch::Tensor sin) {
+  // q: (T, H, D), k: (T, KVH, D) with heads adjacent (views into the qkv output are fine).
+  // Returns new contiguous (q, k): RMSNorm per head with wq / wk, then neox rotary.
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "qk_norm_rotary: q layout");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2), "qk_norm_rotary: k layout");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(),
+              "qk_norm_rotary: tables");
+  const int64_t Tn = q.size(0), H = q.size(1), KVH = k.size(1), D = q.size(2);
+  auto qo = torch::empty({Tn, H, D}, q.options());
+  auto ko = torch::empty({Tn, KVH, D}, k.options());
+  if (q.scalar_type() == at::kBFloat16) {
+    using T = at::BFloat16;
+    qk_norm_rotary_kernel<T>(q.data_ptr<T>(), k.data_ptr<T>(), qo.data_ptr<T>(), ko.data_ptr<T>(),
+                             wq.data_ptr<T>(), wk.data_ptr<T>(), positions.data_ptr<int64_t>(),
+                             cos.data_ptr<float>(), sin.data_ptr<float>(), Tn, H, KVH, D,
+                             q.stride(0), k.stride(0), (float)eps);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "qk_norm_rotary: bfloat16 or float32");
+    qk_norm_rotary_kernel<float>(q.data_ptr<float>(), k.data_ptr<float>(), qo.data_ptr<float>(),
+                                 ko.data_ptr<float>(), wq.data_ptr<float>(), wk.data_ptr<float>(),
+                                 positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
+                                 sin.data_ptr<float>(), Tn, H, KVH, D, q.stride(0), k.stride(0),
+                                 (float)eps);
+  }
+  return {qo, ko};
+}
+
+void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                    torch::Tensor slot_blocks, torch::Tensor slot_offsets) {
+  // k, v: (T, KVH, D) heads contiguous; caches: (num_blocks, KVH, bs, D) contiguous.
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 &&
+              v.stride(1) == v.size(2), "write_kv_cache: k/v layout");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "write_kv_cache: caches");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
+              "write_kv_cache: dtypes");
+  const int64_t Tn = k.size(0), KVH = k.size(1), D = k.size(2), bs = k_cache.size(2);
+  const int64_t esz = k.element_size();
+  const int64_t* blk = slot_blocks.data_ptr<int64_t>();
+  const int64_t* off = slot_offsets.data_ptr<int64_t>();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  for (int64_t t = 0; t < Tn; ++t)
+    for (int64_t h = 0; h < KVH; ++h) {
+      const int64_t dst = ((blk[t] * KVH + h) * bs + off[t]) * D * esz;
+      std::memcpy(kc + dst, kp + (t * k.stride(0) + h * D) * esz, D * esz);
+      std::memcpy(vc + dst, vp + (t * v.stride(0) + h * D) * esz, D * esz);
+    }
+}
+
+
+template <typename T>
+static void silu_mul_kernel(const T* x, T* out, int64_t R, int64_t I, int64_t ldx) {
+  at::parallel_for(0, R, grain_for(kElementWork * I), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = x + r * ldx;
+      const T* up = gate + I;
+      T* o = out + r * I;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= I; i += 16) {
+        const __m512 g = load16(gate + i);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 sg = round_to(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), o);
+        store16(o + i, round_to(_mm512_mul_ps(sg, load16(up + i)), o));
+      }
+#endif
+      for (; i < I; ++i) {
+        // Like torch: silu rounded to T, then the product rounded to T.
+        const float g = to_f(gate[i]);
+        const float sg = to_f(static_cast<T>(g / (1.f + std::exp(-g))));
+        o[i] = static_cast<T>(sg * to_f(up[i]));
+      }
+    }
+  });
+}
+
+torch::Tensor silu_mul(torch::Tensor x) {
+  // x: (R, 2I) = [gate | up] per row, unit stride; returns silu(gate) * up, (R, I).
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "silu_mul: layout");
+  const int64_t R = x.size(0), I = x.size(1) / 2;
+  auto out = torch::empty({R, I}, x.options());
+  if (x.scalar_type() == at::kBFloat16) {
+    silu_mul_kernel<at::BFloat16>(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), R, I,
+                                  x.stride(0));
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "silu_mul: bfloat16 or float32");
+    silu_mul_kernel<float>(x.data_ptr<float>(), out.data_ptr<float>(), R, I, x.stride(0));
+  }
+  return out;
+}

@@ -1,0 +1,49 @@
+// CPU kernels for ladle's decode path, built once per (sources, flags, CPU) by cpu_kernels.py
+// into one extension module. Each kernel has a pure-torch twin in ladle/runner/cpu_kernels.py
+// (paged decode attention's: decode_attention in ladle/runner/attention.py) that tests compare it
+// with. Built with -march=native: the AVX-512 (and AVX512-BF16) paths are chosen by the compiler
+// macros of the CPU the build is for; every function also has a portable scalar loop.
+//
+// The kernels by file: attention.cpp (paged decode attention), linear.cpp (small-M linear),
+// elementwise.cpp (RMSNorm, rotary, q/k norm + rotary, KV-cache write, silu * up), sampler.cpp
+// (the sampler's passes); vec.h holds the helpers they share, bindings.cpp the module, and
+// quant.h / quant.cpp the quantized linears. These are the functions bindings.cpp exposes.
+#pragma once
+#include <torch/types.h>
+#include <vector>
+
+// attention.cpp
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_table, torch::Tensor ctx_lens,
+                                     double scale, int64_t window, double softcap);
+
+// linear.cpp
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> b);
+
+// elementwise.cpp
+torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor w,
+                       double eps);
+void rotary(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos,
+            torch::Tensor sin);
+std::vector<torch::Tensor> qk_norm_rotary(torch::Tensor q, torch::Tensor k, torch::Tensor wq,
+                                          torch::Tensor wk, double eps, torch::Tensor positions,
+                                          torch::Tensor cos, torch::Tensor sin);
+void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                    torch::Tensor slot_blocks, torch::Tensor slot_offsets);
+torch::Tensor silu_mul(torch::Tensor x);
+
+// sampler.cpp
+void apply_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask);
+void apply_penalties(torch::Tensor logits, torch::Tensor counts, torch::Tensor seen,
+                     torch::Tensor repetition, torch::Tensor frequency, torch::Tensor presence,
+                     bool use_rep, bool use_freq, bool use_pres);
+std::vector<torch::Tensor> logprob_stats(torch::Tensor src, torch::Tensor chosen);
+torch::Tensor logsumexp_rows(torch::Tensor src);
+void min_p(torch::Tensor logits, torch::Tensor log_min_p);
+void top_p_mask(torch::Tensor logits, torch::Tensor lse, torch::Tensor top_p);
+std::vector<torch::Tensor> topk_rows(torch::Tensor x, int64_t k);
+torch::Tensor argmax_rows(torch::Tensor x);
+void noise_uniform(torch::Tensor token_key, torch::Tensor k1, torch::Tensor k2,
+                   torch::Tensor out);
+torch::Tensor seeded_race(torch::Tensor logits, torch::Tensor token_key, torch::Tensor k1,
+                          torch::Tensor k2);

@@ -1,0 +1,550 @@
+// Quantized linears: y (M, N) = x (M, K) @ W (N, K)^T where W stays in GGUF blocks (Q8_0, Q4_0,
+// Q5_0, Q4_K, Q6_K) or is int8 per row, and x is quantized to int8 once per call. Each has a
+// pure-torch twin in ladle/runner/quant.py that the tests compare it with.
+//
+// The scheme (ggml's, written afresh): the activations are int8 per block of 32 values with a
+// float scale (d = max|x| / 127); a weight block of 32 is unpacked in registers to 32 int8
+// values with a float scale per 16 or 32 values (and, for Q4_K, a min); the 32 products are
+// summed in integers (AVX2 vpmaddubsw + vpmaddwd, or VNNI vpdpbusd), converted once and scaled
+// by d_w * d_x. vpmaddubsw multiplies unsigned by signed bytes, so signed weights go in as
+// |w| with the sign moved onto x (vpsignb); Q4_K's unsigned nibbles go in directly and its min
+// is subtracted per sub-block as min * d_x * sum(q_x), the activation block's sum kept beside
+// its scale. Everything is exact in integers up to the float32 scaling: the result equals the
+// float64 product of the dequantized weights and activations to ~1e-6 relative.
+//
+// Threads split N. Each task multiplies a tile of NR weight rows by MR activation rows while the
+// weight blocks are in registers, so for decode (M <= 4) the weights are read once at memory
+// speed, and for prefill every unpacked weight block serves MR rows.
+#include "quant.h"
+#include "vec.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LADLE_QUANT_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;
+
+// (values per block, bytes per block), as gguf's GGML_QUANT_SIZES.
+inline int64_t block_values(int type) { return (type == kQ4_K || type == kQ6_K) ? 256 : 32; }
+inline int64_t block_bytes(int type) {
+  switch (type) {
+    case kQ4_0: return 18;
+    case kQ5_0: return 22;
+    case kQ8_0: return 34;
+    case kQ4_K: return 144;
+    case kQ6_K: return 210;
+  }
+  return 0;
+}
+
+inline float f16(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#if defined(LADLE_QUANT_AVX2)
+  return _cvtsh_ss(bits);  // one instruction (F16C); c10's conversion is a dozen
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+// Q4_K's 6-bit scale and min of sub-block j (0..7) from its 12 packed bytes: sub-blocks 0-3
+// keep them in the low 6 bits of bytes j and j+4; 4-7 have the low 4 bits in byte j+4 (scale
+// low nibble, min high nibble) and the high 2 bits in the top bits of bytes j-4 and j.
+inline void k4_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// One sub-block of 32 values of a weight row: w[i] = (i < 16 ? s0 : s1) * q[i] - minv.
+struct Sub {
+  int8_t q[32];  // signed, except Q4_K: 0..15
+  float s0, s1, minv;
+};
+
+// Sub-block `sb` (values 32*sb .. 32*sb+31) of a row of `type` blocks.
+template <int TYPE>
+inline void unpack_scalar(const uint8_t* row, int64_t sb, Sub& o) {
+  o.minv = 0.f;
+  if constexpr (TYPE == kQ8_0) {
+    const uint8_t* b = row + sb * 34;
+    o.s0 = o.s1 = f16(b);
+    std::memcpy(o.q, b + 2, 32);
+  } else if constexpr (TYPE == kQ4_0) {
+    const uint8_t* b = row + sb * 18;
+    o.s0 = o.s1 = f16(b);
+    for (int i = 0; i < 16; i++) {
+      o.q[i] = int8_t((b[2 + i] & 0xF) - 8);
+      o.q[i + 16] = int8_t((b[2 + i] >> 4) - 8);
+    }
+  } else if constexpr (TYPE == kQ5_0) {
+    const uint8_t* b = row + sb * 22;
+    o.s0 = o.s1 = f16(b);
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    for (int i = 0; i < 16; i++) {
+      o.q[i] = int8_t(((b[6 + i] & 0xF) | (((qh >> i) & 1) << 4)) - 16);
+      o.q[i + 16] = int8_t(((b[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16);
+    }
+  } else if constexpr (TYPE == kQ4_K) {
+    const uint8_t* b = row + (sb >> 3) * 144;
+    const int j = int(sb & 7);
+    int sc, mn;
+    k4_scale_min(b + 4, j, sc, mn);
+    o.s0 = o.s1 = f16(b) * float(sc);
+    o.minv = f16(b + 2) * float(mn);
+    const uint8_t* qs = b + 16 + (j >> 1) * 32;
+    for (int i = 0; i < 32; i++) o.q[i] = int8_t((j & 1) ? (qs[i] >> 4) : (qs[i] & 0xF));
+  } else {  // Q6_K: ql[128], qh[64], int8 scales[16], d
+    const uint8_t* b = row + (sb >> 3) * 210;
+    const int j = int(sb & 7), half = j >> 2, g = j & 3;
+    const uint8_t* ql = b + half * 64 + (g & 1) * 32;
+    const uint8_t* qh = b + 128 + half * 32;
+    const int shift_l = (g >> 1) * 4, shift_h = g * 2;
+    const float d = f16(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + half * 8 + g * 2;
+    o.s0 = d * float(sc[0]);
+    o.s1 = d * float(sc[1]);
+    for (int i = 0; i < 32; i++)
+      o.q[i] = int8_t((((ql[i] >> shift_l) & 0xF) | (((qh[i] >> shift_h) & 3) << 4)) - 32);
+  }
+}
+
+inline void unpack_any(int type, const uint8_t* row, int64_t sb, Sub& o) {
+  switch (type) {
+    case kQ8_0: return unpack_scalar<kQ8_0>(row, sb, o);
+    case kQ4_0: return unpack_scalar<kQ4_0>(row, sb, o);
+    case kQ5_0: return unpack_scalar<kQ5_0>(row, sb, o);
+    case kQ4_K: return unpack_scalar<kQ4_K>(row, sb, o);
+    default: return unpack_scalar<kQ6_K>(row, sb, o);
+  }
+}
+
+#if defined(LADLE_QUANT_AVX2)
+// A sub-block in registers: 32 weights (signed, or Q4_K's unsigned nibbles), the scale of each
+// of the 8 int32 lanes a dot product gives (lane i sums values 4i..4i+3), and the min.
+struct SubV {
+  __m256i q;
+  __m256 s;
+  float minv;
+};
+
+inline __m256i nibbles(const uint8_t* p) {  // 16 bytes -> low nibbles, then high nibbles
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+// Byte i (0..31) = 0x10 where bit i of `bits` is set, else 0.
+inline __m256i bit_bytes(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(int(bits)),
+      _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0));
+  const __m256i select = _mm256_set1_epi64x(int64_t(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+template <int TYPE>
+inline void unpack_vec(const uint8_t* row, int64_t sb, SubV& o) {
+  o.minv = 0.f;
+  if constexpr (TYPE == kQ8_0) {
+    const uint8_t* b = row + sb * 34;
+    o.s = _mm256_set1_ps(f16(b));
+    o.q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+  } else if constexpr (TYPE == kQ4_0) {
+    const uint8_t* b = row + sb * 18;
+    o.s = _mm256_set1_ps(f16(b));
+    o.q = _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8));
+  } else if constexpr (TYPE == kQ5_0) {
+    const uint8_t* b = row + sb * 22;
+    o.s = _mm256_set1_ps(f16(b));
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    o.q = _mm256_sub_epi8(_mm256_or_si256(nibbles(b + 6), bit_bytes(qh)), _mm256_set1_epi8(16));
+  } else if constexpr (TYPE == kQ4_K) {
+    const uint8_t* b = row + (sb >> 3) * 144;
+    const int j = int(sb & 7);
+    int sc, mn;
+    k4_scale_min(b + 4, j, sc, mn);
+    o.s = _mm256_set1_ps(f16(b) * float(sc));
+    o.minv = f16(b + 2) * float(mn);
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + (j >> 1) * 32));
+    o.q = _mm256_and_si256((j & 1) ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(0x0F));
+  } else {  // Q6_K
+    const uint8_t* b = row + (sb >> 3) * 210;
+    const int j = int(sb & 7), half = j >> 2, g = j & 3;
+    const __m256i ql = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(b + half * 64 + (g & 1) * 32));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + half * 32));
+    const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(ql, (g >> 1) * 4), _mm256_set1_epi8(0x0F));
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, g * 2), _mm256_set1_epi8(3));
+    o.q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+    const float d = f16(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + half * 8 + g * 2;
+    const __m128 s0 = _mm_set1_ps(d * float(sc[0])), s1 = _mm_set1_ps(d * float(sc[1]));
+    o.s = _mm256_set_m128(s1, s0);
+  }
+}
+
+// The 8 int32 sums of 4 products each of unsigned u and signed s bytes.
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+template <int TYPE>
+inline __m256i dot_sub(__m256i w, __m256i x) {
+  if constexpr (TYPE == kQ4_K) return dot_u8s8(w, x);  // unsigned nibbles
+  return dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// out[m][n] = x[m] . w[n] for MR activation rows and NR weight rows.
+template <int TYPE, int MR, int NR>
+inline void tile(const uint8_t* const* w, const int8_t* qx, const float* dx, const float* sx,
+                 int64_t K, float (*out)[NR]) {
+  __m256 acc[MR][NR];
+  float corr[MR][NR];
+  for (int m = 0; m < MR; m++)
+    for (int n = 0; n < NR; n++) {
+      acc[m][n] = _mm256_setzero_ps();
+      corr[m][n] = 0.f;
+    }
+  const int64_t nsub = K / 32;
+  for (int64_t sb = 0; sb < nsub; sb++) {
+    SubV ws[NR];
+    for (int n = 0; n < NR; n++) unpack_vec<TYPE>(w[n], sb, ws[n]);
+    for (int m = 0; m < MR; m++) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + m * K + sb * 32));
+      const __m256 d = _mm256_set1_ps(dx[m * nsub + sb]);
+      for (int n = 0; n < NR; n++) {
+        const __m256 p = _mm256_cvtepi32_ps(dot_sub<TYPE>(ws[n].q, xv));
+        acc[m][n] = _mm256_fmadd_ps(p, _mm256_mul_ps(ws[n].s, d), acc[m][n]);
+        if constexpr (TYPE == kQ4_K) corr[m][n] += ws[n].minv * sx[m * nsub + sb];
+      }
+    }
+  }
+  for (int m = 0; m < MR; m++)
+    for (int n = 0; n < NR; n++) out[m][n] = hsum(acc[m][n]) - corr[m][n];
+}
+#else
+template <int TYPE, int MR, int NR>
+inline void tile(const uint8_t* const* w, const int8_t* qx, const float* dx, const float* sx,
+                 int64_t K, float (*out)[NR]) {
+  float acc[MR][NR] = {};
+  const int64_t nsub = K / 32;
+  for (int64_t sb = 0; sb < nsub; sb++) {
+    Sub ws[NR];
+    for (int n = 0; n < NR; n++) unpack_scalar<TYPE>(w[n], sb, ws[n]);
+    for (int m = 0; m < MR; m++) {
+      const int8_t* x = qx + m * K + sb * 32;
+      for (int n = 0; n < NR; n++) {
+        int32_t lo = 0, hi = 0;
+        for (int i = 0; i < 16; i++) lo += int32_t(ws[n].q[i]) * x[i];
+        for (int i = 16; i < 32; i++) hi += int32_t(ws[n].q[i]) * x[i];
+        acc[m][n] += dx[m * nsub + sb] * (ws[n].s0 * float(lo) + ws[n].s1 * float(hi)) -
+                     ws[n].minv * sx[m * nsub + sb];
+      }
+    }
+  }
+  for (int m = 0; m < MR; m++)
+    for (int n = 0; n < NR; n++) out[m][n] = acc[m][n];
+}
+#endif
+
+// Weight rows per tile, and activation rows: AVX2 has 16 vector registers, so MR x NR
+// accumulators plus NR unpacked blocks (and their scales) must fit: 4 x 2 for prefill, 1 x 4
+// for a single row.
+constexpr int kNR = 2, kMR = 4;
+
+template <int TYPE, int MR, typename T>
+inline void rows_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t nr,
+                      const int8_t* qx, const float* dx, const float* sx, int64_t K,
+                      T* y, int64_t ldy) {
+  if (nr == kNR) {
+    const uint8_t* wr[kNR] = {w + n0 * row_bytes, w + (n0 + 1) * row_bytes};
+    float out[MR][kNR];
+    tile<TYPE, MR, kNR>(wr, qx, dx, sx, K, out);
+    for (int m = 0; m < MR; m++)
+      for (int n = 0; n < kNR; n++) y[m * ldy + n0 + n] = T(out[m][n]);
+  } else {
+    const uint8_t* wr[1] = {w + n0 * row_bytes};
+    float out[MR][1];
+    tile<TYPE, MR, 1>(wr, qx, dx, sx, K, out);
+    for (int m = 0; m < MR; m++) y[m * ldy + n0] = T(out[m][0]);
+  }
+}
+
+template <int TYPE, typename T>
+void quant_linear_impl(const int8_t* qx, const float* dx, const float* sx, const uint8_t* w,
+                       T* y, int64_t M, int64_t N, int64_t K, int64_t ldy) {
+  const int64_t row_bytes = K / block_values(TYPE) * block_bytes(TYPE);
+  const int64_t nsub = K / 32;
+  if (M == 1) {
+    // One activation row: four weight rows at a time keep four independent streams in flight.
+    constexpr int NR1 = 4;
+    const int64_t tiles = (N + NR1 - 1) / NR1;
+    at::parallel_for(0, tiles, grain_for(K * NR1),
+                     [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; t++) {
+        const int64_t n0 = t * NR1;
+        if (n0 + NR1 <= N) {
+          const uint8_t* wr[NR1];
+          for (int n = 0; n < NR1; n++) wr[n] = w + (n0 + n) * row_bytes;
+          float out[1][NR1];
+          tile<TYPE, 1, NR1>(wr, qx, dx, sx, K, out);
+          for (int n = 0; n < NR1; n++) y[n0 + n] = T(out[0][n]);
+        } else {
+          for (int64_t n = n0; n < N; n++) rows_tile<TYPE, 1>(w, row_bytes, n, 1, qx, dx, sx, K, y, ldy);
+        }
+      }
+    });
+    return;
+  }
+  const int64_t tiles = (N + kNR - 1) / kNR;
+  const int64_t work = M * K * kNR;  // multiply-adds per tile
+  at::parallel_for(0, tiles, grain_for(work),
+                   [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+      const int64_t n0 = t * kNR, nr = std::min<int64_t>(kNR, N - n0);
+      int64_t m = 0;
+      for (; m + kMR <= M; m += kMR)
+        rows_tile<TYPE, kMR>(w, row_bytes, n0, nr, qx + m * K, dx + m * nsub, sx + m * nsub, K,
+                             y + m * ldy, ldy);
+      for (; m < M; m++)
+        rows_tile<TYPE, 1>(w, row_bytes, n0, nr, qx + m * K, dx + m * nsub, sx + m * nsub, K,
+                           y + m * ldy, ldy);
+    }
+  });
+}
+
+bool is_block_type(int64_t t) {
+  return t == kQ4_0 || t == kQ5_0 || t == kQ8_0 || t == kQ4_K || t == kQ6_K;
+}
+
+void check_out(const at::Tensor& y, int64_t M, int64_t N) {
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.size(1) == N && y.stride(1) == 1,
+              "out must be (M, N) with unit column stride");
+  TORCH_CHECK(y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16,
+              "out must be float32 or bfloat16");
+}
+
+}  // namespace
+
+// x (M, K) float32/bfloat16 -> (q int8 (M, K), d (M, K/32), s (M, K/32)): per block of 32,
+// d = max|x| / 127, q = round-half-even(x * (127 / max|x|)) (0 for an all-zero block), s = d *
+// sum(q). The same float32 operations as the twin, so q is bit-identical.
+std::vector<at::Tensor> quantize_blocks(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 32 == 0,
+              "x must be contiguous (M, K) with K a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / 32;
+  auto q = at::empty({M, K}, x.options().dtype(at::kChar));
+  auto d = at::empty({M, nb}, x.options().dtype(at::kFloat));
+  auto s = at::empty({M, nb}, x.options().dtype(at::kFloat));
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* dp = d.data_ptr<float>();
+  float* sp = s.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quantize_blocks", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, M * nb, grain_for(32 * kElementWork), [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; b++) {
+        const scalar_t* xb = xp + b * 32;
+        float v[32], amax = 0.f;
+        for (int i = 0; i < 32; i++) {
+          v[i] = to_f(xb[i]);
+          amax = std::max(amax, std::fabs(v[i]));
+        }
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        int32_t sum = 0;
+        for (int i = 0; i < 32; i++) {
+          const int32_t r = int32_t(std::nearbyint(v[i] * inv));
+          qp[b * 32 + i] = int8_t(r);
+          sum += r;
+        }
+        dp[b] = amax / 127.f;
+        sp[b] = dp[b] * float(sum);
+      }
+    });
+  });
+  return {q, d, s};
+}
+
+// x (M, K) -> (q int8 (M, K), d (M,)): one scale per row (dynamic per-token, for int8 rows).
+std::vector<at::Tensor> quantize_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous (M, K)");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto q = at::empty({M, K}, x.options().dtype(at::kChar));
+  auto d = at::empty({M}, x.options().dtype(at::kFloat));
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* dp = d.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quantize_rows", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, M, grain_for(K * kElementWork),
+                     [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; m++) {
+        const scalar_t* xr = xp + m * K;
+        float amax = 0.f;
+        for (int64_t i = 0; i < K; i++) amax = std::max(amax, std::fabs(to_f(xr[i])));
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        for (int64_t i = 0; i < K; i++) qp[m * K + i] = int8_t(std::nearbyint(to_f(xr[i]) * inv));
+        dp[m] = amax / 127.f;
+      }
+    });
+  });
+  return {q, d};
+}
+
+// y (M, N) (a view: unit column stride, any row stride) = blocks x w^T for weight rows of `type`.
+void quant_linear(const at::Tensor& qx, const at::Tensor& dx, const at::Tensor& sx,
+                  const at::Tensor& w, int64_t type, at::Tensor y) {
+  TORCH_CHECK(is_block_type(type), "quant_linear: unsupported ggml type ", type);
+  TORCH_CHECK(qx.dim() == 2 && qx.is_contiguous() && qx.scalar_type() == at::kChar, "qx");
+  const int64_t M = qx.size(0), K = qx.size(1), N = w.size(0);
+  TORCH_CHECK(K % block_values(int(type)) == 0, "K must be a multiple of the block");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kByte &&
+                  w.size(1) == K / block_values(int(type)) * block_bytes(int(type)),
+              "w must be contiguous uint8 (N, row bytes)");
+  TORCH_CHECK(dx.is_contiguous() && sx.is_contiguous() && dx.numel() == M * (K / 32) &&
+                  sx.numel() == M * (K / 32), "dx, sx must be (M, K/32)");
+  check_out(y, M, N);
+  if (M == 0 || N == 0) return;
+  const int8_t* q = qx.data_ptr<int8_t>();
+  const float* d = dx.data_ptr<float>();
+  const float* s = sx.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t ldy = y.stride(0);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, y.scalar_type(), "quant_linear", [&] {
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    switch (type) {
+      case kQ8_0: quant_linear_impl<kQ8_0>(q, d, s, wp, yp, M, N, K, ldy); break;
+      case kQ4_0: quant_linear_impl<kQ4_0>(q, d, s, wp, yp, M, N, K, ldy); break;
+      case kQ5_0: quant_linear_impl<kQ5_0>(q, d, s, wp, yp, M, N, K, ldy); break;
+      case kQ4_K: quant_linear_impl<kQ4_K>(q, d, s, wp, yp, M, N, K, ldy); break;
+      default: quant_linear_impl<kQ6_K>(q, d, s, wp, yp, M, N, K, ldy); break;
+    }
+  });
+}
+
+// y (M, N) = (qx * dx) @ (w * dw)^T for int8 rows w (N, K) with a float scale per row, and
+// activations quantized per row: integer dots over the whole row, one float scale at the end.
+void int8_linear(const at::Tensor& qx, const at::Tensor& dx, const at::Tensor& w,
+                 const at::Tensor& dw, at::Tensor y) {
+  TORCH_CHECK(qx.dim() == 2 && qx.is_contiguous() && qx.scalar_type() == at::kChar, "qx");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kChar &&
+                  w.size(1) == qx.size(1), "w must be contiguous int8 (N, K)");
+  TORCH_CHECK(dx.scalar_type() == at::kFloat && dw.scalar_type() == at::kFloat &&
+                  dx.is_contiguous() && dw.is_contiguous(), "scales must be float32");
+  const int64_t M = qx.size(0), K = qx.size(1), N = w.size(0);
+  check_out(y, M, N);
+  if (M == 0 || N == 0) return;
+  const int8_t* xq = qx.data_ptr<int8_t>();
+  const int8_t* wq = w.data_ptr<int8_t>();
+  const float* xd = dx.data_ptr<float>();
+  const float* wd = dw.data_ptr<float>();
+  const int64_t ldy = y.stride(0);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, y.scalar_type(), "int8_linear", [&] {
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    constexpr int MR = 4;
+    at::parallel_for(0, N, grain_for(M * K),
+                     [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; n++) {
+        const int8_t* wr = wq + n * K;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+          const int mr = int(std::min<int64_t>(MR, M - m0));
+          int32_t tot[MR] = {0, 0, 0, 0};
+          int64_t k = 0;
+#if defined(LADLE_QUANT_AVX2)
+          __m256i acc[MR];
+          for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_si256();
+          for (; k + 32 <= K; k += 32) {
+            const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k));
+            const __m256i aw = _mm256_sign_epi8(wv, wv);
+            for (int m = 0; m < mr; m++) {
+              const __m256i xv = _mm256_loadu_si256(
+                  reinterpret_cast<const __m256i*>(xq + (m0 + m) * K + k));
+              acc[m] = _mm256_add_epi32(acc[m], dot_u8s8(aw, _mm256_sign_epi8(xv, wv)));
+            }
+          }
+          for (int m = 0; m < mr; m++) {
+            __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc[m]), _mm256_extracti128_si256(acc[m], 1));
+            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+            tot[m] = _mm_cvtsi128_si32(s);
+          }
+#endif
+          for (int m = 0; m < mr; m++) {
+            const int8_t* xr = xq + (m0 + m) * K;
+            int32_t t = tot[m];
+            for (int64_t i = k; i < K; i++) t += int32_t(wr[i]) * xr[i];
+            yp[(m0 + m) * ldy + n] = scalar_t(float(t) * (xd[m0 + m] * wd[n]));
+          }
+        }
+      }
+    });
+  });
+}
+
+// out (T, K) = rows ids (T,) of w (N, row bytes) of `type`, dequantized: the embedding lookup.
+void dequantize_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, at::Tensor out) {
+  TORCH_CHECK(is_block_type(type), "dequantize_rows: unsupported ggml type ", type);
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kByte, "w");
+  TORCH_CHECK(ids.dim() == 1 && ids.is_contiguous() && ids.scalar_type() == at::kLong, "ids");
+  const int64_t T = ids.size(0), K = out.size(1), N = w.size(0);
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == T &&
+                  w.size(1) == K / block_values(int(type)) * block_bytes(int(type)), "out");
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; t++)
+    TORCH_CHECK(id[t] >= 0 && id[t] < N, "row id ", id[t], " out of range [0, ", N, ")");
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t row_bytes = w.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out.scalar_type(), "dequantize_rows", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < T; t++) {
+      const uint8_t* row = wp + id[t] * row_bytes;
+      for (int64_t sb = 0; sb < K / 32; sb++) {
+        Sub s;
+        unpack_any(int(type), row, sb, s);
+        for (int i = 0; i < 32; i++)
+          op[t * K + sb * 32 + i] = scalar_t((i < 16 ? s.s0 : s.s1) * float(s.q[i]) - s.minv);
+      }
+    }
+  });
+}
+
+std::string quant_isa() {
+#if defined(LADLE_QUANT_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return "avx512-vnni (256-bit)";
+#elif defined(LADLE_QUANT_AVX2) && defined(__AVXVNNI__)
+  return "avx-vnni";
+#elif defined(LADLE_QUANT_AVX2)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}

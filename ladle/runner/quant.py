@@ -1,0 +1,305 @@
+"""Quantized weights and the linears that multiply by them (csrc/quant.cpp), with pure-torch twins.
+
+A `QuantWeight` stands where a linear's (N, K) weight tensor would be. Its rows are a list of
+`QuantPart`s, because a fused projection (q|k|v, gate|up) may hold tensors of different types
+(a Q4_K_M file stores attn_v as Q6_K beside a Q4_K attn_q). A part is one of:
+  - GGUF blocks kept as they are in the file (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K): uint8 (rows,
+    row_bytes);
+  - INT8_ROW: symmetric int8 per output channel, int8 (rows, K) with a float32 scale per row
+    (`--quantization int8`, compressed-tensors W8A8 checkpoints);
+  - DENSE: the model dtype (rows, K), for a GGUF type the kernels do not run (dequantized at
+    load, with a log line).
+
+How a quantized linear multiplies (ggml's scheme, for reading only; the code is ours):
+  - the activations are quantized once per call, for all parts: per block of 32 values to int8
+    with a float32 scale (d = max|x| / 127, q = round(x / d), ties to even) for GGUF parts, and
+    per row (token) for INT8_ROW parts;
+  - the dot products are integer (AVX2 `vpmaddubsw`, or VNNI `vpdpbusd` where the CPU has it),
+    scaled per block in float32.
+So a kernel's result equals, up to float32 rounding, the float64 product of the dequantized
+weights with the quantized-then-dequantized activations: `linear_reference` below, which the
+tests compare the kernels with.
+
+The twins (`_linear_torch`, `_rows_torch`) run where the kernels do not: on other devices,
+without a compiler, or with LADLE_DISABLE_CPU_KERNELS=1. They quantize the activations the same
+way and dequantize the weights per call, so they are slow but give the same numbers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+# GGML type ids of the block formats the kernels run (gguf's GGMLQuantizationType values).
+Q4_0, Q5_0, Q8_0, Q4_K, Q6_K = 2, 6, 8, 12, 14
+BLOCK_TYPES = {Q4_0: "Q4_0", Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K"}
+# (values per block, bytes per block): gguf's GGML_QUANT_SIZES for the types above.
+BLOCK_SIZES = {Q4_0: (32, 18), Q5_0: (32, 22), Q8_0: (32, 34), Q4_K: (256, 144),
+               Q6_K: (256, 210)}
+INT8_ROW = -1  # int8 rows with a float32 scale per row
+DENSE = -2  # the model dtype
+ACT_BLOCK = 32  # activations are quantized per this many values for block parts
+
+
+@dataclass
+class QuantPart:
+    kind: int  # a key of BLOCK_TYPES, INT8_ROW or DENSE
+    data: torch.Tensor  # blocks: uint8 (rows, row_bytes); INT8_ROW: int8 (rows, K); DENSE
+    scale: torch.Tensor | None = None  # INT8_ROW: float32 (rows,)
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.data.numel() * self.data.element_size()
+        return n + (0 if self.scale is None else self.scale.numel() * self.scale.element_size())
+
+    def name(self) -> str:
+        return BLOCK_TYPES.get(self.kind) or {INT8_ROW: "int8", DENSE: str(self.data.dtype)
+                                              .removeprefix("torch.")}[self.kind]
+
+    def dequantize(self, k: int) -> torch.Tensor:
+        """float32 (rows, k)."""
+        if self.kind == DENSE:
+            return self.data.float()
+        if self.kind == INT8_ROW:
+            return self.data.float() * self.scale[:, None]
+        from ladle.models.gguf.quants import dequantize  # (a cycle at import time)
+
+        return dequantize(self.data, self.kind, (self.rows, k))
+
+
+class QuantWeight:
+    """A linear's (N, K) weight held quantized, in row parts; `dtype` is what the linear
+    returns (the model dtype)."""
+
+    def __init__(self, parts: list[QuantPart], in_features: int, dtype: torch.dtype):
+        self.parts, self.in_features, self.dtype = parts, in_features, dtype
+        self.shape = (sum(p.rows for p in parts), in_features)
+        for p in parts:
+            if p.kind in BLOCK_SIZES:
+                block, size = BLOCK_SIZES[p.kind]
+                if in_features % block or p.data.shape[1] != in_features // block * size:
+                    raise ValueError(f"{p.name()} part of {p.data.shape[1]} bytes per row does "
+                                     f"not hold {in_features} values")
+            elif p.data.shape[1] != in_features:
+                raise ValueError(f"{p.name()} part has {p.data.shape[1]} columns, expected "
+                                 f"{in_features}")
+        self.block_parts = any(p.kind in BLOCK_SIZES for p in parts)
+        self.int8_parts = any(p.kind == INT8_ROW for p in parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].data.device
+
+    def describe(self) -> str:
+        return "+".join(p.name() for p in self.parts)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 (N, K) weight."""
+        return torch.cat([p.dequantize(self.in_features) for p in self.parts])
+
+
+def _kernels(x: torch.Tensor):
+    from ladle.runner.cpu_kernels import kernels_for
+
+    k = kernels_for(x)
+    return k if k is not None and hasattr(k, "quant_linear") else None
+
+
+# --- activations -----------------------------------------------------------------------------
+
+def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (M, K) -> (q int8 (M, K), d float32 (M, K/32), s float32 (M, K/32)): per block of
+    32, d = max|x| / 127 and q = round(x * (127 / max|x|)) (0 where the block is all zero);
+    s = d * sum(q), which a block with a min (Q4_K) needs."""
+    k = _kernels(x)
+    if k is not None and x.is_contiguous():
+        return tuple(k.quantize_blocks(x))
+    return quantize_blocks_torch(x)
+
+
+def quantize_blocks_torch(x: torch.Tensor):
+    m, kk = x.shape
+    xb = x.float().reshape(m, kk // ACT_BLOCK, ACT_BLOCK)
+    amax = xb.abs().amax(-1)
+    q = torch.round(xb * _inverse_scale(amax)[..., None]).to(torch.int8)
+    d = amax / 127.0
+    s = d * q.sum(-1, dtype=torch.int32).float()
+    return q.reshape(m, kk), d, s
+
+
+def _inverse_scale(amax: torch.Tensor) -> torch.Tensor:
+    """127 / amax, correctly rounded as the kernels' float32 division is (torch computes
+    `127.0 / t` as 127 * (1 / t), which differs in the last bit), and 0 where amax is 0."""
+    inv = torch.full_like(amax, 127.0) / amax
+    return torch.where(amax > 0, inv, torch.zeros_like(amax))
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row (token): x (M, K) -> (q int8 (M, K), d float32 (M,)), the same rule as a
+    block of quantize_blocks over the whole row."""
+    k = _kernels(x)
+    if k is not None and x.is_contiguous():
+        return tuple(k.quantize_rows(x))
+    return quantize_rows_torch(x)
+
+
+def quantize_rows_torch(x: torch.Tensor):
+    xf = x.float()
+    amax = xf.abs().amax(-1)
+    return torch.round(xf * _inverse_scale(amax)[:, None]).to(torch.int8), amax / 127.0
+
+
+def quantize_weight_rows(w: torch.Tensor) -> QuantPart:
+    """Symmetric int8 per output channel (row): scale = max|w| / 127, q = round(w / scale);
+    what `--quantization int8` does to a bf16/fp16/fp32 weight at load."""
+    q, d = quantize_rows_torch(w)
+    return QuantPart(INT8_ROW, q.contiguous(), d.contiguous())
+
+
+# --- the linear ------------------------------------------------------------------------------
+
+def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None):
+    """x (..., K) @ w^T (+ bias) -> (..., N) in w.dtype."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, w.in_features)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    k = _kernels(x2)
+    if k is None or w.device.type != "cpu":
+        y = _linear_torch(x2, w)
+    else:
+        y = torch.empty(x2.shape[0], w.shape[0], dtype=w.dtype)
+        blocks = k.quantize_blocks(x2) if w.block_parts else None
+        rows = k.quantize_rows(x2) if w.int8_parts else None
+        col = 0
+        for p in w.parts:
+            out = y.narrow(1, col, p.rows)
+            if p.kind == DENSE:
+                out.copy_(torch.nn.functional.linear(x2.to(p.data.dtype), p.data))
+            elif p.kind == INT8_ROW:
+                k.int8_linear(rows[0], rows[1], p.data, p.scale, out)
+            else:
+                k.quant_linear(blocks[0], blocks[1], blocks[2], p.data, p.kind, out)
+            col += p.rows
+    if bias is not None:
+        y += bias
+    return y.view(*lead, w.shape[0])
+
+
+def _linear_torch(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    outs = []
+    xb = xr = None
+    for p in w.parts:
+        if p.kind == DENSE:
+            outs.append(torch.nn.functional.linear(x.to(p.data.dtype), p.data).float())
+            continue
+        if p.kind == INT8_ROW:
+            if xr is None:
+                q, d = quantize_rows_torch(x)
+                xr = q.float() * d[:, None]
+            outs.append(xr @ p.dequantize(w.in_features).T)
+        else:
+            if xb is None:
+                q, d, _ = quantize_blocks_torch(x)
+                m = x.shape[0]
+                xb = (q.float().reshape(m, -1, ACT_BLOCK) * d[..., None]).reshape(m, -1)
+            outs.append(xb @ p.dequantize(w.in_features).T)
+    return torch.cat(outs, dim=1).to(w.dtype)
+
+
+def linear_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """float64: the dequantized weights times the quantized-then-dequantized activations;
+    what every kernel computes up to float32 rounding."""
+    outs = []
+    for p in w.parts:
+        wd = p.dequantize(w.in_features).double()
+        if p.kind == DENSE:
+            outs.append(x.to(p.data.dtype).double() @ wd.T)
+        elif p.kind == INT8_ROW:
+            q, d = quantize_rows_torch(x)
+            outs.append((q.double() * d.double()[:, None]) @ wd.T)
+        else:
+            q, d, _ = quantize_blocks_torch(x)
+            m = x.shape[0]
+            xa = (q.double().reshape(m, -1, ACT_BLOCK) * d.double()[..., None]).reshape(m, -1)
+            outs.append(xa @ wd.T)
+    return torch.cat(outs, dim=1)
+
+
+# --- rows (the embedding) --------------------------------------------------------------------
+
+def quant_rows(w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (T,) of w, dequantized to w.dtype: (T, K). ids must be in range."""
+    if len(w.parts) == 1:
+        return _part_rows(w.parts[0], ids, w)
+    out = torch.empty(ids.shape[0], w.in_features, dtype=w.dtype, device=w.device)
+    start = 0
+    for p in w.parts:
+        sel = ((ids >= start) & (ids < start + p.rows)).nonzero().squeeze(1)
+        if sel.numel():
+            out[sel] = _part_rows(p, ids[sel] - start, w)
+        start += p.rows
+    return out
+
+
+def _part_rows(p: QuantPart, local: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    if p.kind == DENSE:
+        return p.data[local].to(w.dtype)
+    if p.kind == INT8_ROW:
+        return (p.data[local].float() * p.scale[local, None]).to(w.dtype)
+    k = _kernels(torch.empty(0, dtype=w.dtype)) if w.device.type == "cpu" else None
+    if k is not None:
+        out = torch.empty(local.shape[0], w.in_features, dtype=w.dtype)
+        k.dequantize_rows(p.data, p.kind, local.to(torch.int64).contiguous(), out)
+        return out
+    from ladle.models.gguf.quants import dequantize
+
+    return dequantize(p.data[local], p.kind, (local.shape[0], w.in_features)).to(w.dtype)
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding whose table is a QuantWeight; `.weight` is that QuantWeight, so a tied
+    lm_head multiplies by the same blocks."""
+
+    def __init__(self, weight: QuantWeight):
+        super().__init__()
+        self.weight = weight
+        self.num_embeddings, self.embedding_dim = weight.shape
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return quant_rows(self.weight, input_ids.reshape(-1)).view(*input_ids.shape, -1)
+
+
+def install(module: nn.Module, name: str, weight: QuantWeight) -> None:
+    """Replace parameter `name` of `module` (an nn.Linear's weight) by `weight`."""
+    module._parameters.pop(name, None)
+    object.__setattr__(module, name, weight)
+
+
+def weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of the model's weights by storage kind ("bfloat16", "Q4_K", "int8", ...): the dense
+    parameters and every QuantWeight, each counted once (a tied one is shared)."""
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+    for p in model.parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        key = str(p.dtype).removeprefix("torch.")
+        out[key] = out.get(key, 0) + p.numel() * p.element_size()
+    for m in model.modules():
+        for w in list(vars(m).values()):
+            if isinstance(w, QuantWeight) and id(w) not in seen:
+                seen.add(id(w))
+                for part in w.parts:
+                    out[part.name()] = out.get(part.name(), 0) + part.nbytes
+    return out

@@ -1,0 +1,124 @@
+"""The quantized kernels (runner/csrc/quant.cpp) against their definitions: activations
+quantized bit for bit as the torch twin does, every GGUF block type's linear equal to the float64
+product of the dequantized weights and activations (1e-5 of the sum of |products|: the float32
+scaling's rounding, with no room for a wrong bit or a misplaced block), rows dequantized exactly
+as gguf-py's layout, and a fused weight of mixed parts (blocks of two types and a dense part)
+giving the twin's result."""
+
+import pytest
+import torch
+
+from ladle.models.gguf.quants import dequantize
+from ladle.runner import quant as Q
+from ladle.runner.cpu_kernels import load_cpu_kernels
+
+kernels = load_cpu_kernels()
+needs_kernels = pytest.mark.skipif(kernels is None or not hasattr(kernels, "quant_linear"),
+                                   reason="no compiled CPU kernels here")
+
+# Byte offsets of each type's fp16 scale fields (d; Q4_K also dmin), as gguf-py lays blocks out.
+F16_FIELDS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q5_0: [0], Q.Q4_K: [0, 2], Q.Q6_K: [208]}
+
+
+def random_blocks(kind: int, rows: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """Random bytes (every bit pattern of quants, sub-scales, high bits) with sane fp16 scales."""
+    values, size = Q.BLOCK_SIZES[kind]
+    raw = torch.randint(0, 256, (rows, k // values, size), dtype=torch.uint8, generator=g)
+    for off in F16_FIELDS[kind]:
+        scale = (torch.rand(rows, k // values, generator=g) * 0.02 + 1e-3).half()
+        raw[:, :, off:off + 2] = scale.view(torch.uint8).reshape(rows, k // values, 2)
+    return raw.reshape(rows, -1).contiguous()
+
+
+def relative_error(y: torch.Tensor, x: torch.Tensor, w: Q.QuantWeight) -> float:
+    """max |y - ref| / sum_k |x_k w_k| over the outputs, with the quantized activations."""
+    ref = Q.linear_reference(x, w)
+    q, d, _ = Q.quantize_blocks_torch(x)
+    xa = (q.double().reshape(x.shape[0], -1, 32) * d.double()[..., None]).reshape(x.shape[0], -1)
+    bound = xa.abs() @ w.dequantize().double().abs().T
+    return ((y.double() - ref).abs() / bound.clamp_min(1e-30)).max().item()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activations_quantize_like_the_twin(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 512, generator=g).to(dtype)
+    x[2, 32:64] = 0  # an all-zero block: scale 0, quants 0
+    q, d, s = kernels.quantize_blocks(x)
+    q2, d2, s2 = Q.quantize_blocks_torch(x)
+    assert torch.equal(q, q2) and torch.equal(d, d2)
+    torch.testing.assert_close(s, s2, rtol=1e-6, atol=0)
+    assert d[2, 1] == 0 and not q[2, 32:64].any()
+    q, d = kernels.quantize_rows(x)
+    q2, d2 = Q.quantize_rows_torch(x)
+    assert torch.equal(q, q2) and torch.equal(d, d2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", sorted(Q.BLOCK_TYPES), ids=lambda k: Q.BLOCK_TYPES[k])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_linear_equals_the_dequantized_product(kind, dtype):
+    g = torch.Generator().manual_seed(kind)
+    # M: decode (1), register-tile remainders (3, 5), prefill; N: tile remainders.
+    for m, n, k in [(1, 37, 256), (3, 8, 512), (5, 9, 768), (17, 6, 256), (64, 33, 1024)]:
+        w = Q.QuantWeight([Q.QuantPart(kind, random_blocks(kind, n, k, g))], k, dtype)
+        x = torch.randn(m, k, generator=g).to(dtype)
+        y = Q.quant_linear(x, w).float()
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        err = relative_error(y, x, w)
+        # bfloat16 outputs are rounded to 8 bits: half an ulp of |y| <= sum|products|.
+        assert err < (1e-5 if dtype == torch.float32 else 4e-3), (Q.BLOCK_TYPES[kind], m, n, k, err)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", sorted(Q.BLOCK_TYPES), ids=lambda k: Q.BLOCK_TYPES[k])
+def test_rows_dequantize_exactly(kind):
+    g = torch.Generator().manual_seed(kind)
+    raw = random_blocks(kind, 50, 512, g)
+    w = Q.QuantWeight([Q.QuantPart(kind, raw)], 512, torch.float32)
+    ids = torch.tensor([49, 0, 7, 7, 23])
+    assert torch.equal(Q.quant_rows(w, ids), dequantize(raw[ids], kind, (5, 512)))
+    emb = Q.QuantEmbedding(w)
+    assert torch.equal(emb(ids.view(1, 5)), dequantize(raw[ids], kind, (5, 512)).view(1, 5, 512))
+
+
+@needs_kernels
+def test_int8_rows_linear():
+    g = torch.Generator().manual_seed(3)
+    part = Q.quantize_weight_rows(torch.randn(40, 384, generator=g))
+    w = Q.QuantWeight([part], 384, torch.float32)
+    for m in (1, 4, 7):
+        x = torch.randn(m, 384, generator=g)
+        y = Q.quant_linear(x, w)
+        ref = Q.linear_reference(x, w)
+        qx, dx = Q.quantize_rows_torch(x)
+        bound = (qx.double().abs() * dx.double()[:, None]) @ w.dequantize().double().abs().T
+        assert ((y.double() - ref).abs() / bound).max() < 1e-6
+
+
+@needs_kernels
+def test_mixed_parts_match_the_twin(monkeypatch):
+    """A fused projection whose rows come from a Q4_K, a Q6_K and a dense (bf16) tensor, with
+    a bias: the kernels' result equals the torch twin's (the same math) and the reference."""
+    g = torch.Generator().manual_seed(4)
+    k = 512
+    parts = [Q.QuantPart(Q.Q4_K, random_blocks(Q.Q4_K, 24, k, g)),
+             Q.QuantPart(Q.Q6_K, random_blocks(Q.Q6_K, 8, k, g)),
+             Q.QuantPart(Q.DENSE, torch.randn(8, k, generator=g).to(torch.bfloat16) * 0.02)]
+    w = Q.QuantWeight(parts, k, torch.bfloat16)
+    bias = torch.randn(40, generator=g).to(torch.bfloat16)
+    x = torch.randn(2, 3, k, generator=g).to(torch.bfloat16)
+    y = Q.quant_linear(x, w, bias)
+    assert y.shape == (2, 3, 40) and y.dtype == torch.bfloat16
+    monkeypatch.setattr(Q, "_kernels", lambda x: None)
+    twin = Q.quant_linear(x, w, bias)
+    torch.testing.assert_close(y.float(), twin.float(), rtol=1e-2, atol=2e-2)
+    ref = Q.linear_reference(x.reshape(6, k), w) + bias.double()
+    torch.testing.assert_close(y.reshape(6, 40).double(), ref, rtol=1e-2, atol=2e-2)
+
+
+def test_weight_shapes_are_checked():
+    g = torch.Generator().manual_seed(5)
+    with pytest.raises(ValueError, match="does not hold 512 values"):
+        Q.QuantWeight([Q.QuantPart(Q.Q8_0, random_blocks(Q.Q8_0, 4, 256, g))], 512, torch.float32)
