@@ -1,23 +1,53 @@
-"""ladle against llama.cpp and transformers on the same random checkpoints and requests, in one
-table of ratios.
+"""ladle against llama.cpp and transformers on the same checkpoints, GGUF files and requests, in
+one table of ratios per model.
 
-Models: a random-weight checkpoint shaped like Qwen3-0.6B in bfloat16, and a tiny Qwen3 (hidden
-128, 4 layers, Qwen's 152k vocabulary) in float32, where framework overhead dominates. Both carry
-Qwen's tokenizer, so llama.cpp's own HF -> GGUF converter (shipped in the llama-cpp-python sdist
-that benchmarks/build_llama_cpp.sh builds) converts them. Cases:
-  - single-stream decode tok/s and TTFT of a 128-token prompt (in process: ladle's LLM,
-    transformers' generate, llama-cpp-python's Llama);
+Models (--models, any subset, in this order by default):
+  - gemma: the real Gemma 3 270M Q4_K_M file that ladle ships (`ladle serve gemma-3-270m`), run
+    by ladle and llama.cpp from that same file;
+  - 0.6b-q8_0, 0.6b-q4_k_m: the random Qwen3-0.6B-shaped checkpoint converted to a bf16 GGUF by
+    llama.cpp's own converter, then quantized by llama.cpp's quantize API (llama-cpp-python's
+    `llama_model_quantize`, its default tensor-type mix for the type); ladle and llama.cpp both
+    load the quantized file (ladle's default for a .gguf: --quantization gguf, the blocks kept);
+  - 0.6b: that checkpoint in bfloat16 (ladle and transformers load the safetensors, llama.cpp
+    its bf16 conversion), plus a `ladle int8` column: ladle with --quantization int8 (W8A8) on
+    the same bf16 checkpoint (shown "n/a" while this ladle does not accept int8);
+  - tiny: a tiny Qwen3 (hidden 128, 4 layers, Qwen's 152k vocabulary) in float32, where framework
+    overhead dominates.
+The random checkpoints carry Qwen's tokenizer, so llama.cpp's HF -> GGUF converter (shipped in
+the llama-cpp-python sdist that benchmarks/build_llama_cpp.sh builds) converts them; every file
+is made once, beside its checkpoint in the ladle cache directory (~/.cache/ladle,
+$LADLE_CACHE_DIR): model-bf16.gguf, model-q8_0.gguf, model-q4_k_m.gguf, model-f32.gguf.
+Cases:
+  - single-stream decode tok/s and TTFT of a 128-token prompt, every model (in process: ladle's
+    LLM, transformers' generate, llama-cpp-python's Llama);
   - 32 x (128 in, 128 out) output tok/s (ladle's LLM, transformers' generate on the batch of 32,
-    llama.cpp's llama-server with 32 parallel slots);
+    llama.cpp's llama-server with 32 parallel slots): 0.6b-q8_0, 0.6b, tiny;
   - server to server, 8 streaming clients each sending 128-token prompts for 64 tokens:
     aggregate tok/s, median/p90 TTFT and median inter-token latency (`ladle serve` against
-    llama-server with 8 parallel slots).
+    llama-server with 8 parallel slots, the same GGUF file for 0.6b-q8_0): 0.6b-q8_0, 0.6b, tiny.
 Each system runs in its own process, and the systems are interleaved within every repetition
 (reported: the median over repetitions), since this machine's speed drifts with other load.
-Physical limits printed beside: the read bandwidth and the bf16/f32 matmul peak measured here.
+
+Physical limits, measured in the same run: the read bandwidth (sum of a 1 GiB tensor) and the
+matmul peaks in bf16, f32 and int8. The int8 peak is the faster of torch._int_mm (int8 x int8 ->
+int32) and fbgemm's dynamic int8 linear (torch.ao.nn.quantized.dynamic.Linear, activations
+quantized per call, VNNI where the CPU has it); either may be missing or run a slow reference
+path on a given build, so the method that gave the number is printed beside it. Every
+single-stream decode cell gets a share of the read bandwidth: bytes of weights read per token x
+tok/s / bandwidth, where the bytes per token are
+  - for a GGUF file, its tensor bytes (token_embd counted once when it is also the output head,
+    left out when an output.weight exists, since the lookup reads one row);
+  - for a safetensors checkpoint, 2 (bf16) or 4 (f32) bytes x every matmul weight (the head once);
+  - for `ladle int8`, 1 byte x every matmul weight, the head included, plus a float32 scale
+    per output row.
+Batched and server rows give ladle's share of the matmul peak of its arithmetic (int8 for a
+quantized GGUF file). The end of the run prints issue 21's targets beside this run's numbers
+(ratios across tables come from separate, not interleaved, runs).
 
     nice -n 19 benchmarks/build_llama_cpp.sh          # once, many minutes
-    python benchmarks/compare.py [--reps 3] [--models 0.6b,tiny] [--skip-server] [--skip-hf]
+    python benchmarks/compare.py [--reps 3] [--models gemma,0.6b-q8_0,0.6b-q4_k_m,0.6b,tiny]
+        [--skip-batch] [--skip-server] [--skip-hf] [--skip-llama] [--skip-int8]
+        [--decode-tokens 64] [--batch-out 128] [--server-out 64]    # smaller: quick checks only
 """
 
 from __future__ import annotations
@@ -68,19 +98,43 @@ def tiny_checkpoint() -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class Spec:
+    source: str  # the weights: "0.6b" or "tiny" (random checkpoints), "gemma" (packaged file)
+    dtype: str  # ladle's --dtype (activations, KV cache) and transformers' dtype
+    # The GGUF file llama.cpp runs: a converter outtype ("bf16", "f32"), a type made from the bf16
+    # conversion by llama.cpp's quantize API (a key of QUANT_FTYPES), or "packaged" (as shipped).
+    gguf: str
+    ladle_on_gguf: bool  # ladle loads that .gguf file too (else the safetensors checkpoint)
+    cases: tuple[str, ...]  # of "single", "batch", "server"
+    hf: bool = False  # a transformers column (safetensors checkpoints only)
+    int8: bool = False  # a `ladle int8` column: --quantization int8 on the checkpoint
+
+
 MODELS = {
-    # name: (checkpoint builder, torch dtype name, GGUF outtype)
-    "0.6b": ("qwen3_06b", "bfloat16", "bf16"),
-    "tiny": ("tiny", "float32", "f32"),
+    "gemma": Spec("gemma", "bfloat16", "packaged", True, ("single",)),
+    "0.6b-q8_0": Spec("0.6b", "bfloat16", "q8_0", True, ("single", "batch", "server")),
+    "0.6b-q4_k_m": Spec("0.6b", "bfloat16", "q4_k_m", True, ("single",)),
+    "0.6b": Spec("0.6b", "bfloat16", "bf16", False, ("single", "batch", "server"), hf=True,
+                 int8=True),
+    "tiny": Spec("tiny", "float32", "f32", False, ("single", "batch", "server"), hf=True),
 }
+# llama.cpp's quantize API: our file-name suffix -> llama_cpp's llama_ftype constant.
+QUANT_FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+PACKAGED_GEMMA = "gemma-3-270m"
 
 
-def checkpoint(name: str) -> Path:
-    if name == "0.6b":
+def checkpoint(source: str) -> Path:
+    """The safetensors directory of a random checkpoint, or the packaged GGUF file."""
+    if source == "0.6b":
         sys.path.insert(0, str(HERE))
         from throughput import qwen3_06b_checkpoint
 
         return qwen3_06b_checkpoint()
+    if source == "gemma":
+        from ladle.models.packaged import ensure_packaged_model
+
+        return ensure_packaged_model(PACKAGED_GEMMA)
     return tiny_checkpoint()
 
 
@@ -96,6 +150,40 @@ def gguf(path: Path, outtype: str) -> Path:
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     os.rename(str(out) + ".tmp", out)
     return out
+
+
+def quantized_gguf(path: Path, qtype: str, llama_py: Path) -> Path:
+    """The bf16 conversion of checkpoint `path`, quantized to `qtype` by llama.cpp's quantize API
+    (in llama-cpp-python's environment); made once, beside the checkpoint."""
+    out = path / f"model-{qtype}.gguf"
+    if out.exists():
+        return out
+    src = gguf(path, "bf16")
+    tmp = out.with_name(out.name + ".tmp")
+    res = subprocess.run([str(llama_py), str(Path(__file__).resolve()), "--worker", "quantize",
+                          str(src), str(tmp), QUANT_FTYPES[qtype]],
+                         capture_output=True, text=True)
+    if res.returncode != 0 or not tmp.exists():
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"llama_model_quantize {src} -> {qtype} failed: {res.stderr[-1500:]}")
+    os.rename(tmp, out)
+    return out
+
+
+def worker_quantize(src: str, dst: str, ftype: str) -> dict:
+    """llama.cpp's quantize (what its llama-quantize tool runs), default tensor-type mix."""
+    import ctypes
+
+    import llama_cpp
+
+    llama_cpp.llama_backend_init()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, ftype)
+    params.nthread = os.cpu_count() or 1
+    rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize returned {rc}")
+    return {"bytes": os.path.getsize(dst)}
 
 
 def prompts(n: int, length: int = PROMPT_LEN, seed: int = 0) -> list[list[int]]:
@@ -123,11 +211,19 @@ def single_prompts() -> SinglePrompts:
 
 # --- Workers: one system, one model, one process; print one JSON line. ----------------------
 
-def worker_ladle(path, dtype, cases):
+def worker_ladle(path, dtype, cases, quantization=None):
+    """quantization: ladle's `quantization` (None: the checkpoint's own, i.e. gguf for a .gguf
+    file). A value this ladle does not accept gives {"unavailable": reason}, not a failure."""
     from ladle import LLM, SamplingParams
 
-    llm = LLM(str(path), dtype=dtype, max_num_seqs=BATCH, max_model_len=512,
-              max_num_batched_tokens=2048, kv_cache_memory="2GiB")
+    kw = {} if quantization is None else {"quantization": quantization}
+    try:
+        llm = LLM(str(path), dtype=dtype, max_num_seqs=BATCH, max_model_len=512,
+                  max_num_batched_tokens=2048, kv_cache_memory="2GiB", **kw)
+    except (ValueError, TypeError) as e:  # EngineConfig's check; ModelLoadError is a ValueError
+        if quantization is not None and "quantization" in str(e):
+            return {"unavailable": f"{quantization} unavailable: {str(e)[:200]}"}
+        raise
     p, single = prompts(BATCH), single_prompts()
 
     def run(ps, n):
@@ -222,19 +318,59 @@ def _median_over(fn, inputs) -> float:
 
 
 def worker_limits():
-    """This machine's read bandwidth (sum of a 1 GiB tensor) and matmul peaks."""
+    """This machine's read bandwidth (sum of a 1 GiB tensor) and matmul peaks: bf16 and f32
+    (torch matmul), int8 (see int8_peak)."""
     import torch
 
     x = torch.ones(256 * 2**20)  # 1 GiB float32
     x.sum()
     bw = 4 * x.numel() / _median_time(lambda: x.sum())
+    x = None  # freed before the matmuls
     peaks = {}
     for name, dt in (("bf16", torch.bfloat16), ("f32", torch.float32)):
         a, b = torch.randn(2048, 1024).to(dt), torch.randn(1024, 3072).to(dt)
         a @ b
         peaks[name] = 2 * 2048 * 1024 * 3072 / _median_time(lambda a=a, b=b: a @ b, reps=5)
+    int8, how = int8_peak()
     return {"read_gbs": bw / 1e9, "peak_bf16_gflops": peaks["bf16"] / 1e9,
-            "peak_f32_gflops": peaks["f32"] / 1e9}
+            "peak_f32_gflops": peaks["f32"] / 1e9,
+            "peak_int8_gops": None if int8 is None else int8 / 1e9, "peak_int8_how": how}
+
+
+def int8_peak(m=2048, k=1024, n=3072) -> tuple[float | None, str]:
+    """int8 multiply-adds per second x 2 on an (m, k) x (k, n) product, the best of the ways torch
+    has on this build: torch._int_mm (int8 x int8 -> int32; weight row-major or transposed), and
+    fbgemm's dynamic int8 linear (torch.ao.nn.quantized.dynamic.Linear: u8 activations quantized
+    per call, s8 weights, VNNI where present; the activation quantization is counted in its
+    time). Returns (ops/s or None, which method gave it, or why none ran)."""
+    import warnings
+
+    import torch
+
+    ops, results, errors = 2 * m * k * n, {}, []
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+    for layout, b in (("", torch.randint(-127, 128, (k, n), dtype=torch.int8)),
+                      (", B transposed", torch.randint(-127, 128, (n, k), dtype=torch.int8).t())):
+        try:
+            torch._int_mm(a, b)
+            results[f"torch._int_mm{layout}"] = ops / _median_time(
+                lambda b=b: torch._int_mm(a, b), reps=5)
+        except Exception as e:  # absent on this build/device, or a layout it refuses
+            errors.append(f"torch._int_mm{layout}: {type(e).__name__}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # quantized tensors are deprecated in torch 2.1x
+            lin = torch.ao.nn.quantized.dynamic.Linear(k, n, dtype=torch.qint8)
+            x = torch.randn(m, k)
+            lin(x)
+            results["fbgemm dynamic int8 linear"] = ops / _median_time(lambda: lin(x), reps=5)
+    except Exception as e:
+        errors.append(f"dynamic int8 linear: {type(e).__name__}")
+    if not results:
+        return None, "none ran (" + "; ".join(errors) + ")"
+    best = max(results, key=results.get)
+    others = ", ".join(f"{k_} {v / 1e9:.3g}" for k_, v in results.items() if k_ != best)
+    return results[best], best + (f"; also {others} GOPS" if others else "")
 
 
 # --- Servers ---------------------------------------------------------------------------------
@@ -381,8 +517,15 @@ def guarded(fn, *args, **kw):
         print(f"  {fn.__name__} failed: {type(e).__name__}: {str(e)[:500]}", file=sys.stderr)
         return None
 
+
+def size_flags() -> list[str]:
+    """The request sizes of this run, for the worker processes."""
+    return ["--decode-tokens", str(DECODE_TOKENS), "--batch-out", str(BATCH_OUT),
+            "--server-out", str(SERVER_OUT)]
+
+
 def run_worker(python: str, args: list[str], env=None) -> dict:
-    out = subprocess.run([python, str(Path(__file__).resolve()), "--worker", *args],
+    out = subprocess.run([python, str(Path(__file__).resolve()), *size_flags(), "--worker", *args],
                          capture_output=True, text=True, env=env)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     if out.returncode != 0 or not lines:
@@ -391,38 +534,103 @@ def run_worker(python: str, args: list[str], env=None) -> dict:
     return json.loads(lines[-1])
 
 
-def weights_per_token(path: Path) -> tuple[float, float]:
-    """(bytes read per decode step, FLOPs per token): every matmul weight once."""
+# --- Bytes and FLOPs per token ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Weights:
+    """What one decode step reads (every matmul weight once) and multiplies."""
+
+    bytes_per_token: float
+    flops_per_token: float
+    how: str  # how the bytes were counted, for the report
+
+
+def matmul_params(path: Path) -> tuple[int, int]:
+    """(weights, output rows) of every matmul of a safetensors checkpoint, the head once."""
     cfg = json.loads((path / "config.json").read_text())
     h, i, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     d, H, KV = cfg.get("head_dim") or h // cfg["num_attention_heads"], \
         cfg["num_attention_heads"], cfg["num_key_value_heads"]
     per_layer = h * (H + 2 * KV) * d + H * d * h + 3 * h * i
-    n = L * per_layer + h * cfg["vocab_size"]
-    elem = 2 if cfg.get("torch_dtype", cfg.get("dtype")) == "bfloat16" else 4
-    return n * elem, 2.0 * n
+    rows = L * ((H + 2 * KV) * d + h + 2 * i + h) + cfg["vocab_size"]
+    return L * per_layer + h * cfg["vocab_size"], rows
 
+
+def weights_per_token(path: Path) -> Weights:
+    """A safetensors checkpoint in its own dtype: 2 (bf16) or 4 (f32) bytes per weight."""
+    cfg = json.loads((path / "config.json").read_text())
+    n, _ = matmul_params(path)
+    elem = 2 if cfg.get("torch_dtype", cfg.get("dtype")) == "bfloat16" else 4
+    return Weights(n * elem, 2.0 * n, f"{elem} B x {n / 1e6:.0f}M weights")
+
+
+def int8_weights_per_token(path: Path) -> Weights:
+    """--quantization int8: 1 byte per weight (the head included) + a float32 scale per row."""
+    n, rows = matmul_params(path)
+    return Weights(n + 4 * rows, 2.0 * n, f"1 B x {n / 1e6:.0f}M weights + row scales")
+
+
+def gguf_weights_per_token(path: Path) -> Weights:
+    """A GGUF file's tensor bytes; token_embd counts once when it is also the output head (no
+    output.weight), and not at all otherwise (the lookup reads one row per token)."""
+    from ladle.models.gguf import open_gguf
+
+    tensors = open_gguf(path).tensors
+    tied = "output.weight" not in tensors
+    nbytes = params = 0
+    for name, t in tensors.items():
+        if name == "token_embd.weight" and not tied:
+            continue
+        nbytes += t.data.nbytes
+        if len(t.shape) == 2:
+            params += t.shape[0] * t.shape[1]
+    return Weights(nbytes, 2.0 * params,
+                   f"{nbytes / 2**20:.0f} MiB of tensors, {8 * nbytes / params:.2f} bits/weight")
+
+
+# --- The run ---------------------------------------------------------------------------------
 
 def main():
+    global DECODE_TOKENS, BATCH_OUT, SERVER_OUT
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--models", default="0.6b,tiny")
+    ap.add_argument("--models", default=",".join(MODELS),
+                    help="comma-separated, of: " + ", ".join(MODELS))
+    ap.add_argument("--skip-batch", action="store_true", help=f"no {BATCH}-prompt batch rows")
     ap.add_argument("--skip-server", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--skip-int8", action="store_true", help="no `ladle int8` column")
+    ap.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS,
+                    help="single-stream decode length (smaller: quick checks only)")
+    ap.add_argument("--batch-out", type=int, default=BATCH_OUT,
+                    help=f"output tokens per request of the {BATCH}-prompt batch")
+    ap.add_argument("--server-out", type=int, default=SERVER_OUT,
+                    help="output tokens per server request")
     ap.add_argument("--worker", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    DECODE_TOKENS, BATCH_OUT, SERVER_OUT = args.decode_tokens, args.batch_out, args.server_out
     if args.worker:
         kind, *rest = args.worker
         if kind == "limits":
             res = worker_limits()
+        elif kind == "quantize":
+            res = worker_quantize(*rest)
+        elif kind == "ladle":
+            path, dtype, cases, quantization = rest
+            res = worker_ladle(Path(path), dtype, cases.split(","),
+                               None if quantization == "-" else quantization)
         else:
             path, dtype, cases = rest
-            fn = {"ladle": worker_ladle, "hf": worker_hf, "llama": worker_llama}[kind]
+            fn = {"hf": worker_hf, "llama": worker_llama}[kind]
             res = fn(Path(path), dtype, cases.split(","))
         print(json.dumps(res))
         return
 
+    names = [n for n in args.models.split(",") if n]
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        ap.error(f"--models: unknown {', '.join(unknown)}; accepted: {', '.join(MODELS)}")
     llama_py = LLAMA_DIR / "venv" / "bin" / "python"
     if not (LLAMA_DIR / "server-build" / "bin" / "llama-server").exists():
         print("llama-server not built: no llama.cpp batched row; its server row is "
@@ -436,92 +644,218 @@ def main():
           f"only ratios within this run count)", flush=True)
     log_dir = Path(os.environ.get("TMPDIR", "/tmp"))
     limits = run_worker(sys.executable, ["limits"])
+    int8 = limits.get("peak_int8_gops")
     print(f"measured: read {limits['read_gbs']:.1f} GB/s, matmul peak bf16 "
-          f"{limits['peak_bf16_gflops']:.0f} GFLOP/s, f32 {limits['peak_f32_gflops']:.0f} GFLOP/s",
+          f"{limits['peak_bf16_gflops']:.0f} GFLOP/s, int8 "
+          f"{'n/a' if int8 is None else f'{int8:.0f}'} GOPS ({limits['peak_int8_how']}), f32 "
+          f"{limits['peak_f32_gflops']:.0f} GFLOP/s", flush=True)
+    summary: dict[str, dict[str, dict[str, float]]] = {}
+    for name in names:
+        res = guarded(run_model, name, MODELS[name], args, has_llama, llama_py, limits, log_dir)
+        if res:
+            summary[name] = res
+    print_targets(summary)
+
+
+def run_model(name: str, spec: Spec, args, has_llama: bool, llama_py: Path, limits: dict,
+              log_dir: Path) -> dict[str, dict[str, float]] | None:
+    """One model's interleaved repetitions and its table; returns the medians by system."""
+    path = checkpoint(spec.source)
+    model_gguf = None  # the file llama.cpp runs (and ladle too when spec.ladle_on_gguf)
+    if spec.gguf == "packaged":
+        model_gguf = path
+    elif has_llama:
+        model_gguf = (quantized_gguf(path, spec.gguf, llama_py) if spec.gguf in QUANT_FTYPES
+                      else gguf(path, spec.gguf))
+    elif spec.ladle_on_gguf:
+        print(f"[{name}] skipped: its GGUF file is made with llama.cpp's converter and quantize "
+              "API (run benchmarks/build_llama_cpp.sh)")
+        return None
+    ladle_path = model_gguf if spec.ladle_on_gguf else path
+    ladle_q = "-"  # ladle's default quantization: gguf (the blocks kept) for a .gguf file
+    weights = {"ladle": gguf_weights_per_token(ladle_path) if spec.ladle_on_gguf
+               else weights_per_token(path)}
+    systems = ["ladle"]
+    if spec.int8 and not args.skip_int8:
+        systems.append("ladle int8")
+        weights["ladle int8"] = int8_weights_per_token(path)
+    if spec.hf and not args.skip_hf:
+        systems.append("transformers")
+        weights["transformers"] = weights["ladle"]
+    if has_llama:
+        systems.append("llama.cpp")
+        weights["llama.cpp"] = gguf_weights_per_token(model_gguf)
+    results: dict[str, list[dict]] = {s: [] for s in systems}
+    batch = "batch" in spec.cases and not args.skip_batch
+    server = "server" in spec.cases and not args.skip_server
+    inproc = "single,batch" if batch else "single"
+    texts = (text_prompts(path, max(BATCH, SERVER_CLIENTS * SERVER_ROUNDS))
+             if batch or server else None)  # the checkpoint's tokenizer
+    print(f"[{name}] ladle runs {ladle_path}" + (f", llama.cpp {model_gguf}" if has_llama else ""),
           flush=True)
-    for name in args.models.split(","):
-        _, dtype, outtype = MODELS[name]
-        path = checkpoint(name)
-        model_gguf = gguf(path, outtype) if has_llama else None
-        results: dict[str, list[dict]] = {"ladle": [], "transformers": [], "llama.cpp": []}
-        texts = text_prompts(path, max(BATCH, SERVER_CLIENTS * SERVER_ROUNDS))
-        for rep in range(args.reps):
-            print(f"[{name}] repetition {rep + 1}/{args.reps}", flush=True)
-            results["ladle"].append(run_worker(sys.executable,
-                                               ["ladle", str(path), dtype, "single,batch"]))
-            if not args.skip_hf:
-                results["transformers"].append(run_worker(
-                    sys.executable, ["hf", str(path), dtype, "single,batch"]))
-            if has_llama:
-                r = run_worker(str(llama_py), ["llama", str(model_gguf), outtype, "single"])
+    int8_unavailable = None
+    for rep in range(args.reps):
+        print(f"[{name}] repetition {rep + 1}/{args.reps}", flush=True)
+        results["ladle"].append(run_worker(sys.executable, ["ladle", str(ladle_path), spec.dtype,
+                                                            inproc, ladle_q]))
+        if "ladle int8" in results:
+            r = {"unavailable": int8_unavailable} if int8_unavailable else run_worker(
+                sys.executable, ["ladle", str(path), spec.dtype, "single", "int8"])
+            int8_unavailable = r.get("unavailable")
+            results["ladle int8"].append(r)
+        if "transformers" in results:
+            results["transformers"].append(run_worker(sys.executable,
+                                                      ["hf", str(path), spec.dtype, inproc]))
+        if has_llama:
+            r = run_worker(str(llama_py), ["llama", str(model_gguf), spec.gguf, "single"])
+            if batch:
                 b = guarded(server_llama, model_gguf, texts, BATCH, BATCH_OUT, 1, log_dir)
                 if b:
                     r["batch_tps"] = b["server_tps"]
-                results["llama.cpp"].append(r)
-            if not args.skip_server:
-                s = guarded(server_ladle, path, dtype, texts, SERVER_CLIENTS, SERVER_OUT,
-                            SERVER_ROUNDS, log_dir)
-                results["ladle"][-1].update({"srv_" + k: v for k, v in (s or {}).items()})
-                if has_llama:
-                    s = guarded(server_llama, model_gguf, texts, SERVER_CLIENTS, SERVER_OUT,
-                                SERVER_ROUNDS, log_dir, allow_serial=True)
-                    if s:
-                        results["llama.cpp"][-1].update({"srv_" + k: v for k, v in s.items()})
-            for system, runs in results.items():  # raw numbers as they come
-                if runs:
-                    print(f"  {system}: " + json.dumps({k: round(v, 2) for k, v in
-                                                       runs[-1].items()}), flush=True)
-        report(name, dtype, path, results, limits)
+            results["llama.cpp"].append(r)
+        if server:
+            s = guarded(server_ladle, ladle_path, spec.dtype, texts, SERVER_CLIENTS, SERVER_OUT,
+                        SERVER_ROUNDS, log_dir)
+            results["ladle"][-1].update({"srv_" + k: v for k, v in (s or {}).items()})
+            if has_llama:
+                s = guarded(server_llama, model_gguf, texts, SERVER_CLIENTS, SERVER_OUT,
+                            SERVER_ROUNDS, log_dir, allow_serial=True)
+                if s:
+                    results["llama.cpp"][-1].update({"srv_" + k: v for k, v in s.items()})
+        for system, runs in results.items():  # raw numbers as they come
+            if runs:
+                print(f"  {system}: " + json.dumps({k: round(v, 2) if isinstance(v, float)
+                                                   else v for k, v in runs[-1].items()}),
+                      flush=True)
+    return report(name, spec, results, limits, weights)
 
 
-ROWS = [
-    # key, label, higher is better
-    ("decode_tps", f"single-stream decode, tok/s ({DECODE_TOKENS} tokens)", True),
-    ("ttft_ms", f"TTFT, {PROMPT_LEN}-token prompt, ms", False),
-    ("batch_tps", f"{BATCH} x ({PROMPT_LEN} in, {BATCH_OUT} out), tok/s", True),
-    ("srv_server_tps", f"server, {SERVER_CLIENTS} streaming clients: aggregate tok/s", True),
-    ("srv_ttft_med_ms", "server: median TTFT, ms", False),
-    ("srv_ttft_p90_ms", "server: p90 TTFT, ms", False),
-    ("srv_itl_med_ms", "server: median inter-token latency, ms", False),
-]
+def rows() -> list[tuple[str, str, bool]]:
+    return [
+        # key, label, higher is better
+        ("decode_tps", f"single-stream decode, tok/s ({DECODE_TOKENS} tokens)", True),
+        ("decode_bw", "  decode: share of read bandwidth", True),
+        ("ttft_ms", f"TTFT, {PROMPT_LEN}-token prompt, ms", False),
+        ("batch_tps", f"{BATCH} x ({PROMPT_LEN} in, {BATCH_OUT} out), tok/s", True),
+        ("srv_server_tps", f"server, {SERVER_CLIENTS} streaming clients: aggregate tok/s", True),
+        ("srv_ttft_med_ms", "server: median TTFT, ms", False),
+        ("srv_ttft_p90_ms", "server: p90 TTFT, ms", False),
+        ("srv_itl_med_ms", "server: median inter-token latency, ms", False),
+    ]
 
 
-def report(name, dtype, path, results, limits):
+# Ratio columns: (label, numerator system, denominator system), shown where both ran.
+RATIOS = [("ladle/llama.cpp", "ladle", "llama.cpp"),
+          ("ladle/transformers", "ladle", "transformers"),
+          ("int8/ladle bf16", "ladle int8", "ladle")]
+
+
+def report(name, spec, results, limits, weights: dict[str, Weights]) -> dict[str, dict]:
     def med(system, key):
         vals = [r[key] for r in results[system] if key in r]
         return statistics.median(vals) if vals else None
 
-    bytes_tok, flops_tok = weights_per_token(path)
-    peak = limits["peak_bf16_gflops" if dtype == "bfloat16" else "peak_f32_gflops"] * 1e9
-    print(f"\n{name} ({dtype}); medians of {len(results['ladle'])} interleaved repetitions")
-    print(f"| {'':48} | {'ladle':>8} | {'transformers':>12} | {'llama.cpp':>9} | ladle/llama.cpp "
-          f"| ladle/transformers | ladle share of limit |")
-    print("|" + "---|" * 7)
-    for key, label, higher in ROWS:
-        vals = {s: med(s, key) for s in results}
+    meds = {s: {k: med(s, k) for k, _, _ in rows() if med(s, k) is not None} for s in results}
+    for s, m in meds.items():
+        if "decode_tps" in m:
+            m["decode_bw"] = m["decode_tps"] * weights[s].bytes_per_token / 1e9 / limits["read_gbs"]
+    quantized = spec.ladle_on_gguf and spec.gguf not in ("bf16", "f16", "f32")
+    peak_key = ("peak_int8_gops" if quantized and limits.get("peak_int8_gops") else
+                "peak_bf16_gflops" if spec.dtype == "bfloat16" else "peak_f32_gflops")
+    peak = limits[peak_key] * 1e9
+    peak_name = peak_key.split("_")[1]
+    systems = list(results)
+    ratios = [r for r in RATIOS if r[1] in results and r[2] in results]
+    unavailable = {s: next((r["unavailable"] for r in rs if "unavailable" in r), None)
+                   for s, rs in results.items()}
+    print(f"\n{name} ({spec.dtype}"
+          + (f", {spec.gguf} GGUF" if spec.ladle_on_gguf else "")
+          + f"); medians of {len(results['ladle'])} interleaved repetitions")
+    for s in systems:
+        print(f"  {s}: {weights[s].how} read per token")
+    widths = [max(9, len(s)) for s in systems]
+    print(f"| {'':48} | " + " | ".join(f"{s:>{w}}" for s, w in zip(systems, widths, strict=True))
+          + "".join(f" | {r[0]}" for r in ratios) + " | ladle share of limit |")
+    print("|" + "---|" * (2 + len(systems) + len(ratios)))
+    def cell(vals, key, s, w):
+        v = vals[s]
+        if v is None:
+            return f"{'n/a' if unavailable[s] else '-':>{w}}"
+        return f"{v:>{w}.0%}" if key == "decode_bw" else f"{v:>{w}.1f}"
+
+    def ratio(vals, key, num, den, label):
+        if vals[num] is None or vals[den] is None or key == "decode_bw":
+            return f"{'-':>{len(label)}}"
+        return f"{vals[num] / vals[den]:>{len(label) - 1}.2f}x"
+
+    for key, label, _ in rows():
+        vals = {s: meds[s].get(key) for s in systems}
         if vals["ladle"] is None:
             continue
-
-        def ratio(peer, vals=vals, higher=higher):
-            if vals[peer] is None:
-                return "-"
-            r = vals["ladle"] / vals[peer]
-            return f"{r:.2f}x" + ("" if higher else " (lower is better)")
-
         share = ""
-        if key == "decode_tps":
-            share = f"{vals['ladle'] * bytes_tok / 1e9 / limits['read_gbs']:.0%} of read bandwidth"
-        elif key in ("batch_tps", "srv_server_tps"):
-            share = f"{vals['ladle'] * flops_tok / peak:.0%} of matmul peak"
-        cells = [f"{v:8.1f}" if v is not None else f"{'-':>8}" for v in vals.values()]
-        print(f"| {label:48} | {cells[0]} | {cells[1]:>12} | {cells[2]:>9} | {ratio('llama.cpp'):>15}"
-              f" | {ratio('transformers'):>18} | {share} |")
-    itl, llama_tps = med("ladle", "srv_itl_med_ms"), med("llama.cpp", "decode_tps")
+        if key in ("batch_tps", "srv_server_tps"):
+            share = f"{vals['ladle'] * weights['ladle'].flops_per_token / peak:.0%} of " \
+                    f"{peak_name} matmul peak"
+        print(f"| {label:48} | "
+              + " | ".join(cell(vals, key, s, w) for s, w in zip(systems, widths, strict=True))
+              + "".join(f" | {ratio(vals, key, n, d, lab)}" for lab, n, d in ratios)
+              + f" | {share} |")
+    print("(TTFT and latency rows: lower is better, so a ratio below 1 favours the numerator)")
+    for s, why in unavailable.items():
+        if why:
+            print(f"{s}: n/a ({why})")
+    itl, llama_tps = meds["ladle"].get("srv_itl_med_ms"), meds.get("llama.cpp", {}).get(
+        "decode_tps")
     if itl is not None and llama_tps:
         # What one client waits per token while 8 share ladle, against one alone on llama.cpp.
         print(f"server median inter-token latency / llama.cpp single-stream inter-token latency: "
               f"{itl:.1f} / {1e3 / llama_tps:.1f} ms = {itl * llama_tps / 1e3:.2f}x")
     sys.stdout.flush()
+    return meds
+
+
+# Issue 21's acceptance numbers: (label, model, key, numerator, (model, system) denominator,
+# target, higher is better).
+TARGETS = [
+    ("0.6B Q8_0 decode / llama.cpp", "0.6b-q8_0", "decode_tps", "ladle", ("0.6b-q8_0", "llama.cpp"),
+     1.3, True),
+    ("0.6B Q4_K_M decode / llama.cpp", "0.6b-q4_k_m", "decode_tps", "ladle",
+     ("0.6b-q4_k_m", "llama.cpp"), 1.2, True),
+    ("Gemma 3 270M Q4_K_M decode / llama.cpp", "gemma", "decode_tps", "ladle",
+     ("gemma", "llama.cpp"), 1.2, True),
+    ("0.6B Q8_0 TTFT / llama.cpp", "0.6b-q8_0", "ttft_ms", "ladle", ("0.6b-q8_0", "llama.cpp"),
+     0.4, False),
+    ("0.6B Q8_0 TTFT / ladle bf16 TTFT", "0.6b-q8_0", "ttft_ms", "ladle", ("0.6b", "ladle"),
+     1.0, False),
+    ("0.6B Q8_0 32 x (128, 128) / llama-server", "0.6b-q8_0", "batch_tps", "ladle",
+     ("0.6b-q8_0", "llama.cpp"), 2.5, True),
+    ("0.6B Q8_0 8-client server / llama-server", "0.6b-q8_0", "srv_server_tps", "ladle",
+     ("0.6b-q8_0", "llama.cpp"), 3.0, True),
+    ("0.6B int8 prefill speed (bf16 TTFT / int8 TTFT)", "0.6b", "ttft_ms", "ladle",
+     ("0.6b", "ladle int8"), 1.6, True),
+    ("0.6B int8 decode / ladle bf16", "0.6b", "decode_tps", "ladle int8", ("0.6b", "ladle"),
+     1.6, True),
+    ("0.6B bf16 decode: share of read bandwidth", "0.6b", "decode_bw", "ladle", None, 0.9, True),
+]
+
+
+def print_targets(summary: dict[str, dict[str, dict[str, float]]]) -> None:
+    """Issue 21's targets beside this run's numbers, where the run measured both sides."""
+    lines = []
+    for label, model, key, num, den, target, higher in TARGETS:
+        v = summary.get(model, {}).get(num, {}).get(key)
+        if v is not None and den is not None:
+            d = summary.get(den[0], {}).get(den[1], {}).get(key)
+            v = None if not d else v / d
+        if v is None:
+            continue
+        met = v >= target if higher else v <= target
+        fmt = (lambda x: f"{x:.0%}") if key == "decode_bw" else (lambda x: f"{x:.2f}x")
+        lines.append(f"  {label}: {fmt(v)} (target {'>=' if higher else '<='} {fmt(target)})"
+                     f"{'' if met else '  -- not met'}")
+    if lines:
+        print("\nissue 21 targets, this run:")
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -12,10 +12,12 @@ from ladle.sampling_params import DEFAULT_MAX_N, INT64_MAX, INT64_MIN
 from ladle.spec_decode.config import SpeculativeConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
-# --quantization (vLLM's flag): None = what the checkpoint is (gguf for a .gguf file, else none);
-# "gguf" = the weights come from a GGUF file; "none" = GGUF blocks are dequantized at load into
-# --dtype. Until quantized kernels land, a GGUF file always runs dequantized (the log says so).
-QUANTIZATIONS = ("gguf", "none")
+# --quantization (vLLM's flag): None = what the checkpoint is (gguf for a .gguf file, int8 for a
+# compressed-tensors W8A8 checkpoint, else none); "gguf" = the weights come from a GGUF file;
+# "none" = GGUF blocks are dequantized at load into --dtype; "int8" = a safetensors checkpoint's
+# weights are quantized at load to int8 per output channel, run with int8 activations per token
+# (models/int8.py). Until GGUF kernels land, a GGUF file always runs dequantized (the log says so).
+QUANTIZATIONS = ("gguf", "none", "int8")
 DISTRIBUTED_BACKENDS = ("mp", "ray")
 
 
@@ -24,7 +26,7 @@ class EngineConfig:
     model: str = "ladle-demo"
     tokenizer: str | None = None  # defaults to the model directory
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
-    quantization: str | None = None  # None (the checkpoint's own) | gguf | none
+    quantization: str | None = None  # None (the checkpoint's own) | gguf | none | int8
     device: str = "auto"  # auto: cuda when present, else cpu
     # Defaults to the model's max_position_embeddings; -1 ("auto"): that, shrunk to what the KV
     # cache can hold.

@@ -373,13 +373,17 @@ def build_checkpoint(arch: str, path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
-    """arch -> (HF checkpoint dir, its GGUF by convert_hf_to_gguf.py, f32); qwen2 as q8_0."""
+    """arch -> (HF checkpoint dir, its GGUF by convert_hf_to_gguf.py, f32); qwen2 as q8_0, and
+    llama also as q8_0 ("llama-q8_0")."""
     root = tmp_path_factory.mktemp("gguf")
     out = {}
     for arch, outtype in (("llama", "f32"), ("qwen3", "f32"), ("gemma3", "f32"),
                           ("gemma2", "f32"), ("qwen2", "q8_0")):
         build_checkpoint(arch, root / arch)
         out[arch] = root / arch, gguf_convert.convert_cached(root / arch, outtype)
+    # Llama again as Q8_0: its q and k rows are permuted by the converter, so the quantized
+    # load moves whole rows of blocks back.
+    out["llama-q8_0"] = root / "llama", gguf_convert.convert_cached(root / "llama", "q8_0")
     return out
 
 
@@ -505,3 +509,37 @@ def test_converted_gguf_generates_the_checkpoints_tokens(converted, arch):
         assert llm.engine.stats()["prefix_cache_hits"] > 0  # the fourth prompt's first blocks
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama-q8_0"])
+def test_q8_0_file_runs_its_blocks(converted, name):
+    """A Q8_0 file served with its blocks kept (the default) against the same file dequantized
+    (--quantization none), float32, teacher-forced over 120 tokens: the logits differ only by
+    the activations' int8 rounding (about 1% of their spread here); a wrong row order of q or
+    k, a misplaced part of the fused q|k|v or gate|up, or a bias lost would differ by the
+    logits' whole size. Tied embedding and head (qwen2) run the same blocks."""
+    from prompt_logits import prompt_logits
+
+    from ladle import LLM
+    from ladle.runner.quant import QuantWeight
+
+    _, gguf_path = converted[name]
+    ids = PROMPTS[2]
+    got = {}
+    for quantization in ("gguf", "none"):
+        llm = LLM(str(gguf_path), dtype="float32", quantization=quantization,
+                  enable_prefix_caching=False, kv_cache_memory="32MB")
+        try:
+            model = llm.engine.runner.model
+            blocks = [w for m in model.modules() for w in vars(m).values()
+                      if isinstance(w, QuantWeight)]
+            assert bool(blocks) == (quantization == "gguf")
+            if blocks:
+                assert {p.name() for w in blocks for p in w.parts} == {"Q8_0"}
+            got[quantization] = prompt_logits(llm, ids)
+        finally:
+            llm.close()
+    diff = (got["gguf"] - got["none"]).norm() / got["none"].std() / got["none"].numel() ** 0.5
+    agree = (got["gguf"].argmax(-1) == got["none"].argmax(-1)).float().mean().item()
+    print(f"{name}: relative logit error {diff:.4f}, top-1 agreement {agree:.3f}")
+    assert diff < 0.05 and agree > 0.8

@@ -31,6 +31,7 @@ from ladle.models.loader import (
 )
 from ladle.reasoning import ReasoningConfig
 from ladle.runner.model_runner import ModelRunner, RunnerOutput
+from ladle.runner.quant import weight_bytes
 from ladle.sampling_params import RequestLimits
 from ladle.spec_decode.draft_model import DraftModel, DraftSlots
 from ladle.spec_decode.ngram import NgramProposer
@@ -45,8 +46,9 @@ class EngineCore:
         self.config = config
         device = config.torch_device()
         self.model_path = resolve_model_path(config.model)
-        check_quantization(self.model_path, config.quantization)
         hf_config = read_hf_config(self.model_path)
+        check_quantization(self.model_path, config.quantization, hf_config,
+                           config.tensor_parallel_size)
         self.dtype = resolve_dtype(config.dtype, hf_config, device)
         torch.manual_seed(config.seed)
         self.model_group = None  # rank 0's driver of the TP workers when tensor_parallel_size > 1
@@ -57,7 +59,8 @@ class EngineCore:
                 self.model_path, hf_config, self.dtype, device, config.tensor_parallel_size,
                 config.distributed_executor_backend, config.distributed_timeout)
         else:
-            model = load_model(self.model_path, hf_config, self.dtype, device)
+            model = load_model(self.model_path, hf_config, self.dtype, device,
+                               quantization=config.quantization)
         try:
             self._init_rest(config, model, device, hf_config, keep_logits)
         except BaseException:
@@ -66,6 +69,10 @@ class EngineCore:
 
     def _init_rest(self, config, model, device, hf_config, keep_logits) -> None:
         mcfg = model.config
+        # Rank 0's weights (its shard under tensor parallelism), by storage type: logged here,
+        # sent once in the ready message for /metrics.
+        self.weight_bytes = weight_bytes(model if self.model_group is None else model.model)
+        logger.info("weights: %s", describe_bytes(self.weight_bytes))
         self.vocab_size = mcfg.vocab_size
         self.limits = RequestLimits(self.vocab_size, config.max_logprobs, config.max_n)
         is_auto_len = config.max_model_len == -1  # "auto": shrunk below to what the KV holds
@@ -89,9 +96,8 @@ class EngineCore:
         needed = per_block * -(-self.max_model_len // bs) * config.max_num_seqs
         if config.num_kv_blocks is None and config.kv_cache_memory is None and \
                 config.gpu_memory_utilization is not None:
-            held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                        for m in (model, draft) if m is not None
-                        for t in m.state_dict().values()}.values())  # tied weights once
+            held = sum(self.weight_bytes.values()) + (
+                0 if draft is None else sum(weight_bytes(draft).values()))
             num_blocks = kv_cache_bytes_from_utilization(
                 config.gpu_memory_utilization, device, held, needed) // per_block
         else:
@@ -524,4 +530,16 @@ def _eos_ids(tokenizer, model_path) -> list[int]:
     return eos_token_ids(tokenizer, model_path) if tokenizer is not None else []
 
 
+def describe_bytes(by_kind: dict[str, int]) -> str:
+    """The total, then each kind, largest first: "154.2 MiB (int8 127.0 MiB, bfloat16 27.2 MiB)"."""
+    def size(n: int) -> str:
+        for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+            if n >= 2**shift or unit == "KiB":
+                return f"{n / 2**shift:.1f} {unit}"
+
+    kinds = sorted(by_kind.items(), key=lambda kv: -kv[1])
+    return f"{size(sum(by_kind.values()))} (" + ", ".join(f"{k} {size(n)}" for k, n in kinds) + ")"
+
+
 __all__ = ["EngineCore", "FinishReason"]
+

@@ -50,6 +50,9 @@ class EngineReady(msgspec.Struct, omit_defaults=True):
     num_kv_blocks: int = 0
     block_size: int = 0
     pid: int = 0
+    # Bytes of the model's weights by storage type ("bfloat16", "int8", "Q4_K"), sent once
+    # here rather than with every step's stats: /metrics' ladle:model_weight_bytes.
+    weight_bytes: dict[str, int] = msgspec.field(default_factory=dict)
     error: str | None = None  # set when the engine failed to start; it then exits non-zero
 
 
@@ -79,7 +82,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
     out_sock.send(encoder.encode(EngineReady(
         vocab_size=engine.vocab_size, max_model_len=engine.max_model_len,
         model_path=str(engine.model_path), num_kv_blocks=engine.kv_cache.num_blocks,
-        block_size=config.block_size, pid=os.getpid(),
+        block_size=config.block_size, pid=os.getpid(), weight_bytes=engine.weight_bytes,
     )))
     try:
         EngineCoreLoop(engine, in_sock, out_sock).run()

@@ -14,7 +14,7 @@ import re
 import sys
 from pathlib import Path
 
-from ladle.config import EngineConfig
+from ladle.config import QUANTIZATIONS, EngineConfig
 
 _DEFAULTS = EngineConfig()
 
@@ -148,9 +148,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "architectures load)")
     g.add_argument("--dtype", default=_DEFAULTS.dtype,
                    choices=["auto", "bfloat16", "float16", "half", "float32", "float"])
-    g.add_argument("--quantization", "-q", default=None, choices=["gguf", "none"],
+    g.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
                    help="gguf: weights from a GGUF file (the default for one); none: its "
-                        "blocks dequantized into --dtype at load")
+                        "blocks dequantized into --dtype at load; int8: a safetensors "
+                        "checkpoint's weights quantized at load to int8 per output channel, "
+                        "with int8 activations per token (W8A8; the default for a "
+                        "compressed-tensors int8 checkpoint)")
     g.add_argument("--max-model-len", type=max_model_len, default=None,
                    help="context length: 4096, 32k, 32K, 1m, or auto (default: the model's)")
     g.add_argument("--generation-config", default="auto",
@@ -317,7 +320,7 @@ def parse_serve_args(argv: list[str]) -> argparse.Namespace:
     # The model file's and the engine settings' own checks (EngineConfig) as usage errors now,
     # not a traceback when the server builds its engine.
     try:
-        _check_model_file(args.model)
+        _check_model_file(args.model, args.quantization, args.tensor_parallel_size)
         from ladle.entrypoints.api_server import engine_config_from_args
 
         engine_config_from_args(args)
@@ -326,15 +329,23 @@ def parse_serve_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _check_model_file(model: str) -> None:
+def _check_model_file(model: str, quantization: str | None, tensor_parallel_size: int) -> None:
     """A GGUF file's header, metadata and tensor table are read now (milliseconds, memory-
     mapped), so a truncated, corrupt or unsupported file is a usage error naming the file
-    before any process starts; the engine reads it again to load."""
+    before any process starts; the engine reads it again to load. So is a --quantization the
+    local checkpoint cannot take, or a quantization_config ladle cannot run."""
     path = Path(model).expanduser()
+    from ladle.models.loader import check_quantization
+
     if path.is_file():
         from ladle.models.gguf import hf_config_from_gguf, open_gguf
 
         hf_config_from_gguf(open_gguf(path))
+        check_quantization(path, quantization)
+    elif (path / "config.json").is_file():
+        from ladle.models.loader import read_hf_config
+
+        check_quantization(path, quantization, read_hf_config(path), tensor_parallel_size)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -86,6 +86,7 @@ class AsyncLLM:
                                 num_engines=config.data_parallel_size))
         for i, engine in enumerate(client.engines):  # the cache size is known before any step
             llm.metrics.set_engine_stats(i, {"num_blocks": engine.ready.num_kv_blocks})
+            llm.metrics.weight_bytes[i] = engine.ready.weight_bytes
         llm._output_task = asyncio.create_task(llm._output_loop())
         return llm
 

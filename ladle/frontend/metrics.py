@@ -112,6 +112,8 @@ class ServerMetrics:
                         for i in range(num_engines)]
         # Each engine's last EngineCore.stats() (gauges and counters since start).
         self.engine_stats: list[dict] = [{} for _ in range(num_engines)]
+        # Each engine's weight bytes by storage type, from its ready message (fixed after start).
+        self.weight_bytes: list[dict[str, int]] = [{} for _ in range(num_engines)]
         self.num_generation_tokens = 0  # since start, all engines, for the periodic log line
         self.registry.register(_EngineStatsCollector(self))
 
@@ -248,6 +250,14 @@ class _EngineStatsCollector:
                 for pos, n in enumerate(s.get("spec_decode_num_accepted_tokens_per_pos", [])):
                     c.add_metric([*lv, str(pos)], float(n))
             yield c
+        g = GaugeMetricFamily("ladle:model_weight_bytes",
+                              "Bytes of the model's weights in the engine (rank 0's shard "
+                              "under tensor parallelism), by storage type.",
+                              labels=[*labels, "dtype"])
+        for (lv, _), by_dtype in zip(engines, self.metrics.weight_bytes, strict=True):
+            for dtype, n in sorted(by_dtype.items()):
+                g.add_metric([*lv, dtype], float(n))
+        yield g
         g = GaugeMetricFamily("ladle:prefix_cache_hit_rate",
                               "Prefix-cache hits / queries since start, in tokens.",
                               labels=labels)

@@ -80,11 +80,34 @@ def is_gguf(path: Path) -> bool:
     return path.is_file()
 
 
-def check_quantization(path: Path, quantization: str | None) -> None:
-    """--quantization gguf names the format of the file: it cannot apply to safetensors."""
+def check_quantization(path: Path, quantization: str | None, hf_config: dict | None = None,
+                       tensor_parallel_size: int = 1) -> None:
+    """--quantization against the checkpoint. gguf names the format of a .gguf file, so it
+    cannot apply to safetensors; int8 quantizes a safetensors checkpoint at load, so it cannot
+    apply to a GGUF file. With `hf_config`, a quantization_config is checked too (only
+    compressed-tensors int8 runs): such a checkpoint is int8 already, and `none` would ask ladle
+    to dequantize it, which it does not (the weights are rounded already; it would only double
+    their memory). int8 runs on one rank."""
     if quantization == "gguf" and not is_gguf(path):
         raise ModelLoadError(f"quantization: gguf needs a .gguf model file, but {path} is a "
-                             "safetensors checkpoint; accepted for it: none (or leave it unset)")
+                             "safetensors checkpoint; accepted for it: int8, none (or leave it "
+                             "unset)")
+    if quantization == "int8" and is_gguf(path):
+        raise ModelLoadError(f"quantization: int8 quantizes a safetensors checkpoint at load, but "
+                             f"{path} is a GGUF file; accepted for it: gguf, none (or leave it "
+                             "unset)")
+    if hf_config is None:
+        return
+    from ladle.models.int8 import checkpoint_is_int8
+
+    is_int8 = checkpoint_is_int8(hf_config, path / "config.json")
+    if is_int8 and quantization == "none":
+        raise ModelLoadError(f"quantization: none, but {path / 'config.json'} describes int8 "
+                             "weights (compressed-tensors), which ladle runs as they are; "
+                             "accepted for it: int8 (or leave it unset)")
+    if (is_int8 or quantization == "int8") and tensor_parallel_size > 1:
+        raise ModelLoadError(f"tensor_parallel_size: {tensor_parallel_size}, but int8 weights "
+                             f"({path}) run on one rank only; accepted with them: 1")
 
 
 def read_hf_config(path: Path) -> dict:
@@ -135,23 +158,50 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: dict, device: torch.devic
 
 
 def load_model(path: Path, hf_config: dict, dtype: torch.dtype, device: torch.device,
-               tp=None):
+               tp=None, quantization: str | None = None):
     """The model, or with `tp` (a TPGroup) this rank's shard of it: each rank reads only its
-    slices of the checkpoint tensors."""
+    slices of the checkpoint tensors. A compressed-tensors checkpoint keeps its int8 weights as
+    stored (its ignored layers, such as lm_head, dense); `quantization` "int8" quantizes every
+    weight still dense after the load (models/int8.py)."""
     cls = model_class(hf_config, path)
     with torch.device("meta"):
         model = cls(hf_config, tp)
+    if is_gguf(path):
+        _gguf_weights(model, path, hf_config, dtype, device, tp, quantization)
     model = model.to_empty(device=device).to(dtype)
     # Buffers (rotary tables) were created on meta: every rotary rebuilds its own, in float32
     # on the real device (a model may hold several: Gemma 3's local and global ones).
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.rebuild(device)
-    if is_gguf(path) and (tp is None or tp.rank == 0):
-        logger.info("%s: GGUF blocks dequantized to %s at load (quantized kernels are not "
-                    "built yet)", path, str(dtype).removeprefix("torch."))
-    load_weights(model, path)
+    from ladle.models import int8
+
+    stored_int8 = {} if int8.checkpoint_is_int8(hf_config, path / "config.json") else None
+    load_weights(model, path, stored_int8)
+    if stored_int8:
+        int8.install_checkpoint_int8(model, stored_int8, path)
+    if quantization == "int8":
+        int8.quantize_model_int8(model)
     return model.eval()
+
+
+def _gguf_weights(model, path: Path, hf_config: dict, dtype: torch.dtype, device: torch.device,
+                  tp, quantization: str | None) -> None:
+    """A GGUF file's blocks stay quantized (models/gguf/quantized.py) on one CPU process; with
+    --quantization none, on another device or across tensor-parallel ranks they are dequantized
+    to the model dtype by the usual load."""
+    if quantization != "none" and tp is None and device.type == "cpu":
+        from ladle.models.gguf import open_gguf
+        from ladle.models.gguf.quantized import install_gguf_blocks
+
+        install_gguf_blocks(model, open_gguf(path), hf_config, dtype)
+        return
+    if tp is None or tp.rank == 0:
+        why = ("--quantization none" if quantization == "none" else
+               "the quantized kernels run on the CPU" if device.type != "cpu" else
+               "the quantized kernels do not split across tensor-parallel ranks")
+        logger.info("%s: GGUF blocks dequantized to %s at load (%s)", path,
+                    str(dtype).removeprefix("torch."), why)
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -190,26 +240,38 @@ def _checkpoint_tensors(path: Path):
 
 
 @torch.no_grad()
-def load_weights(model: LlamaForCausalLM, path: Path) -> None:
+def load_weights(model: LlamaForCausalLM, path: Path, int8: dict | None = None) -> None:
+    """Copy the checkpoint's tensors into the model's parameters. With `int8` (a dict, for a
+    compressed-tensors checkpoint) int8 weights and their `weight_scale`s are collected there
+    by (parameter name, shard) instead, for int8.install_checkpoint_int8."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     with tqdm(total=len(params), desc="Loading weights", unit="tensor", leave=False,
               disable=os.environ.get("LADLE_NO_PROGRESS") == "1") as bar:
         for name, read in _checkpoint_tensors(path):
-            target = _target(name, model, params)
+            is_scale = int8 is not None and name.endswith(".weight_scale")
+            target = _target(name.removesuffix("_scale") if is_scale else name, model, params)
             if target is None:
                 continue
             pname, shard = target
             tensor = read(model.checkpoint_slice(pname, shard))
             param = params[pname]
-            if shard is None:
+            if is_scale or tensor.dtype == torch.int8:
+                if int8 is None:
+                    raise ModelLoadError(f"{path}: tensor {name} is int8, but config.json has no "
+                                         "quantization_config to scale it; accepted: a "
+                                         "compressed-tensors int8 checkpoint")
+                kind = "weight_scale" if is_scale else "weight"
+                int8.setdefault((pname, shard), {})[kind] = (name, tensor)
+                if is_scale:
+                    continue
+            elif shard is None:
                 _copy(param, tensor, name)
-                loaded.add(pname)
             else:
                 sizes = model.shard_sizes(pname.rsplit(".", 1)[0].rsplit(".", 1)[1])
                 start = sum(sizes[:shard])
                 _copy(param.narrow(0, start, sizes[shard]), tensor, name)
-                loaded.add(f"{pname}#{shard}")
+            loaded.add(pname if shard is None else f"{pname}#{shard}")
             bar.update(1)
     expected = set()
     for pname in params:
