@@ -135,14 +135,6 @@ inline void unpack_any(int type, const uint8_t* row, int64_t sb, Sub& o) {
 }
 
 #if defined(LADLE_QUANT_AVX2)
-// A sub-block in registers: 32 weights (signed, or Q4_K's unsigned nibbles), the scale of each
-// of the 8 int32 lanes a dot product gives (lane i sums values 4i..4i+3), and the min.
-struct SubV {
-  __m256i q;
-  __m256 s;
-  float minv;
-};
-
 inline __m256i nibbles(const uint8_t* p) {  // 16 bytes -> low nibbles, then high nibbles
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
@@ -159,45 +151,55 @@ inline __m256i bit_bytes(uint32_t bits) {
   return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 
+// A weight block of TYPE, read in two steps: its header once (the float scale of each half
+// sub-block of 16 values, and for Q4_K the min of each sub-block), then each sub-block's 32
+// values as int8 (signed; Q4_K's unsigned nibbles). A block is 32 values (Q8_0, Q4_0, Q5_0:
+// one sub-block) or a super-block of 256 (Q4_K, Q6_K: eight), so the K-quants' 6-bit scales
+// are decoded once per eight sub-blocks, not per sub-block.
+template <int TYPE> constexpr int kSubs = (TYPE == kQ4_K || TYPE == kQ6_K) ? 8 : 1;
+
 template <int TYPE>
-inline void unpack_vec(const uint8_t* row, int64_t sb, SubV& o) {
-  o.minv = 0.f;
+inline void block_header(const uint8_t* b, float* sc /* 2 * kSubs */, float* mn /* kSubs */) {
+  if constexpr (TYPE == kQ4_K) {
+    const float d = f16(b), dmin = f16(b + 2);
+    for (int j = 0; j < 8; j++) {
+      int s, m;
+      k4_scale_min(b + 4, j, s, m);
+      sc[2 * j] = sc[2 * j + 1] = d * float(s);
+      mn[j] = dmin * float(m);
+    }
+  } else if constexpr (TYPE == kQ6_K) {
+    const float d = f16(b + 208);
+    const int8_t* s = reinterpret_cast<const int8_t*>(b + 192);
+    // Sub-block j (half j / 4, run j % 4) has the scales 8 * (j / 4) + 2 * (j % 4) + {0, 1}:
+    // the same order as j's two halves, so the 16 scales are in sub-block order already.
+    for (int i = 0; i < 16; i++) sc[i] = d * float(s[i]);
+  } else {
+    sc[0] = sc[1] = f16(b);
+  }
+}
+
+template <int TYPE>
+inline __m256i block_quants(const uint8_t* b, int j) {
   if constexpr (TYPE == kQ8_0) {
-    const uint8_t* b = row + sb * 34;
-    o.s = _mm256_set1_ps(f16(b));
-    o.q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
   } else if constexpr (TYPE == kQ4_0) {
-    const uint8_t* b = row + sb * 18;
-    o.s = _mm256_set1_ps(f16(b));
-    o.q = _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8));
+    return _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8));
   } else if constexpr (TYPE == kQ5_0) {
-    const uint8_t* b = row + sb * 22;
-    o.s = _mm256_set1_ps(f16(b));
     uint32_t qh;
     std::memcpy(&qh, b + 2, 4);
-    o.q = _mm256_sub_epi8(_mm256_or_si256(nibbles(b + 6), bit_bytes(qh)), _mm256_set1_epi8(16));
+    return _mm256_sub_epi8(_mm256_or_si256(nibbles(b + 6), bit_bytes(qh)), _mm256_set1_epi8(16));
   } else if constexpr (TYPE == kQ4_K) {
-    const uint8_t* b = row + (sb >> 3) * 144;
-    const int j = int(sb & 7);
-    int sc, mn;
-    k4_scale_min(b + 4, j, sc, mn);
-    o.s = _mm256_set1_ps(f16(b) * float(sc));
-    o.minv = f16(b + 2) * float(mn);
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + (j >> 1) * 32));
-    o.q = _mm256_and_si256((j & 1) ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(0x0F));
+    return _mm256_and_si256((j & 1) ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(0x0F));
   } else {  // Q6_K
-    const uint8_t* b = row + (sb >> 3) * 210;
-    const int j = int(sb & 7), half = j >> 2, g = j & 3;
+    const int half = j >> 2, g = j & 3;
     const __m256i ql = _mm256_loadu_si256(
         reinterpret_cast<const __m256i*>(b + half * 64 + (g & 1) * 32));
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + half * 32));
     const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(ql, (g >> 1) * 4), _mm256_set1_epi8(0x0F));
     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, g * 2), _mm256_set1_epi8(3));
-    o.q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
-    const float d = f16(b + 208);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + half * 8 + g * 2;
-    const __m128 s0 = _mm_set1_ps(d * float(sc[0])), s1 = _mm_set1_ps(d * float(sc[1]));
-    o.s = _mm256_set_m128(s1, s0);
+    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
   }
 }
 
@@ -212,12 +214,6 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
-template <int TYPE>
-inline __m256i dot_sub(__m256i w, __m256i x) {
-  if constexpr (TYPE == kQ4_K) return dot_u8s8(w, x);  // unsigned nibbles
-  return dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-}
-
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -225,33 +221,58 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// out[m][n] = x[m] . w[n] for MR activation rows and NR weight rows.
+// out[m][n] = x[m] . w[n] for MR activation rows and NR weight rows. The accumulators' 8 lanes
+// are partial sums added up at the end, so a lane may take any term: a sub-block's products
+// (lane i: its values 4i..4i+3, scaled by the scale of that half), and for Q4_K the eight
+// sub-blocks' min terms of a super-block at once (lane j: -min_j * d_x * sum(q_x) of
+// sub-block j).
 template <int TYPE, int MR, int NR>
 inline void tile(const uint8_t* const* w, const int8_t* qx, const float* dx, const float* sx,
                  int64_t K, float (*out)[NR]) {
+  constexpr int S = kSubs<TYPE>;
+  constexpr int64_t BV = 32 * S, BB = TYPE == kQ8_0 ? 34 : TYPE == kQ4_0 ? 18
+                                     : TYPE == kQ5_0 ? 22 : TYPE == kQ4_K ? 144 : 210;
   __m256 acc[MR][NR];
-  float corr[MR][NR];
   for (int m = 0; m < MR; m++)
+    for (int n = 0; n < NR; n++) acc[m][n] = _mm256_setzero_ps();
+  const int64_t nsub = K / 32, nblocks = K / BV;
+  for (int64_t blk = 0; blk < nblocks; blk++) {
+    float sc[NR][2 * S], mn[NR][S];
+    const uint8_t* b[NR];
     for (int n = 0; n < NR; n++) {
-      acc[m][n] = _mm256_setzero_ps();
-      corr[m][n] = 0.f;
+      b[n] = w[n] + blk * BB;
+      block_header<TYPE>(b[n], sc[n], mn[n]);
     }
-  const int64_t nsub = K / 32;
-  for (int64_t sb = 0; sb < nsub; sb++) {
-    SubV ws[NR];
-    for (int n = 0; n < NR; n++) unpack_vec<TYPE>(w[n], sb, ws[n]);
-    for (int m = 0; m < MR; m++) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + m * K + sb * 32));
-      const __m256 d = _mm256_set1_ps(dx[m * nsub + sb]);
+    if constexpr (TYPE == kQ4_K) {
+      for (int m = 0; m < MR; m++) {
+        const __m256 sum = _mm256_loadu_ps(sx + m * nsub + blk * 8);
+        for (int n = 0; n < NR; n++)
+          acc[m][n] = _mm256_fnmadd_ps(_mm256_loadu_ps(mn[n]), sum, acc[m][n]);
+      }
+    }
+    for (int j = 0; j < S; j++) {
+      const int64_t sb = blk * S + j;
+      __m256i q[NR], aq[NR];
+      __m256 s[NR];
       for (int n = 0; n < NR; n++) {
-        const __m256 p = _mm256_cvtepi32_ps(dot_sub<TYPE>(ws[n].q, xv));
-        acc[m][n] = _mm256_fmadd_ps(p, _mm256_mul_ps(ws[n].s, d), acc[m][n]);
-        if constexpr (TYPE == kQ4_K) corr[m][n] += ws[n].minv * sx[m * nsub + sb];
+        q[n] = block_quants<TYPE>(b[n], j);
+        aq[n] = TYPE == kQ4_K ? q[n] : _mm256_sign_epi8(q[n], q[n]);  // |w| for vpmaddubsw
+        s[n] = _mm256_set_m128(_mm_set1_ps(sc[n][2 * j + 1]), _mm_set1_ps(sc[n][2 * j]));
+      }
+      for (int m = 0; m < MR; m++) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + m * K + sb * 32));
+        const __m256 d = _mm256_broadcast_ss(dx + m * nsub + sb);
+        for (int n = 0; n < NR; n++) {
+          // Signed weights: the sign moves onto x, so |w| (unsigned) times sign(w) * x.
+          const __m256i xs = TYPE == kQ4_K ? xv : _mm256_sign_epi8(xv, q[n]);
+          const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(aq[n], xs));
+          acc[m][n] = _mm256_fmadd_ps(p, _mm256_mul_ps(s[n], d), acc[m][n]);
+        }
       }
     }
   }
   for (int m = 0; m < MR; m++)
-    for (int n = 0; n < NR; n++) out[m][n] = hsum(acc[m][n]) - corr[m][n];
+    for (int n = 0; n < NR; n++) out[m][n] = hsum(acc[m][n]);
 }
 #else
 template <int TYPE, int MR, int NR>
