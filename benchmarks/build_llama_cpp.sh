@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Builds llama.cpp for benchmarks/compare.py, outside the repository: llama-cpp-python (from its
-# PyPI sdist, into a virtual environment) for the in-process single-stream numbers, and the
-# llama-server binary from the llama.cpp sources vendored in that same sdist, for the batched
-# and server comparisons (it batches parallel slots; llama-cpp-python's own server runs one
-# request at a time). The sdist also ships llama.cpp's HF -> GGUF converter and gguf-py, which
-# compare.py runs to convert the random checkpoints. Takes many minutes on a small machine; run
-# it early:
+# Builds llama.cpp for benchmarks/compare.py and benchmarks/gguf_accuracy.py, outside the
+# repository: llama-cpp-python (from its PyPI sdist, into a virtual environment) for the
+# in-process single-stream numbers, its quantize API (compare.py makes the Q8_0 and Q4_K_M files
+# with it) and its full logits (gguf_accuracy.py), and the llama-server binary from the llama.cpp
+# sources vendored in that same sdist, for the batched and server comparisons (it batches
+# parallel slots; llama-cpp-python's own server runs one request at a time). The sdist also ships
+# llama.cpp's HF -> GGUF converter and gguf-py, which compare.py runs to convert the random
+# checkpoints. Takes many minutes on a small machine; run it early:
 #     nice -n 19 benchmarks/build_llama_cpp.sh
 # Environment: LLAMA_CPP_DIR (default ~/.cache/ladle-bench/llama-cpp), LLAMA_CPP_VERSION, PYTHON.
 set -euo pipefail

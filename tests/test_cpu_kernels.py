@@ -89,6 +89,23 @@ def test_add_rms_norm_matches_torch(kernels, dtype, dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [640, 200])
+def test_gemma_rms_norm_matches_its_twin(kernels, dtype, dim):
+    """Gemma's (1 + w) scale goes to the kernel as a float32 weight: normalised and scaled in
+    float32, rounded once, as HF's Gemma RMSNorm and the twin do; with a residual the sum is
+    rounded to the dtype first, exactly like torch's add."""
+    torch.manual_seed(3)
+    x, res = torch.randn(5, dim).to(dtype), torch.randn(5, dim).to(dtype)
+    w = (torch.randn(dim) * 0.5).to(dtype)
+    torch.testing.assert_close(cpu_kernels.gemma_rms_norm(x, w, 1e-6),
+                               cpu_kernels.gemma_rms_norm_torch(x, w, 1e-6), **TOL[dtype])
+    out, total = cpu_kernels.gemma_rms_norm(x, w, 1e-6, residual=res.clone())
+    assert torch.equal(total, res + x)
+    torch.testing.assert_close(out, cpu_kernels.gemma_rms_norm_torch(res + x, w, 1e-6),
+                               **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_matches_torch(kernels, dtype):
     torch.manual_seed(2)
     T, H, KVH, D, P = 5, 4, 2, 32, 64

@@ -40,10 +40,19 @@ class GemmaRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
+        self._scale: tuple[int, torch.Tensor] | None = None  # (weight version, 1 + w float32)
+
+    def scale(self) -> torch.Tensor:
+        """1 + w in float32, computed once per value of the weight (a load or any in-place
+        change bumps the tensor's version, so a stale scale is never used)."""
+        version = self.weight._version
+        if self._scale is None or self._scale[0] != version:
+            self._scale = (version, self.weight.detach().float() + 1)
+        return self._scale[1]
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """As RMSNorm.forward: with a residual, (norm(residual + x), residual + x)."""
-        return cpu_kernels.gemma_rms_norm(x, self.weight, self.eps, residual)
+        return cpu_kernels.gemma_rms_norm(x, self.weight, self.eps, residual, scale=self.scale())
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:

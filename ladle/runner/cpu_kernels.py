@@ -229,16 +229,17 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                   residual: torch.Tensor | None = None):
+                   residual: torch.Tensor | None = None, scale: torch.Tensor | None = None):
     """Gemma's RMSNorm, scaled by (1 + weight) in float32 and cast once; with a residual,
-    (norm(residual + x), residual + x). In float32 that is the RMSNorm kernel with the weight
-    1 + w (its products are float32 already). In bfloat16 the kernel would round 1 + w and the
-    normalised x to bfloat16 before the product, so the twin runs."""
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        scale = weight + 1  # (D,): one tiny op, so a reloaded weight can never be stale
-        if residual is None:
-            return rms_norm(x, scale, eps)
-        return add_rms_norm(x, residual, scale, eps)
+    (norm(residual + x), residual + x) with the sum rounded to x's dtype first, as HF adds. The
+    kernel takes the scale (1 + weight in float32; `scale` when the caller keeps it) as a
+    float32 weight, which it multiplies in float32 and rounds once."""
+    if scale is None:
+        scale = weight.float() + 1
+    k = kernels_for(x) if residual is None else kernels_for(x, residual)
+    if k is not None and _rows_in_place(x) and (residual is None or residual.is_contiguous()):
+        return k.rms_norm(x, residual, scale, eps) if residual is None else \
+            (k.rms_norm(x, residual, scale, eps), residual)
     if residual is None:
         return gemma_rms_norm_torch(x, weight, eps)
     residual = residual + x

@@ -3,6 +3,8 @@
 #include "kernels.h"
 #include "vec.h"
 
+#include <type_traits>
+
 // ---------------------------------------------------------------------------------------------
 // RMSNorm over the last dimension, optionally after adding a residual (in place), in one pass per
 // row instead of eight torch ops. Numerics follow the HF reference: normalise in float32, round
@@ -42,8 +44,21 @@ static inline void scale_row(const T* x, const T* w, float inv, int64_t D, O* ou
     out[d] = static_cast<O>(static_cast<T>(to_f(w[d]) * to_f(static_cast<T>(to_f(x[d]) * inv))));
 }
 
+// out[d] = x[d] * inv * w[d] in float32, rounded to T once: the weight given in float32 (Gemma's
+// 1 + w, which HF computes and multiplies in float32 before its one cast).
 template <typename T>
-static void rms_norm_kernel(const T* x, T* residual, const T* w, T* out, int64_t R, int64_t D,
+static inline void scale_row_f32(const T* x, const float* w, float inv, int64_t D, T* out) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  const __m512 vinv = _mm512_set1_ps(inv);
+  for (; d + 16 <= D; d += 16)
+    store16(out + d, round_to(_mm512_mul_ps(_mm512_mul_ps(load16(x + d), vinv), load16(w + d)), x));
+#endif
+  for (; d < D; ++d) out[d] = static_cast<T>(to_f(x[d]) * inv * w[d]);
+}
+
+template <typename T, typename W>
+static void rms_norm_kernel(const T* x, T* residual, const W* w, T* out, int64_t R, int64_t D,
                             int64_t inner, int64_t ld_outer, float eps) {
   // Row r of x starts at (r / inner) * ld_outer + (r % inner) * D: a (T, H, D) view of a wider
   // matrix (q or k heads inside the qkv output) is read in place.
@@ -61,7 +76,10 @@ static void rms_norm_kernel(const T* x, T* residual, const T* w, T* out, int64_t
         src = rr;
       }
       const float inv = 1.f / std::sqrt(sum_squares(src, D) / D + eps);
-      scale_row(src, w, inv, D, out + r * D);
+      if constexpr (std::is_same_v<W, T>)
+        scale_row(src, w, inv, D, out + r * D);
+      else
+        scale_row_f32(src, w, inv, D, out + r * D);
     }
   });
 }
@@ -81,13 +99,19 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, t
   if (has_r) TORCH_CHECK(residual->is_contiguous() && residual->numel() == x.numel(),
                          "rms_norm: residual");
   if (x.scalar_type() == at::kBFloat16) {
-    rms_norm_kernel<at::BFloat16>(x.data_ptr<at::BFloat16>(),
-                                  has_r ? residual->data_ptr<at::BFloat16>() : nullptr,
-                                  w.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), R, D,
-                                  inner, x.stride(0), (float)eps);
+    at::BFloat16* r = has_r ? residual->data_ptr<at::BFloat16>() : nullptr;
+    if (w.scalar_type() == at::kFloat)  // a float32 weight: multiplied in float32, one rounding
+      rms_norm_kernel<at::BFloat16, float>(x.data_ptr<at::BFloat16>(), r, w.data_ptr<float>(),
+                                           out.data_ptr<at::BFloat16>(), R, D, inner,
+                                           x.stride(0), (float)eps);
+    else
+      rms_norm_kernel<at::BFloat16, at::BFloat16>(x.data_ptr<at::BFloat16>(), r,
+                                                  w.data_ptr<at::BFloat16>(),
+                                                  out.data_ptr<at::BFloat16>(), R, D, inner,
+                                                  x.stride(0), (float)eps);
   } else {
     TORCH_CHECK(x.scalar_type() == at::kFloat, "rms_norm: bfloat16 or float32");
-    rms_norm_kernel<float>(x.data_ptr<float>(), has_r ? residual->data_ptr<float>() : nullptr,
+    rms_norm_kernel<float, float>(x.data_ptr<float>(), has_r ? residual->data_ptr<float>() : nullptr,
                            w.data_ptr<float>(), out.data_ptr<float>(), R, D, inner, x.stride(0),
                            (float)eps);
   }
