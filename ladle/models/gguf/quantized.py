@@ -60,7 +60,7 @@ def install_gguf_blocks(model: nn.Module, gguf_file: GGUFFile, hf_config: dict,
             raise ModelLoadError(f"{gguf_file.path}: tensors {', '.join(t.name for t in tensors)} "
                                  f"have {sum(p.rows for p in parts)} rows, {pname} needs "
                                  f"{param.shape[0]}")
-        for t, p in zip(tensors, parts):
+        for t, p in zip(tensors, parts, strict=True):
             (dense if p.kind == DENSE else kept)[t.ggml_type.name] += 1
         weight = QuantWeight(parts, param.shape[1], dtype)
         if isinstance(module, nn.Embedding):
