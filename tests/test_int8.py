@@ -63,9 +63,9 @@ def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def w8a8_reference(path, dtype: torch.dtype):
-    """transformers' model of the checkpoint with W8A8 linears (int8 activations per token times
-    int8 weights per output channel, in float64, the result cast to `dtype`) and the embedding
-    table replaced by its int8 rows dequantized."""
+    """transformers' model of the checkpoint with W8A8 linears (int8 activations per block of 32
+    values times int8 weights per output channel, in float64, the result cast to `dtype`) and
+    the embedding table replaced by its int8 rows dequantized."""
     import transformers as tf
 
     model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
@@ -75,8 +75,8 @@ def w8a8_reference(path, dtype: torch.dtype):
             w = q.double() * d.double()
 
             def forward(x, m=m, w=w):
-                qx, dx = int8_rows(x)
-                y = (qx.double() * dx.double()) @ w.T
+                qx, dx = int8_rows(x.unflatten(-1, (-1, 32)))  # a "row" of 32: one block
+                y = (qx.double() * dx.double()).flatten(-2) @ w.T
                 return (y if m.bias is None else y + m.bias.double()).to(x.dtype)
 
             m.forward = forward
@@ -151,14 +151,22 @@ def int8_run(dense):
 
 def test_float32_int8_generates_the_w8a8_reference(dense):
     """In float32 ladle's int8 run is the W8A8 arithmetic: greedy tokens are the reference's
-    argmax at every position and the logprobs agree to float32 rounding."""
+    argmax at every position and the logprobs agree to float32 rounding, but at a rare position
+    where an activation lies within float32 rounding (ladle's kernels against transformers')
+    of a rounding boundary of its int8 grid, so the two round it one step apart: there the
+    error is one int8 step's effect (seen: 0.024 at 1 of 72 positions), bounded by 0.1."""
     _, choices = generate(dense, quantization="int8", dtype="float32")
     ref = w8a8_reference(dense, torch.float32)
+    flipped = 0
     for prompt, choice in zip(PROMPTS, choices, strict=True):
         assert len(choice.token_ids) == NUM_TOKENS
         ref_lp = teacher_forced(ref, prompt, choice.token_ids)
         assert ref_lp.argmax(-1).tolist() == choice.token_ids
-        assert logprob_error(choice, ref_lp) < 1e-4
+        errors = [max(abs(lp.logprob - ref_lp[i, t].item()) for t, lp in top.items())
+                  for i, top in enumerate(choice.logprobs)]
+        assert max(errors) < 0.1
+        flipped += sum(e >= 1e-4 for e in errors)
+    assert flipped <= 2, flipped
 
 
 def test_bfloat16_int8_is_as_close_to_w8a8_as_transformers_bfloat16(dense, int8_run):

@@ -13,7 +13,7 @@ from ladle.runner import quant as Q
 from ladle.runner.cpu_kernels import load_cpu_kernels
 
 kernels = load_cpu_kernels()
-needs_kernels = pytest.mark.skipif(kernels is None or not hasattr(kernels, "quant_linear"),
+needs_kernels = pytest.mark.skipif(kernels is None or not hasattr(kernels, "quant_matmul"),
                                    reason="no compiled CPU kernels here")
 
 # Byte offsets of each type's fp16 scale fields (d; Q4_K also dmin), as gguf-py lays blocks out.
@@ -33,9 +33,7 @@ def random_blocks(kind: int, rows: int, k: int, g: torch.Generator) -> torch.Ten
 def relative_error(y: torch.Tensor, x: torch.Tensor, w: Q.QuantWeight) -> float:
     """max |y - ref| / sum_k |x_k w_k| over the outputs, with the quantized activations."""
     ref = Q.linear_reference(x, w)
-    q, d, _ = Q.quantize_blocks_torch(x)
-    xa = (q.double().reshape(x.shape[0], -1, 32) * d.double()[..., None]).reshape(x.shape[0], -1)
-    bound = xa.abs() @ w.dequantize().double().abs().T
+    bound = Q.dequantized_activations(x).abs() @ w.dequantize().double().abs().T
     return ((y.double() - ref).abs() / bound.clamp_min(1e-30)).max().item()
 
 
@@ -45,14 +43,13 @@ def test_activations_quantize_like_the_twin(dtype):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(9, 512, generator=g).to(dtype)
     x[2, 32:64] = 0  # an all-zero block: scale 0, quants 0
+    x[3, 7] = 50.0  # an outlier: only its own block's scale grows
     q, d, s = kernels.quantize_blocks(x)
     q2, d2, s2 = Q.quantize_blocks_torch(x)
     assert torch.equal(q, q2) and torch.equal(d, d2)
     torch.testing.assert_close(s, s2, rtol=1e-6, atol=0)
     assert d[2, 1] == 0 and not q[2, 32:64].any()
-    q, d = kernels.quantize_rows(x)
-    q2, d2 = Q.quantize_rows_torch(x)
-    assert torch.equal(q, q2) and torch.equal(d, d2)
+    assert q[3, 7] == 127 and d[3, 1] < 0.1 * d[3, 0]
 
 
 @needs_kernels
@@ -84,17 +81,36 @@ def test_rows_dequantize_exactly(kind):
 
 
 @needs_kernels
-def test_int8_rows_linear():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_rows_linear(dtype):
+    """int8 rows with a scale each, activations per block of 32: the reference's product."""
     g = torch.Generator().manual_seed(3)
-    part = Q.quantize_weight_rows(torch.randn(40, 384, generator=g))
-    w = Q.QuantWeight([part], 384, torch.float32)
-    for m in (1, 4, 7):
-        x = torch.randn(m, 384, generator=g)
-        y = Q.quant_linear(x, w)
-        ref = Q.linear_reference(x, w)
-        qx, dx = Q.quantize_rows_torch(x)
-        bound = (qx.double().abs() * dx.double()[:, None]) @ w.dequantize().double().abs().T
-        assert ((y.double() - ref).abs() / bound).max() < 1e-6
+    for m, n in [(1, 40), (1, 3), (4, 40), (7, 9), (33, 5)]:
+        part = Q.quantize_weight_rows(torch.randn(n, 384, generator=g))
+        w = Q.QuantWeight([part], 384, dtype)
+        x = torch.randn(m, 384, generator=g).to(dtype)
+        x[0, :32] *= 100  # an outlier block keeps its own scale
+        err = relative_error(Q.quant_linear(x, w).float(), x, w)
+        assert err < (1e-5 if dtype == torch.float32 else 4e-3), (m, n, err)
+
+
+@needs_kernels
+def test_one_call_runs_every_part_into_its_columns():
+    """q|k|v-like parts of four kinds, each rows not a multiple of the tile, for decode (1 row)
+    and prefill rows: each column block is its own part's product, nothing written twice or
+    skipped (the output starts as NaN)."""
+    g = torch.Generator().manual_seed(6)
+    k = 512
+    parts = [Q.QuantPart(Q.Q5_0, random_blocks(Q.Q5_0, 13, k, g)),
+             Q.quantize_weight_rows(torch.randn(7, k, generator=g)),
+             Q.QuantPart(Q.Q8_0, random_blocks(Q.Q8_0, 5, k, g)),
+             Q.QuantPart(Q.Q6_K, random_blocks(Q.Q6_K, 3, k, g))]
+    w = Q.QuantWeight(parts, k, torch.float32)
+    for m in (1, 2, 9):
+        x = torch.randn(m, k, generator=g)
+        y = torch.full((m, w.shape[0]), float("nan"))
+        kernels.quant_matmul(x, *w._kernel_args, y)
+        assert relative_error(y, x, w) < 1e-5, m
 
 
 @needs_kernels

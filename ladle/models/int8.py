@@ -1,5 +1,6 @@
 """int8 weights for Hugging Face checkpoints (W8A8: symmetric int8 per output channel, dynamic
-int8 activations per token, both run by runner/quant.py's INT8_ROW parts):
+int8 activations per block of 32 values of a token, both run by runner/quant.py's INT8_ROW
+parts; a checkpoint that names per-token activations gets these finer ones):
   - `--quantization int8` quantizes a bf16/fp16/fp32 checkpoint after the dense load
     (`quantize_model_int8`);
   - a compressed-tensors checkpoint (vLLM's format, as llm-compressor publishes W8A8 models) is

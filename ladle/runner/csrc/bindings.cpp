@@ -38,9 +38,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("seeded_race", &seeded_race, "seeded exponential race over full rows, fused");
   m.def("isa", &isa, "instruction set this build uses");
   m.def("quantize_blocks", &quantize_blocks, "activations to int8 per block of 32");
-  m.def("quantize_rows", &quantize_rows, "activations to int8 per row");
-  m.def("quant_linear", &quant_linear, "x (int8 blocks) @ GGUF-block weights^T into out");
-  m.def("int8_linear", &int8_linear, "x (int8 rows) @ int8-row weights^T into out");
+  m.def("quant_matmul", &quant_matmul,
+        "x @ weight parts (GGUF blocks, int8 rows)^T into out, x quantized per block of 32");
   m.def("dequantize_rows", &dequantize_rows, "rows of GGUF-block weights, dequantized");
   m.def("quant_isa", &quant_isa, "instruction set of the quantized kernels");
 }

@@ -1,6 +1,9 @@
-// Quantized linears: y (M, N) = x (M, K) @ W (N, K)^T where W stays in GGUF blocks (Q8_0, Q4_0,
-// Q5_0, Q4_K, Q6_K) or is int8 per row, and x is quantized to int8 once per call. Each has a
-// pure-torch twin in ladle/runner/quant.py that the tests compare it with.
+// Quantized linears: y (M, N) = x (M, K) @ W (N, K)^T where W's rows are parts, each in GGUF
+// blocks (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K) or int8 with a scale per row, and x is quantized to int8
+// once per call for all parts. One call, one parallel region: a decode step's small matmuls
+// (0.2-2 MB of weights, 10-100 us) would otherwise spend a third of their time in Python and in
+// the threads' wake-ups and joins. The pure-torch twin is in ladle/runner/quant.py; the tests
+// compare the two.
 //
 // The scheme (ggml's, written afresh): the activations are int8 per block of 32 values with a
 // float scale (d = max|x| / 127); a weight block of 32 is unpacked in registers to 32 int8
@@ -9,8 +12,15 @@
 // by d_w * d_x. vpmaddubsw multiplies unsigned by signed bytes, so signed weights go in as
 // |w| with the sign moved onto x (vpsignb); Q4_K's unsigned nibbles go in directly and its min
 // is subtracted per sub-block as min * d_x * sum(q_x), the activation block's sum kept beside
-// its scale. Everything is exact in integers up to the float32 scaling: the result equals the
-// float64 product of the dequantized weights and activations to ~1e-6 relative.
+// its scale. An int8 row is read as Q8_0 blocks with scale 1, and its row scale multiplies the
+// sum at the end. Everything is exact in integers up to the float32 scaling: the result equals
+// the float64 product of the dequantized weights and activations to ~1e-6 relative.
+//
+// The K-quants' activations stay in blocks of 32, not ggml's super-blocks of 256 (Q8_K, whose
+// integer sums over a super-block save the per-block float scaling): measured on the Gemma file,
+// Q8_K activations took KL(f32 || ladle) from 0.0031 to 0.0056 (llama.cpp's own: 0.0049) with no
+// gain in speed on this AVX2 machine, where decode is bound by memory and prefill by the
+// multiplies both layouts share.
 //
 // Threads split N. Each task multiplies a tile of NR weight rows by MR activation rows while the
 // weight blocks are in registers, so for decode (M <= 4) the weights are read once at memory
@@ -33,6 +43,7 @@
 namespace {
 
 constexpr int kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;
+constexpr int kI8 = -1;  // int8 rows with a float scale per row (quant.py's INT8_ROW)
 
 // (values per block, bytes per block), as gguf's GGML_QUANT_SIZES.
 inline int64_t block_values(int type) { return (type == kQ4_K || type == kQ6_K) ? 256 : 32; }
@@ -43,6 +54,7 @@ inline int64_t block_bytes(int type) {
     case kQ8_0: return 34;
     case kQ4_K: return 144;
     case kQ6_K: return 210;
+    case kI8: return 32;
   }
   return 0;
 }
@@ -80,7 +92,10 @@ struct Sub {
 template <int TYPE>
 inline void unpack_scalar(const uint8_t* row, int64_t sb, Sub& o) {
   o.minv = 0.f;
-  if constexpr (TYPE == kQ8_0) {
+  if constexpr (TYPE == kI8) {
+    o.s0 = o.s1 = 1.f;
+    std::memcpy(o.q, row + sb * 32, 32);
+  } else if constexpr (TYPE == kQ8_0) {
     const uint8_t* b = row + sb * 34;
     o.s0 = o.s1 = f16(b);
     std::memcpy(o.q, b + 2, 32);
@@ -130,9 +145,19 @@ inline void unpack_any(int type, const uint8_t* row, int64_t sb, Sub& o) {
     case kQ4_0: return unpack_scalar<kQ4_0>(row, sb, o);
     case kQ5_0: return unpack_scalar<kQ5_0>(row, sb, o);
     case kQ4_K: return unpack_scalar<kQ4_K>(row, sb, o);
+    case kI8: return unpack_scalar<kI8>(row, sb, o);
     default: return unpack_scalar<kQ6_K>(row, sb, o);
   }
 }
+
+// The activations, quantized once per call: int8 q (M, K), and per block of 32 the scale d and
+// s = d * sum(q) (what Q4_K's mins need).
+struct Act {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  int64_t K;
+};
 
 #if defined(LADLE_QUANT_AVX2)
 inline __m256i nibbles(const uint8_t* p) {  // 16 bytes -> low nibbles, then high nibbles
@@ -174,6 +199,8 @@ inline void block_header(const uint8_t* b, float* sc /* 2 * kSubs */, float* mn 
     // Sub-block j (half j / 4, run j % 4) has the scales 8 * (j / 4) + 2 * (j % 4) + {0, 1}:
     // the same order as j's two halves, so the 16 scales are in sub-block order already.
     for (int i = 0; i < 16; i++) sc[i] = d * float(s[i]);
+  } else if constexpr (TYPE == kI8) {
+    sc[0] = sc[1] = 1.f;
   } else {
     sc[0] = sc[1] = f16(b);
   }
@@ -181,7 +208,9 @@ inline void block_header(const uint8_t* b, float* sc /* 2 * kSubs */, float* mn 
 
 template <int TYPE>
 inline __m256i block_quants(const uint8_t* b, int j) {
-  if constexpr (TYPE == kQ8_0) {
+  if constexpr (TYPE == kI8) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+  } else if constexpr (TYPE == kQ8_0) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
   } else if constexpr (TYPE == kQ4_0) {
     return _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8));
@@ -236,7 +265,7 @@ template <int TYPE, int MR, int NR>
 inline void tile(const uint8_t* const* w, const int8_t* qx, const float* dx, const float* sx,
                  int64_t K, float (*out)[NR]) {
   constexpr int S = kSubs<TYPE>;
-  constexpr int64_t BV = 32 * S, BB = TYPE == kQ8_0 ? 34 : TYPE == kQ4_0 ? 18
+  constexpr int64_t BV = 32 * S, BB = TYPE == kI8 ? 32 : TYPE == kQ8_0 ? 34 : TYPE == kQ4_0 ? 18
                                      : TYPE == kQ5_0 ? 22 : TYPE == kQ4_K ? 144 : 210;
   __m256 acc[MR][NR];
   for (int m = 0; m < MR; m++)
@@ -307,238 +336,204 @@ inline void tile(const uint8_t* const* w, const int8_t* qx, const float* dx, con
 }
 #endif
 
+// One part of the weight: `rows` rows of `type` (row_bytes each) that give the output columns
+// col .. col + rows - 1, times scale[n] per row where the part has one (int8 rows). Its tiles
+// are tile0 .. tile0 + tiles - 1 of the call's one range.
+struct Part {
+  const uint8_t* w;
+  int type;
+  int64_t rows, row_bytes, col;
+  const float* scale;
+  int64_t tile0, tiles;
+};
+
 // Weight rows per tile, and activation rows: AVX2 has 16 vector registers, so MR x NR
-// accumulators plus NR unpacked blocks (and their scales) must fit: 4 x 2 for prefill, 1 x 4
-// for a single row.
+// accumulators plus NR unpacked blocks (and their scales) must fit: 4 x 2 for prefill. For a
+// single activation row (decode) the tile is the weight rows read side by side, chosen per type
+// by measurement (AVX2 EPYC, one activation row, 80-180 MB of weights, GB/s at 1 / 2 / 3 / 4
+// rows): Q8_0 20.8 / 17.3 / 15.9 / 14.6, Q6_K 14.5 / 12.8 / 13.2 / 11.7, Q4_K 10.4 / 12.8 /
+// 13.5 / 13.9, Q5_0 13.7 / 14.0 / 13.9 / 13.9. A byte-dense type streams fastest as one row at
+// a time; the 4-bit ones need four rows' work to hide their unpacking.
 constexpr int kNR = 2, kMR = 4;
+template <int TYPE> constexpr int kDecodeRows =
+    (TYPE == kQ8_0 || TYPE == kI8 || TYPE == kQ6_K) ? 1 : 4;
+inline int64_t rows_per_tile(int type, int64_t M) {
+  if (M > 1) return kNR;
+  return (type == kQ8_0 || type == kI8 || type == kQ6_K) ? 1 : 4;
+}
 // grain_for counts bf16 multiply-adds; a quantized one also unpacks its weight (nibbles, high
 // bits, sign): measured on an AVX2 EPYC at one activation row, Q5_0 ran ~10 G/s per core
 // against the bf16 kernel's ~70. Counting each as this many units keeps the tasks of a
 // decode-sized matmul (0.5-2 M multiply-adds) on both cores instead of one.
 constexpr int64_t kQuantWork = 4;
 
-template <int TYPE, int MR, typename T>
-inline void rows_tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t nr,
-                      const int8_t* qx, const float* dx, const float* sx, int64_t K,
-                      T* y, int64_t ldy) {
-  if (nr == kNR) {
-    const uint8_t* wr[kNR] = {w + n0 * row_bytes, w + (n0 + 1) * row_bytes};
-    float out[MR][kNR];
-    tile<TYPE, MR, kNR>(wr, qx, dx, sx, K, out);
-    for (int m = 0; m < MR; m++)
-      for (int n = 0; n < kNR; n++) y[m * ldy + n0 + n] = T(out[m][n]);
-  } else {
-    const uint8_t* wr[1] = {w + n0 * row_bytes};
-    float out[MR][1];
-    tile<TYPE, MR, 1>(wr, qx, dx, sx, K, out);
-    for (int m = 0; m < MR; m++) y[m * ldy + n0] = T(out[m][0]);
+// y[m][p.col + n] for MR activation rows from m0 and the NR weight rows from n0.
+template <int TYPE, int MR, int NR, typename T>
+inline void store_tile(const Part& p, const Act& a, int64_t m0, int64_t n0, T* y, int64_t ldy) {
+  const uint8_t* wr[NR];
+  for (int n = 0; n < NR; n++) wr[n] = p.w + (n0 + n) * p.row_bytes;
+  const int64_t nsub = a.K / 32;
+  float out[MR][NR];
+  tile<TYPE, MR, NR>(wr, a.q + m0 * a.K, a.d + m0 * nsub, a.s + m0 * nsub, a.K, out);
+  for (int m = 0; m < MR; m++)
+    for (int n = 0; n < NR; n++)
+      y[(m0 + m) * ldy + p.col + n0 + n] = T(p.scale ? out[m][n] * p.scale[n0 + n] : out[m][n]);
+}
+
+// Tiles t0 .. t1 - 1 (local to the part) for all M activation rows.
+template <int TYPE, typename T>
+void part_tiles(const Part& p, int64_t t0, int64_t t1, const Act& a, int64_t M, T* y,
+                int64_t ldy) {
+  constexpr int NR1 = kDecodeRows<TYPE>;
+  const int64_t nr_tile = rows_per_tile(TYPE, M);
+  for (int64_t t = t0; t < t1; t++) {
+    const int64_t n0 = t * nr_tile;
+    if (M == 1) {
+      if (n0 + NR1 <= p.rows) {
+        store_tile<TYPE, 1, NR1>(p, a, 0, n0, y, ldy);
+      } else {
+        for (int64_t n = n0; n < p.rows; n++) store_tile<TYPE, 1, 1>(p, a, 0, n, y, ldy);
+      }
+      continue;
+    }
+    const bool full = n0 + kNR <= p.rows;
+    int64_t m = 0;
+    for (; m + kMR <= M; m += kMR) {
+      if (full) store_tile<TYPE, kMR, kNR>(p, a, m, n0, y, ldy);
+      else store_tile<TYPE, kMR, 1>(p, a, m, n0, y, ldy);
+    }
+    for (; m < M; m++) {
+      if (full) store_tile<TYPE, 1, kNR>(p, a, m, n0, y, ldy);
+      else store_tile<TYPE, 1, 1>(p, a, m, n0, y, ldy);
+    }
   }
 }
 
-template <int TYPE, typename T>
-void quant_linear_impl(const int8_t* qx, const float* dx, const float* sx, const uint8_t* w,
-                       T* y, int64_t M, int64_t N, int64_t K, int64_t ldy) {
-  const int64_t row_bytes = K / block_values(TYPE) * block_bytes(TYPE);
-  const int64_t nsub = K / 32;
-  if (M == 1) {
-    // One activation row: four weight rows at a time keep four independent streams in flight.
-    constexpr int NR1 = 4;
-    const int64_t tiles = (N + NR1 - 1) / NR1;
-    at::parallel_for(0, tiles, grain_for(K * NR1 * kQuantWork),
-                     [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; t++) {
-        const int64_t n0 = t * NR1;
-        if (n0 + NR1 <= N) {
-          const uint8_t* wr[NR1];
-          for (int n = 0; n < NR1; n++) wr[n] = w + (n0 + n) * row_bytes;
-          float out[1][NR1];
-          tile<TYPE, 1, NR1>(wr, qx, dx, sx, K, out);
-          for (int n = 0; n < NR1; n++) y[n0 + n] = T(out[0][n]);
-        } else {
-          for (int64_t n = n0; n < N; n++) rows_tile<TYPE, 1>(w, row_bytes, n, 1, qx, dx, sx, K, y, ldy);
-        }
-      }
-    });
-    return;
+template <typename T>
+void part_tiles_any(const Part& p, int64_t t0, int64_t t1, const Act& a, int64_t M, T* y,
+                    int64_t ldy) {
+  switch (p.type) {
+    case kQ8_0: return part_tiles<kQ8_0>(p, t0, t1, a, M, y, ldy);
+    case kQ4_0: return part_tiles<kQ4_0>(p, t0, t1, a, M, y, ldy);
+    case kQ5_0: return part_tiles<kQ5_0>(p, t0, t1, a, M, y, ldy);
+    case kQ4_K: return part_tiles<kQ4_K>(p, t0, t1, a, M, y, ldy);
+    case kQ6_K: return part_tiles<kQ6_K>(p, t0, t1, a, M, y, ldy);
+    default: return part_tiles<kI8>(p, t0, t1, a, M, y, ldy);
   }
-  const int64_t tiles = (N + kNR - 1) / kNR;
-  const int64_t work = M * K * kNR;  // multiply-adds per tile
-  at::parallel_for(0, tiles, grain_for(work * kQuantWork),
-                   [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++) {
-      const int64_t n0 = t * kNR, nr = std::min<int64_t>(kNR, N - n0);
-      int64_t m = 0;
-      for (; m + kMR <= M; m += kMR)
-        rows_tile<TYPE, kMR>(w, row_bytes, n0, nr, qx + m * K, dx + m * nsub, sx + m * nsub, K,
-                             y + m * ldy, ldy);
-      for (; m < M; m++)
-        rows_tile<TYPE, 1>(w, row_bytes, n0, nr, qx + m * K, dx + m * nsub, sx + m * nsub, K,
-                           y + m * ldy, ldy);
+}
+
+bool is_kernel_type(int64_t t) {
+  return t == kQ4_0 || t == kQ5_0 || t == kQ8_0 || t == kQ4_K || t == kQ6_K || t == kI8;
+}
+
+// Per block of 32 of x (M, K): d = max|x| / 127, q = round-half-even(x * (127 / max|x|)) (0 for
+// an all-zero block), s = d * sum(q). The same float32 operations as the twin, so q is
+// bit-identical.
+template <typename scalar_t>
+void quantize_into(const scalar_t* xp, int64_t M, int64_t K, int8_t* qp, float* dp, float* sp) {
+  const int64_t nb = K / 32;
+  at::parallel_for(0, M * nb, grain_for(32 * kElementWork), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; b++) {
+      const scalar_t* xb = xp + b * 32;
+      float v[32], amax = 0.f;
+      for (int i = 0; i < 32; i++) {
+        v[i] = to_f(xb[i]);
+        amax = std::max(amax, std::fabs(v[i]));
+      }
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      for (int i = 0; i < 32; i++) {
+        const int32_t r = int32_t(std::nearbyint(v[i] * inv));
+        qp[b * 32 + i] = int8_t(r);
+        sum += r;
+      }
+      dp[b] = amax / 127.f;
+      sp[b] = dp[b] * float(sum);
     }
   });
-}
-
-bool is_block_type(int64_t t) {
-  return t == kQ4_0 || t == kQ5_0 || t == kQ8_0 || t == kQ4_K || t == kQ6_K;
-}
-
-void check_out(const at::Tensor& y, int64_t M, int64_t N) {
-  TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.size(1) == N && y.stride(1) == 1,
-              "out must be (M, N) with unit column stride");
-  TORCH_CHECK(y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16,
-              "out must be float32 or bfloat16");
 }
 
 }  // namespace
 
-// x (M, K) float32/bfloat16 -> (q int8 (M, K), d (M, K/32), s (M, K/32)): per block of 32,
-// d = max|x| / 127, q = round-half-even(x * (127 / max|x|)) (0 for an all-zero block), s = d *
-// sum(q). The same float32 operations as the twin, so q is bit-identical.
+// x (M, K) float32/bfloat16 -> (q int8 (M, K), d (M, K/32), s (M, K/32)): the activations as
+// quant_matmul quantizes them (quantize_into).
 std::vector<at::Tensor> quantize_blocks(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 32 == 0,
               "x must be contiguous (M, K) with K a multiple of 32");
-  const int64_t M = x.size(0), K = x.size(1), nb = K / 32;
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "x must be float32 or bfloat16");
+  const int64_t M = x.size(0), K = x.size(1);
   auto q = at::empty({M, K}, x.options().dtype(at::kChar));
-  auto d = at::empty({M, nb}, x.options().dtype(at::kFloat));
-  auto s = at::empty({M, nb}, x.options().dtype(at::kFloat));
-  int8_t* qp = q.data_ptr<int8_t>();
-  float* dp = d.data_ptr<float>();
-  float* sp = s.data_ptr<float>();
+  auto d = at::empty({M, K / 32}, x.options().dtype(at::kFloat));
+  auto s = at::empty({M, K / 32}, x.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quantize_blocks", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    at::parallel_for(0, M * nb, grain_for(32 * kElementWork), [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; b++) {
-        const scalar_t* xb = xp + b * 32;
-        float v[32], amax = 0.f;
-        for (int i = 0; i < 32; i++) {
-          v[i] = to_f(xb[i]);
-          amax = std::max(amax, std::fabs(v[i]));
-        }
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        int32_t sum = 0;
-        for (int i = 0; i < 32; i++) {
-          const int32_t r = int32_t(std::nearbyint(v[i] * inv));
-          qp[b * 32 + i] = int8_t(r);
-          sum += r;
-        }
-        dp[b] = amax / 127.f;
-        sp[b] = dp[b] * float(sum);
-      }
-    });
+    quantize_into(x.data_ptr<scalar_t>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(),
+                  s.data_ptr<float>());
   });
   return {q, d, s};
 }
 
-// x (M, K) -> (q int8 (M, K), d (M,)): one scale per row (dynamic per-token, for int8 rows).
-std::vector<at::Tensor> quantize_rows(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous (M, K)");
+// y (M, N) (a view: unit column stride, any row stride) = x @ W^T for the weight parts
+// ws[i] of types[i] (a GGUF block type, or -1: int8 rows times scales[i] (rows,) float32;
+// other parts pass an empty scale), whose rows give y's columns cols[i] ... Columns no part
+// covers are left as they are (the caller's dense parts).
+void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
+                  const std::vector<int64_t>& types, const std::vector<at::Tensor>& scales,
+                  const std::vector<int64_t>& cols, at::Tensor y) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 32 == 0,
+              "x must be contiguous (M, K) with K a multiple of 32");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "x must be float32 or bfloat16");
+  TORCH_CHECK(ws.size() == types.size() && ws.size() == scales.size() && ws.size() == cols.size(),
+              "one type, scale and column per weight part");
   const int64_t M = x.size(0), K = x.size(1);
-  auto q = at::empty({M, K}, x.options().dtype(at::kChar));
-  auto d = at::empty({M}, x.options().dtype(at::kFloat));
-  int8_t* qp = q.data_ptr<int8_t>();
-  float* dp = d.data_ptr<float>();
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quantize_rows", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    at::parallel_for(0, M, grain_for(K * kElementWork),
-                     [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; m++) {
-        const scalar_t* xr = xp + m * K;
-        float amax = 0.f;
-        for (int64_t i = 0; i < K; i++) amax = std::max(amax, std::fabs(to_f(xr[i])));
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        for (int64_t i = 0; i < K; i++) qp[m * K + i] = int8_t(std::nearbyint(to_f(xr[i]) * inv));
-        dp[m] = amax / 127.f;
-      }
-    });
-  });
-  return {q, d};
-}
-
-// y (M, N) (a view: unit column stride, any row stride) = blocks x w^T for weight rows of `type`.
-void quant_linear(const at::Tensor& qx, const at::Tensor& dx, const at::Tensor& sx,
-                  const at::Tensor& w, int64_t type, at::Tensor y) {
-  TORCH_CHECK(is_block_type(type), "quant_linear: unsupported ggml type ", type);
-  TORCH_CHECK(qx.dim() == 2 && qx.is_contiguous() && qx.scalar_type() == at::kChar, "qx");
-  const int64_t M = qx.size(0), K = qx.size(1), N = w.size(0);
-  TORCH_CHECK(K % block_values(int(type)) == 0, "K must be a multiple of the block");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kByte &&
-                  w.size(1) == K / block_values(int(type)) * block_bytes(int(type)),
-              "w must be contiguous uint8 (N, row bytes)");
-  TORCH_CHECK(dx.is_contiguous() && sx.is_contiguous() && dx.numel() == M * (K / 32) &&
-                  sx.numel() == M * (K / 32), "dx, sx must be (M, K/32)");
-  check_out(y, M, N);
-  if (M == 0 || N == 0) return;
-  const int8_t* q = qx.data_ptr<int8_t>();
-  const float* d = dx.data_ptr<float>();
-  const float* s = sx.data_ptr<float>();
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int64_t ldy = y.stride(0);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, y.scalar_type(), "quant_linear", [&] {
-    scalar_t* yp = y.data_ptr<scalar_t>();
-    switch (type) {
-      case kQ8_0: quant_linear_impl<kQ8_0>(q, d, s, wp, yp, M, N, K, ldy); break;
-      case kQ4_0: quant_linear_impl<kQ4_0>(q, d, s, wp, yp, M, N, K, ldy); break;
-      case kQ5_0: quant_linear_impl<kQ5_0>(q, d, s, wp, yp, M, N, K, ldy); break;
-      case kQ4_K: quant_linear_impl<kQ4_K>(q, d, s, wp, yp, M, N, K, ldy); break;
-      default: quant_linear_impl<kQ6_K>(q, d, s, wp, yp, M, N, K, ldy); break;
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.stride(1) == 1,
+              "out must be (M, N) with unit column stride");
+  TORCH_CHECK(y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16,
+              "out must be float32 or bfloat16");
+  const int64_t N = y.size(1);
+  std::vector<Part> parts;
+  int64_t tiles = 0;
+  for (size_t i = 0; i < ws.size(); i++) {
+    const at::Tensor& w = ws[i];
+    const int64_t type = types[i];
+    TORCH_CHECK(is_kernel_type(type), "quant_matmul: unsupported weight type ", type);
+    TORCH_CHECK(K % block_values(int(type)) == 0, "K must be a multiple of the block");
+    const int64_t row_bytes = K / block_values(int(type)) * block_bytes(int(type));
+    TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.element_size() == 1 &&
+                    w.size(1) == row_bytes, "weight part ", i, " must be contiguous (rows, ",
+                row_bytes, ") bytes");
+    TORCH_CHECK(cols[i] >= 0 && cols[i] + w.size(0) <= N, "weight part ", i, " outside out");
+    const float* sc = nullptr;
+    if (type == kI8) {
+      TORCH_CHECK(scales[i].scalar_type() == at::kFloat && scales[i].is_contiguous() &&
+                      scales[i].numel() == w.size(0), "int8 part ", i, " needs a float32 scale per row");
+      sc = scales[i].data_ptr<float>();
     }
+    const int64_t nr_tile = rows_per_tile(int(type), M);
+    const int64_t t = (w.size(0) + nr_tile - 1) / nr_tile;
+    parts.push_back({static_cast<const uint8_t*>(w.data_ptr()), int(type), w.size(0), row_bytes,
+                     cols[i], sc, tiles, t});
+    tiles += t;
+  }
+  if (M == 0 || tiles == 0) return;
+  auto q = at::empty({M, K}, x.options().dtype(at::kChar));
+  auto d = at::empty({M, K / 32}, x.options().dtype(at::kFloat));
+  auto s = at::empty({M, K / 32}, x.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quant_matmul_x", [&] {
+    quantize_into(x.data_ptr<scalar_t>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(),
+                  s.data_ptr<float>());
   });
-}
-
-// y (M, N) = (qx * dx) @ (w * dw)^T for int8 rows w (N, K) with a float scale per row, and
-// activations quantized per row: integer dots over the whole row, one float scale at the end.
-void int8_linear(const at::Tensor& qx, const at::Tensor& dx, const at::Tensor& w,
-                 const at::Tensor& dw, at::Tensor y) {
-  TORCH_CHECK(qx.dim() == 2 && qx.is_contiguous() && qx.scalar_type() == at::kChar, "qx");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kChar &&
-                  w.size(1) == qx.size(1), "w must be contiguous int8 (N, K)");
-  TORCH_CHECK(dx.scalar_type() == at::kFloat && dw.scalar_type() == at::kFloat &&
-                  dx.is_contiguous() && dw.is_contiguous(), "scales must be float32");
-  const int64_t M = qx.size(0), K = qx.size(1), N = w.size(0);
-  check_out(y, M, N);
-  if (M == 0 || N == 0) return;
-  const int8_t* xq = qx.data_ptr<int8_t>();
-  const int8_t* wq = w.data_ptr<int8_t>();
-  const float* xd = dx.data_ptr<float>();
-  const float* wd = dw.data_ptr<float>();
+  const Act a{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(), K};
   const int64_t ldy = y.stride(0);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, y.scalar_type(), "int8_linear", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, y.scalar_type(), "quant_matmul", [&] {
     scalar_t* yp = y.data_ptr<scalar_t>();
-    constexpr int MR = 4;
-    at::parallel_for(0, N, grain_for(M * K),
-                     [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; n++) {
-        const int8_t* wr = wq + n * K;
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-          const int mr = int(std::min<int64_t>(MR, M - m0));
-          int32_t tot[MR] = {0, 0, 0, 0};
-          int64_t k = 0;
-#if defined(LADLE_QUANT_AVX2)
-          __m256i acc[MR];
-          for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_si256();
-          for (; k + 32 <= K; k += 32) {
-            const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k));
-            const __m256i aw = _mm256_sign_epi8(wv, wv);
-            for (int m = 0; m < mr; m++) {
-              const __m256i xv = _mm256_loadu_si256(
-                  reinterpret_cast<const __m256i*>(xq + (m0 + m) * K + k));
-              acc[m] = _mm256_add_epi32(acc[m], dot_u8s8(aw, _mm256_sign_epi8(xv, wv)));
-            }
-          }
-          for (int m = 0; m < mr; m++) {
-            __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc[m]), _mm256_extracti128_si256(acc[m], 1));
-            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-            tot[m] = _mm_cvtsi128_si32(s);
-          }
-#endif
-          for (int m = 0; m < mr; m++) {
-            const int8_t* xr = xq + (m0 + m) * K;
-            int32_t t = tot[m];
-            for (int64_t i = k; i < K; i++) t += int32_t(wr[i]) * xr[i];
-            yp[(m0 + m) * ldy + n] = scalar_t(float(t) * (xd[m0 + m] * wd[n]));
-          }
-        }
+    // A task's work: tiles of up to 4 weight rows (decode) or 2 (prefill) by M rows.
+    at::parallel_for(0, tiles, grain_for(M * K * (M == 1 ? 4 : kNR) * kQuantWork),
+                     [&](int64_t t0, int64_t t1) {
+      for (const Part& p : parts) {
+        const int64_t lo = std::max(t0, p.tile0), hi = std::min(t1, p.tile0 + p.tiles);
+        if (lo < hi) part_tiles_any(p, lo - p.tile0, hi - p.tile0, a, M, yp, ldy);
       }
     });
   });
@@ -546,7 +541,7 @@ void int8_linear(const at::Tensor& qx, const at::Tensor& dx, const at::Tensor& w
 
 // out (T, K) = rows ids (T,) of w (N, row bytes) of `type`, dequantized: the embedding lookup.
 void dequantize_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, at::Tensor out) {
-  TORCH_CHECK(is_block_type(type), "dequantize_rows: unsupported ggml type ", type);
+  TORCH_CHECK(is_kernel_type(type) && type != kI8, "dequantize_rows: unsupported ggml type ", type);
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kByte, "w");
   TORCH_CHECK(ids.dim() == 1 && ids.is_contiguous() && ids.scalar_type() == at::kLong, "ids");
   const int64_t T = ids.size(0), K = out.size(1), N = w.size(0);
