@@ -19,9 +19,12 @@ if ! command -v openssl >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; t
 fi
 .venv/bin/ruff check ladle tests benchmarks
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"
-# With no arguments (CI): the server's chat, completions, streaming and structured-output tests
-# once more against a tensor-parallel server (-tp 2 over gloo; issue 12).
+# With no arguments (CI): the server's chat, completions, streaming, tools, logprobs and
+# structured-output tests once more against a tensor-parallel server (-tp 2 over gloo; issue 12)
+# and against an int8 (W8A8) server (issue 21).
 if [ $# -eq 0 ]; then
-    LADLE_TEST_SERVE_ARGS="-tp 2" .venv/bin/python -m pytest -q -p no:cacheprovider \
-        tests/test_server.py tests/test_server_structured.py
+    for serve_args in "-tp 2" "--quantization int8"; do
+        LADLE_TEST_SERVE_ARGS="$serve_args" .venv/bin/python -m pytest -q -p no:cacheprovider \
+            tests/test_server.py tests/test_server_structured.py
+    done
 fi

@@ -1,7 +1,9 @@
 """`ladle serve gemma-3-270m`: the real trained Gemma 3 270M from its Q4_K_M GGUF file, served
 as a user meets it (bfloat16, the tokenizer and chat template from the file or Gemma's own),
-driven with the official openai client: completions, chat, streaming, structured outputs and
-logprobs. A trained model makes the answers checkable: it knows where the Eiffel Tower is."""
+driven with the official openai client: completions, chat, streaming, structured outputs,
+tools, logprobs, and ngram speculative decoding. A trained model makes the answers checkable:
+it knows where the Eiffel Tower is. (The same matrix against an int8 server: scripts/test.sh
+reruns tests/test_server.py and tests/test_server_structured.py with --quantization int8.)"""
 
 from __future__ import annotations
 
@@ -81,3 +83,75 @@ def test_logprobs_are_a_peaked_distribution(client):
     assert math.isclose(top[" Paris"], lp.token_logprobs[0], abs_tol=1e-6)
     probs = sorted((math.exp(v) for v in top.values()), reverse=True)
     assert probs[0] > 0.5 and sum(probs) <= 1 + 1e-3  # a trained model is sure of this one
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+def test_required_tool_call_validates_and_streams_whole(client):
+    """Gemma has no tool markup of its own (its template does not show the tools, so the user
+    message says what to write): tool_choice "required" constrains the output to one call of
+    the tools' schemas, which arrives as a tool call, non-streamed and streamed."""
+    ask = ('What is the weather in Paris? Answer with a get_weather call as JSON: [{"name": '
+           '"get_weather", "parameters": {"city": ..., "unit": ...}}]')
+    kw = dict(model=GEMMA, max_tokens=80, temperature=0, tools=[WEATHER],
+              tool_choice="required", parallel_tool_calls=False,
+              messages=[{"role": "user", "content": ask}])
+    reply = client.chat.completions.create(**kw)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, WEATHER["function"]["parameters"])
+    assert "paris" in args["city"].lower()  # a trained model fills the argument from the question
+    pieces, finish = {}, None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or []:
+                pieces.setdefault(tc.index, []).append(tc.function.arguments or "")
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and json.loads("".join(pieces[0])) == args
+
+
+@pytest.fixture(scope="module")
+def spec_server():
+    """The file in float32 with ngram speculation: the verification forward runs the same
+    quantized kernels (each row's sums do not depend on the rows beside it), so greedy output
+    equals plain decoding's."""
+    from test_server import RemoteServer
+
+    s = RemoteServer("--max-model-len", "512", "--dtype", "float32", "--disable-access-log",
+                     "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+                     model=GEMMA, timeout=600)
+    yield s
+    assert s.stop() == 0, s.log()
+
+
+def test_speculative_decoding_equals_plain_decoding(spec_server):
+    from ladle import LLM, SamplingParams
+
+    prompts = ["Monday, Tuesday, Wednesday, Monday, Tuesday, Wednesday, Monday,",
+               "The Eiffel Tower is in Paris. The Eiffel Tower is in"]
+    ref = LLM(GEMMA, dtype="float32", max_model_len=512)
+    try:
+        want = [o.outputs[0] for o in ref.generate(prompts, SamplingParams(temperature=0,
+                                                                           max_tokens=32))]
+    finally:
+        ref.close()
+    spec = openai.OpenAI(base_url=spec_server.url + "/v1", api_key="none", max_retries=0,
+                         timeout=120)
+    for prompt, w in zip(prompts, want, strict=True):
+        got = spec.completions.create(model=GEMMA, prompt=prompt, max_tokens=32, temperature=0,
+                                      extra_body={"return_token_ids": True})
+        assert got.choices[0].token_ids == w.token_ids, prompt
+        streamed = "".join(c.choices[0].text for c in spec.completions.create(
+            model=GEMMA, prompt=prompt, max_tokens=32, temperature=0, stream=True) if c.choices)
+        assert streamed == w.text
+    m = spec_server.metrics()
+    assert m["ladle:spec_decode_num_accepted_tokens_total"] >= 10, m  # the repeats were drafted
