@@ -46,6 +46,7 @@ TEXT = HERE.parent / "tests" / "data" / "english.txt"
 LLAMA_DIR = Path(os.environ.get("LLAMA_CPP_DIR", Path.home() / ".cache/ladle-bench/llama-cpp"))
 
 
+
 def model_file(model: str) -> Path:
     """A packaged model's name (assembled on first use) or a .gguf path."""
     from ladle.models.packaged import PACKAGED_MODELS, ensure_packaged_model
@@ -65,26 +66,21 @@ def ladle_engine(path: Path, **kw):
 
 
 def ladle_logits(llm, ids: list[int]):
-    """float32 (len(ids), V): ladle's logits at every position of ids, from one prefill step
-    of the engine (the hidden states caught by a forward hook on its model, then the model's
-    own head)."""
-    import torch
+    """ladle's logits at every position of one prefill step, as the tests read them
+    (tests/prompt_logits.py; imported here, since the llama.cpp worker runs this file where
+    ladle and torch are not installed)."""
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from prompt_logits import prompt_logits
 
-    from ladle import SamplingParams
+    return prompt_logits(llm, ids)
 
-    model = llm.engine.runner.model
-    caught = []
-    hook = model.register_forward_hook(lambda _m, _args, out: caught.append(out))
-    try:
-        llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=1))
-    finally:
-        hook.remove()
-    steps = [h for h in caught if h.shape[0] == len(ids)]
-    if not steps:
-        raise RuntimeError(f"no forward ran the {len(ids)} tokens in one step (saw "
-                           f"{[tuple(h.shape) for h in caught]})")
-    with torch.inference_mode():
-        return model.compute_logits(steps[0]).float().clone()
+
+def kl(p_logits, q_logits) -> float:
+    """Mean over positions of KL(P || Q), in nats, computed in float64 (tests/prompt_logits.py)."""
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from prompt_logits import mean_kl
+
+    return mean_kl(p_logits, q_logits)
 
 
 def text_ids(tokenizer, n: int) -> list[int]:
@@ -133,15 +129,6 @@ def hf_logits(path: Path, ids: list[int]):
                                                  dtype=torch.float32).eval()
     with torch.inference_mode():
         return model(torch.tensor([ids])).logits[0].float()
-
-
-def kl(p_logits, q_logits) -> float:
-    """Mean over positions of KL(P || Q), in nats, computed in float64."""
-    import torch
-
-    lp = torch.log_softmax(p_logits.double(), -1)
-    lq = torch.log_softmax(q_logits.double(), -1)
-    return float((lp.exp() * (lp - lq)).sum(-1).mean())
 
 
 def perplexity(logits, targets) -> float:
