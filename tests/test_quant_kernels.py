@@ -138,3 +138,22 @@ def test_weight_shapes_are_checked():
     g = torch.Generator().manual_seed(5)
     with pytest.raises(ValueError, match="does not hold 512 values"):
         Q.QuantWeight([Q.QuantPart(Q.Q8_0, random_blocks(Q.Q8_0, 4, 256, g))], 512, torch.float32)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", sorted(Q.BLOCK_TYPES) + [Q.INT8_ROW],
+                         ids=lambda k: Q.BLOCK_TYPES.get(k, "int8"))
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind):
+    """Batch invariance by construction: each output sums its blocks in one fixed order whatever
+    the tile (a decode row, a register tile of 4 prefill rows, a remainder row), so a token's
+    result is bit-identical alone, in a batch of any size, or at any position of a prefill."""
+    g = torch.Generator().manual_seed(7)
+    k, n = 512, 21
+    part = (Q.quantize_weight_rows(torch.randn(n, k, generator=g)) if kind == Q.INT8_ROW
+            else Q.QuantPart(kind, random_blocks(kind, n, k, g)))
+    w = Q.QuantWeight([part], k, torch.bfloat16)
+    x = torch.randn(13, k, generator=g).to(torch.bfloat16)
+    alone = torch.cat([Q.quant_linear(x[i:i + 1], w) for i in range(13)])
+    for m in (2, 5, 8, 13):
+        assert torch.equal(Q.quant_linear(x[:m], w), alone[:m]), m
+    assert torch.equal(Q.quant_linear(x[3:12], w), alone[3:12])
