@@ -31,6 +31,23 @@ CONVERSATION = [{"role": "user", "content": "Hi, who are you?"},
                 {"role": "assistant", "content": "A helpful assistant."},
                 {"role": "user", "content": [{"type": "text", "text": "Tell me a joke."}]}]
 
+# Longer than a few KV blocks (16 tokens), so that a repeat reads most of it from the prefix cache.
+LONG_SYSTEM = "You answer questions about the weather. " + " ".join(
+    f"Rule {i}: be brief and be kind." for i in range(12))
+LONG_REQUEST = {"model": MODEL, "max_tokens": 8, "system": LONG_SYSTEM,
+                "messages": [{"role": "user", "content": "Is it sunny in Oslo today?"}],
+                "extra_body": {"temperature": 0.0}}
+
+
+def _prompt_count(client) -> int:
+    return client.messages.count_tokens(model=MODEL, system=LONG_SYSTEM,
+                                         messages=LONG_REQUEST["messages"]).input_tokens
+
+
+def _input_fields(usage) -> tuple[int, int, int]:
+    return (usage.input_tokens, usage.cache_read_input_tokens,
+            usage.cache_creation_input_tokens or 0)
+
 
 @pytest.fixture(scope="module")
 def server():
@@ -52,14 +69,64 @@ def test_system_multi_turn_and_count_tokens(server, client):
     assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 8
     count = client.messages.count_tokens(model=MODEL, system="You are terse.",
                                          messages=CONVERSATION)
-    assert count.input_tokens == m.usage.input_tokens
+    num_prompt = m.usage.input_tokens + m.usage.cache_read_input_tokens
+    assert count.input_tokens == num_prompt
     # The same conversation through /tokenize as chat messages (thinking off, as Anthropic's
     # default): system blocks and text blocks are plain text.
     chat = [{"role": "system", "content": "You are terse."}, *CONVERSATION[:2],
             {"role": "user", "content": "Tell me a joke."}]
     r = httpx.post(server.url + "/tokenize", headers={"x-api-key": API_KEY}, json={
         "messages": chat, "chat_template_kwargs": {"enable_thinking": False}})
-    assert r.json()["count"] == m.usage.input_tokens
+    assert r.json()["count"] == num_prompt
+
+
+def test_usage_input_excludes_cache_reads(client):
+    """Anthropic's input fields are disjoint: input_tokens + cache reads + cache creation is the
+    whole prompt, which is what count_tokens says (a client that adds them must not count the
+    cached tokens twice)."""
+    count = _prompt_count(client)
+    client.messages.create(**LONG_REQUEST)
+    again = client.messages.create(**LONG_REQUEST)
+    assert sum(_input_fields(again.usage)) == count
+    assert again.usage.cache_read_input_tokens > 0
+    assert again.usage.input_tokens < count
+
+
+def test_streamed_usage_equals_the_response(client):
+    """The final message_delta's usage is cumulative and carries the input fields, as
+    Anthropic's does (clients such as langchain-anthropic read them only there)."""
+    client.messages.create(**LONG_REQUEST)  # the prompt is in the prefix cache from here on
+    full = client.messages.create(**LONG_REQUEST)
+    with client.messages.stream(**LONG_REQUEST) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    assert final.content[0].text == full.content[0].text  # greedy: the same reply
+    assert _input_fields(final.usage) == _input_fields(full.usage)
+    assert final.usage.output_tokens == full.usage.output_tokens > 0
+    delta = [e for e in events if e.type == "message_delta"]
+    assert len(delta) == 1
+    usage = delta[0].usage
+    assert usage.input_tokens is not None and usage.cache_read_input_tokens is not None
+    assert _input_fields(usage) == _input_fields(full.usage)
+    assert usage.output_tokens == full.usage.output_tokens
+    assert sum(_input_fields(usage)) == _prompt_count(client)
+
+
+def test_langchain_stream_counts_the_whole_prompt(server, client):
+    """langchain-anthropic's .stream() adds the message_delta's input fields up."""
+    langchain_anthropic = pytest.importorskip("langchain_anthropic")
+    llm = langchain_anthropic.ChatAnthropic(model=MODEL, base_url=server.url, api_key=API_KEY,
+                                            max_tokens=8, max_retries=0, timeout=300)
+    client.messages.create(**LONG_REQUEST)  # a cache hit for the streamed requests below
+    for _ in range(2):
+        total = None
+        for chunk in llm.stream([("system", LONG_SYSTEM),
+                                 ("human", LONG_REQUEST["messages"][0]["content"])]):
+            total = chunk if total is None else total + chunk
+        usage = total.usage_metadata
+        assert usage["input_tokens"] == _prompt_count(client), usage
+        assert usage["input_token_details"]["cache_read"] > 0, usage
+        assert usage["output_tokens"] > 0
 
 
 def test_stop_sequences(client):
@@ -90,7 +157,7 @@ def test_tool_use_any_and_tool_result(client):
                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
                                                 "content": "Sunny, 24 C"}]}])
     assert follow.content[0].type == "text" and follow.stop_reason == "max_tokens"
-    assert follow.usage.input_tokens > m.usage.input_tokens
+    assert sum(_input_fields(follow.usage)) > sum(_input_fields(m.usage))
 
 
 def test_named_tool_stream_input_json(client):
@@ -208,4 +275,6 @@ def test_same_seeded_text_through_three_apis(server):
     assert text and chat.usage.completion_tokens == num_tokens
     assert response.output_text == text
     assert message.content[0].text == text
-    assert chat.usage.prompt_tokens == response.usage.input_tokens == message.usage.input_tokens
+    # Anthropic's input_tokens leaves out the cached tokens (the Responses request cached them).
+    assert chat.usage.prompt_tokens == response.usage.input_tokens == (
+        message.usage.input_tokens + message.usage.cache_read_input_tokens)

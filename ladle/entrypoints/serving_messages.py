@@ -371,8 +371,7 @@ async def create_message(server: ServerState, raw: Request) -> Response:
                                         f"{message_id}-{base_request_id(raw)}")
         except RequestError as e:
             raise renamed_error(e, _CHAT_NAMES) from e
-        message = Message(id=message_id, model=model,
-                          usage=Usage(input_tokens=turn.num_prompt_tokens, output_tokens=0))
+        message = Message(id=message_id, model=model, usage=_usage(turn))
         if request.stream:
             return StreamingResponse(_stream(turn, message), media_type="text/event-stream")
         return await until_disconnect(raw, _full(turn, message))
@@ -396,9 +395,18 @@ def _finish_message(message: Message, turn: ChatTurn, builder: _BlockBuilder,
                     finish: str | None, stop: int | str | None) -> None:
     message.content = builder.blocks
     message.stop_reason, message.stop_sequence = _stop_reason(finish, stop)
-    message.usage = Usage(input_tokens=turn.num_prompt_tokens,
-                          output_tokens=len(turn.output_token_ids),
-                          cache_read_input_tokens=turn.num_cached_tokens)
+    message.usage = _usage(turn)
+
+
+def _usage(turn: ChatTurn) -> Usage:
+    """The turn's usage so far, in Anthropic's accounting: the input fields are disjoint, so
+    input_tokens + cache_read_input_tokens + cache_creation_input_tokens is the whole prompt (what
+    count_tokens returns). Before the engine's first output nothing is known to be cached.
+    ladle's prefix cache fills itself, with no cache_control breakpoints, so no token counts as
+    cache creation (as with OpenAI's cached_tokens)."""
+    return Usage(input_tokens=turn.num_prompt_tokens - turn.num_cached_tokens,
+                 output_tokens=len(turn.output_token_ids),
+                 cache_read_input_tokens=turn.num_cached_tokens)
 
 
 async def _stream(turn: ChatTurn, message: Message) -> AsyncIterator[str]:
@@ -418,7 +426,8 @@ async def _stream(turn: ChatTurn, message: Message) -> AsyncIterator[str]:
         yield _sse({"type": "message_delta",
                     "delta": {"stop_reason": message.stop_reason,
                               "stop_sequence": message.stop_sequence},
-                    "usage": {"output_tokens": message.usage.output_tokens}})
+                    # cumulative, as Anthropic's: clients read the input counts here
+                    "usage": message.usage.model_dump()})
         yield _sse({"type": "message_stop"})
     except Exception as e:
         body = json.loads(anthropic_error(e).body)
