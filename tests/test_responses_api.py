@@ -225,6 +225,50 @@ def test_store_false_delete_and_404(server, client):
         client.responses.retrieve(kept.id)
 
 
+def test_input_items_lists_the_stored_input(server, client):
+    """client.responses.input_items.list: the request's own input items (not the previous
+    response's), with ids and statuses, newest first by default, paged with limit and after."""
+    first = client.responses.create(model=MODEL, input="hi there", max_output_tokens=2)
+    (item,) = client.responses.input_items.list(first.id).data
+    assert item.type == "message" and item.role == "user" and item.status == "completed"
+    assert item.id.startswith("msg_") and item.content[0].type == "input_text"
+    assert item.content[0].text == "hi there"
+
+    given = [{"role": "developer", "content": "Be brief."},
+             {"role": "user", "content": [{"type": "input_text", "text": "What is 2+2?"}]},
+             {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": "{}",
+              "id": "fc_mine"},
+             {"type": "function_call_output", "call_id": "call_1", "output": "4"},
+             {"role": "assistant", "content": "It is 4."},
+             {"role": "user", "content": "And 3+3?"}]
+    r = client.responses.create(model=MODEL, input=given, max_output_tokens=2,
+                                previous_response_id=first.id)
+    page = client.responses.input_items.list(r.id, order="asc")
+    assert [i.type for i in page.data] == ["message", "message", "function_call",
+                                           "function_call_output", "message", "message"]
+    assert page.data[2].id == "fc_mine" and page.data[3].output == "4"  # the client's id kept
+    assert page.data[4].content[0].type == "output_text"
+    assert page.data[4].content[0].text == "It is 4."
+    assert page.has_more is False and page.first_id == page.data[0].id
+    newest = client.responses.input_items.list(r.id)  # order desc by default
+    assert [i.id for i in newest.data] == [i.id for i in reversed(page.data)]
+    # Paging: the SDK follows `after` until has_more is false; limit 2 gives 3 pages.
+    raw = httpx.get(f"{server.url}/v1/responses/{r.id}/input_items?order=asc&limit=2",
+                    headers=AUTH, timeout=30).json()
+    assert raw["object"] == "list" and raw["has_more"] is True and len(raw["data"]) == 2
+    assert raw["last_id"] == page.data[1].id
+    walked = [i.id for i in client.responses.input_items.list(r.id, order="asc", limit=2)]
+    assert walked == [i.id for i in page.data]
+    for query, param in [("limit=0", "limit"), ("limit=101", "limit"), ("order=up", "order"),
+                         ("after=msg_nope", "after")]:
+        bad = httpx.get(f"{server.url}/v1/responses/{r.id}/input_items?{query}", headers=AUTH,
+                        timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_missing")
+    assert client.responses.retrieve(r.id).id == r.id  # still serving
+
+
 @pytest.mark.parametrize("body, param, words", [
     ({"tools": [{"type": "web_search"}]}, "tools.0.type", "web_search"),
     ({"input": [{"role": "user", "content": [

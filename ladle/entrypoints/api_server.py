@@ -37,6 +37,7 @@ from ladle.entrypoints.serving_responses import (
     create_response,
     delete_response,
     get_response,
+    list_input_items,
 )
 from ladle.frontend.async_llm import AsyncLLM, OverloadedError
 from ladle.frontend.detokenizer import token_to_str
@@ -115,6 +116,10 @@ def build_app(server: ServerState, root_path: str = "", cors: dict | None = None
     @app.get("/v1/responses/{response_id}")
     async def responses_get(response_id: str) -> Response:
         return get_response(server, response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def responses_input_items(response_id: str, raw: Request) -> Response:
+        return list_input_items(server, response_id, raw.query_params)
 
     @app.delete("/v1/responses/{response_id}")
     async def responses_delete(response_id: str) -> Response:

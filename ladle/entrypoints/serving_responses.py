@@ -150,6 +150,30 @@ def input_messages(items: str | list[dict[str, Any]], history: list[dict[str, An
     return messages
 
 
+_ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                   "reasoning": "rs"}
+
+
+def input_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The request's input (already checked by input_messages) as the items OpenAI lists for a
+    response: each with an id (the client's, or a new one) and a status, a message's string
+    content as one input_text (output_text for an assistant) part."""
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    out = []
+    for item in items:
+        kind = item.get("type", "message")
+        record = {**item, "type": kind}
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = ({"type": "output_text", "text": item["content"], "annotations": []}
+                    if item.get("role") == "assistant"
+                    else {"type": "input_text", "text": item["content"]})
+            record["content"] = [part]
+        out.append({"id": item.get("id") or _new_id(_ITEM_ID_PREFIX[kind]), **record,
+                    "status": item.get("status") or "completed"})
+    return out
+
+
 def _chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for i, tool in enumerate(tools):
@@ -342,6 +366,8 @@ class StoredResponse:
     continues (complete once the response has finished)."""
     task: asyncio.Task | None = None  # a background run
     num_bytes: int = 0
+    input_items: list[dict[str, Any]] = field(default_factory=list)
+    """The request's input as items with ids, oldest first: what GET .../input_items lists."""
 
 
 class ResponseStore:
@@ -362,7 +388,8 @@ class ResponseStore:
         """Add a record, or update one in place (it keeps its age); False when it alone is over
         the byte bound (then it is not kept)."""
         rid = record.response.id
-        size = len(record.response.model_dump_json()) + len(json.dumps(record.conversation))
+        size = (len(record.response.model_dump_json()) + len(json.dumps(record.conversation))
+                + len(json.dumps(record.input_items)))
         old = self.records.get(rid)
         if old is not None:
             self.num_bytes -= old.num_bytes
@@ -542,7 +569,7 @@ async def create_response(server: ServerState, request: ResponsesRequest,
         tool_choice=request.tool_choice or ("auto" if request.tools else "none"),
         tools=[{**t, "strict": bool(t.get("strict"))} for t in request.tools or ()],
         user=request.user, metadata=request.metadata or {})
-    record = StoredResponse(response, conversation)
+    record = StoredResponse(response, conversation, input_items=input_items(request.input))
     run = _ResponseRun(server, turn, record, is_stored=request.store)
     if request.background:
         run._save()
@@ -558,6 +585,46 @@ def get_response(server: ServerState, response_id: str) -> Response:
     if record is None:
         raise _not_found(response_id)
     return JSONResponse(record.response.model_dump())
+
+
+# GET .../input_items: OpenAI's page size bounds (1-100, default 20), and ladle's bound on the
+# `include` values it is sent (none changes a text-only input item).
+INPUT_ITEMS_LIMIT, INPUT_ITEMS_MAX_LIMIT, INPUT_ITEMS_MAX_INCLUDE = 20, 100, 16
+
+
+def list_input_items(server: ServerState, response_id: str, query) -> Response:
+    """A stored response's input items, one page of OpenAI's cursor list: `order` (desc, the
+    default: newest first, or asc), `limit` (1-100), `after` (an item id of this list)."""
+    record = server.response_store.get(response_id)
+    if record is None:
+        raise _not_found(response_id)
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise RequestError(f"order: {order!r}; accepted: asc, desc", param="order")
+    raw_limit = query.get("limit", str(INPUT_ITEMS_LIMIT))
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= INPUT_ITEMS_MAX_LIMIT:
+        raise RequestError(f"limit: {raw_limit[:32]!r}; accepted: an integer from 1 to "
+                           f"{INPUT_ITEMS_MAX_LIMIT}", param="limit")
+    include = query.getlist("include") + query.getlist("include[]")
+    if len(include) > INPUT_ITEMS_MAX_INCLUDE or any(len(v) > 100 for v in include):
+        raise RequestError(f"include: at most {INPUT_ITEMS_MAX_INCLUDE} values of at most 100 "
+                           "characters", param="include")
+    if include:
+        logger.info("%s: input_items include %s accepted without effect (text-only items have "
+                    "nothing to add)", response_id, include)
+    items = record.input_items if order == "asc" else record.input_items[::-1]
+    after = query.get("after")
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise RequestError(f"after: {after[:100]!r} is not an input item of response "
+                               f"{response_id!r}", param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:int(raw_limit)]
+    return JSONResponse({"object": "list", "data": page,
+                         "first_id": page[0]["id"] if page else None,
+                         "last_id": page[-1]["id"] if page else None,
+                         "has_more": len(items) > len(page)})
 
 
 def delete_response(server: ServerState, response_id: str) -> Response:
