@@ -14,7 +14,7 @@ import torch
 
 from ladle import LLM, SamplingParams, StructuredOutputsParams
 from ladle.messages import EngineCoreRequest
-from ladle.structured_output.backend import ConstraintKey
+from ladle.structured_output.backend import MAX_JSON_WHITESPACE, ConstraintKey
 from ladle.structured_output.manager import apply_bitmask, choose_backend
 
 SCHEMAS = {
@@ -112,6 +112,40 @@ def test_every_output_validates(llm):
     # The outputs are really sampled, not one fixed answer per constraint.
     assert len({o.outputs[0].text for n, o in zip(names, outs, strict=True)
                 if n == "json:nested"}) > 10
+
+
+def whitespace_runs_outside_strings(text: str) -> list[int]:
+    """Lengths of the runs of JSON whitespace between tokens (not inside strings)."""
+    runs, run, in_string, escaped = [], 0, False, False
+    for ch in text:
+        if in_string:
+            in_string = escaped or ch != '"'
+            escaped = not escaped and ch == "\\"
+        elif ch in " \t\n\r":
+            run += 1
+            continue
+        else:
+            in_string = ch == '"'
+        if run:
+            runs.append(run)
+        run = 0
+    return runs + ([run] if run else [])
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_json_object_whitespace_is_bounded(llm, backend):
+    """json_object caps each run of whitespace between JSON tokens at MAX_JSON_WHITESPACE, as
+    json_schema does: a model that prefers whitespace (here +100 on the space and newline
+    tokens) cannot spend its budget on it."""
+    tok = llm.get_tokenizer()
+    spaces = {tok.encode(c, add_special_tokens=False)[0]: 100.0 for c in (" ", "\n")}
+    params = SamplingParams(temperature=0, max_tokens=120, logit_bias=spaces,
+                            structured_outputs=StructuredOutputsParams(json_object=True,
+                                                                       backend=backend))
+    text = llm.generate(["Data:"], params)[0].outputs[0].text
+    runs = whitespace_runs_outside_strings(text)
+    assert text.lstrip().startswith("{") and runs, text
+    assert max(runs) <= MAX_JSON_WHITESPACE, (runs, text[:200])
 
 
 def test_mixed_backends_leave_unconstrained_rows_bit_identical(llm):

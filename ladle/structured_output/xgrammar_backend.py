@@ -24,17 +24,6 @@ def _is_ebnf(text: str) -> bool:
     return "::=" in text
 
 
-def _json_object_ebnf() -> str:
-    """xgrammar's built-in JSON grammar (what vLLM uses for json_object) with its root limited
-    to an object, since json_object promises an object, not an array."""
-    rules = str(xgr.Grammar.builtin_json_grammar()).splitlines()
-    root = [r for r in rules if r.startswith("root ::= ")]
-    if len(root) != 1 or '("{"' not in root[0] or ") | (" not in root[0]:
-        raise ValueError("unexpected built-in JSON grammar layout")
-    obj = root[0][len("root ::= (") : root[0].index(") | (") + 1]
-    return "\n".join(["root ::= (" + obj + ")" if r is root[0] else r for r in rules])
-
-
 def _has_length_limited_string(node) -> bool:
     if isinstance(node, dict):
         if "minLength" in node or "maxLength" in node:
@@ -118,7 +107,11 @@ class XgrammarBackend(StructuredOutputBackend):
                 return c.compile_json_schema(key.spec, any_whitespace=key.any_whitespace,
                                              max_whitespace_cnt=MAX_JSON_WHITESPACE)
             if key.kind == "json_object":
-                return c.compile_grammar(_json_object_ebnf())
+                # Any object (not strict: any properties, any values), with whitespace capped as
+                # for a schema.
+                return c.compile_json_schema('{"type": "object"}',
+                                             any_whitespace=key.any_whitespace, strict_mode=False,
+                                             max_whitespace_cnt=MAX_JSON_WHITESPACE)
             if key.kind == "regex":
                 return c.compile_regex(key.spec)
             if key.kind == "choice":
