@@ -166,6 +166,30 @@ def sse_error(e: BaseException) -> str:
 
 SSE_DONE = "data: [DONE]\n\n"
 
+C = TypeVar("C", bound=BaseModel)
+
+
+def ending_apart(choice: C, **blank: Any) -> list[C]:
+    """The stream choices to send for one step of a choice. A choice ends with a chunk of its own
+    that carries finish_reason (and stop_reason) and nothing else, after its last content, the
+    way OpenAI ends one: the openai SDK's stream helper closes a choice on the chunk with
+    finish_reason before it reads that chunk's tool calls, so a call sent with the end never
+    gets its arguments.done event. blank: the content fields and their empty values (chat: an
+    empty delta; completions: text ""); a last step with no content sends only the end."""
+    if choice.finish_reason is None:
+        return [choice]
+    end = choice.model_copy(update=blank)
+    body = choice.model_copy(update={"finish_reason": None, "stop_reason": None})
+    if all(_carries_nothing(getattr(body, name)) for name in blank):
+        return [end]
+    return [body, end]
+
+
+def _carries_nothing(value: Any) -> bool:
+    if isinstance(value, BaseModel):
+        return all(_carries_nothing(v) for v in value.__dict__.values())
+    return not value
+
 
 # ---- running requests -------------------------------------------------------------------------
 async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:

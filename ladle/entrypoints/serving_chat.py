@@ -1,8 +1,9 @@
 """POST /v1/chat/completions: messages (and tools) -> the chat template -> one processed request
-(n choices) -> a response or an SSE stream whose first chunk per choice carries the role. With a
-reasoning parser or tools, each choice's text goes through a ChoiceOutputParser (parsers/choice.py)
-into reasoning, content and tool calls, the same way for both. Also the server-wide chat
-settings: --chat-template, its content format, and the default template kwargs."""
+(n choices) -> a response or an SSE stream whose first chunk per choice carries the role and whose
+last carries only its finish_reason (common.ending_apart). With a reasoning parser or tools, each
+choice's text goes through a ChoiceOutputParser (parsers/choice.py) into reasoning, content and
+tool calls, the same way for both. Also the server-wide chat settings: --chat-template, its
+content format, and the default template kwargs."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from ladle.entrypoints.common import (
     as_request_error,
     base_request_id,
     check_engine_error,
+    ending_apart,
     log_request_fields,
     sse,
     sse_error,
@@ -303,7 +305,7 @@ class _Writer:
                     num_tokens[d.index] += len(d.token_ids)
                     parser = parsers[d.index]
                     parsed = parser.feed(d.text)
-                    if d.finish_reason is not None:  # one chunk: the last text and the end
+                    if d.finish_reason is not None:  # the text the parser still holds
                         parsed = merge_pieces(parsed, parser.finish())
                     if not (not parsed.is_empty or d.finish_reason
                             or (self.num_top is not None and d.logprobs)):
@@ -318,10 +320,12 @@ class _Writer:
                         choice.logprobs = chat_logprobs(self.names, d.logprobs or [], self.num_top)
                     if request.return_token_ids:
                         choice.token_ids = d.token_ids
-                    chunk = self._chunk(choice)
-                    if continuous:
-                        chunk.usage = self._usage(sum(num_tokens), num_cached)
-                    yield sse(chunk)
+                    for part in ending_apart(choice, delta=DeltaMessage(), logprobs=None,
+                                             token_ids=None):
+                        chunk = self._chunk(part)
+                        if continuous:
+                            chunk.usage = self._usage(sum(num_tokens), num_cached)
+                        yield sse(chunk)
             if include_usage:
                 yield sse(ChatCompletionStreamResponse(
                     id=self.request_id, created=self.created, model=self.model, choices=[],

@@ -1,4 +1,5 @@
-"""POST /v1/completions: prompts -> processed requests -> a response or an SSE stream."""
+"""POST /v1/completions: prompts -> processed requests -> a response or an SSE stream (each
+choice's last chunk carries only its finish_reason: common.ending_apart)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from ladle.entrypoints.common import (
     as_request_error,
     base_request_id,
     check_engine_error,
+    ending_apart,
     log_request_fields,
     merge_streams,
     sse,
@@ -208,11 +210,14 @@ class _Writer:
                         choice.token_ids = d.token_ids
                         if first:
                             choice.prompt_token_ids = self.processed[i].prompt_token_ids
-                    chunk = CompletionStreamResponse(id=self.request_id, created=self.created,
-                                                     model=self.model, choices=[choice])
-                    if continuous:
-                        chunk.usage = self._usage(sum(num_tokens.values()), sum(cached.values()))
-                    yield sse(chunk)
+                    for part in ending_apart(choice, text="", logprobs=None, token_ids=None,
+                                             prompt_token_ids=None):
+                        chunk = CompletionStreamResponse(id=self.request_id, created=self.created,
+                                                         model=self.model, choices=[part])
+                        if continuous:
+                            chunk.usage = self._usage(sum(num_tokens.values()),
+                                                      sum(cached.values()))
+                        yield sse(chunk)
             if include_usage:
                 yield sse(CompletionStreamResponse(
                     id=self.request_id, created=self.created, model=self.model, choices=[],
