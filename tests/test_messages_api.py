@@ -9,6 +9,7 @@ thinking, a stop sequence is taken from a seeded reply and then ends the same re
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import anthropic
 import httpx
@@ -278,3 +279,99 @@ def test_same_seeded_text_through_three_apis(server):
     # Anthropic's input_tokens leaves out the cached tokens (the Responses request cached them).
     assert chat.usage.prompt_tokens == response.usage.input_tokens == (
         message.usage.input_tokens + message.usage.cache_read_input_tokens)
+
+
+# ---- threads (the SDK's tool runner sends thread create, then continue) -----------------------
+def _recording_client(server) -> tuple[anthropic.Anthropic, list[dict]]:
+    """A client that records the fields of each request body it posts (set before its resources
+    exist, which take `post` when made)."""
+    c = anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=300)
+    bodies: list[dict] = []
+    post = c.post
+
+    def recording_post(path, **kwargs):
+        bodies.append({k: v for k, v in kwargs["body"].items()
+                       if not isinstance(v, (anthropic.Omit, anthropic.NotGiven))})
+        return post(path, **kwargs)
+
+    c.post = recording_post
+    return c, bodies
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_runner_continues_the_thread(server, stream):
+    from anthropic import beta_tool
+    client, bodies = _recording_client(server)
+    cities = []
+
+    @beta_tool
+    def get_weather(city: Literal["Paris", "Rome", "Oslo"]) -> str:
+        """Weather for a city.
+
+        Args:
+            city: The city.
+        """
+        cities.append(city)
+        return f"Sunny in {city}."
+
+    runner = client.beta.messages.tool_runner(
+        model=MODEL, max_tokens=300, tools=[get_weather],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        messages=[{"role": "user", "content": "Weather in Rome?"}], max_iterations=2,
+        stream=stream, extra_body={"seed": 5})
+    replies = [item.get_final_message() if stream else item for item in runner]
+    # Two turns, no replay: the second sent only the tool result and continued the first reply.
+    assert [r.stop_reason for r in replies] == ["tool_use", "tool_use"], replies
+    assert len(bodies) == 2 and len(cities) == 2
+    assert bodies[0]["thread"] == {"type": "create"} and "tools" in bodies[0]
+    assert bodies[1]["thread"] == {"type": "continue", "previous_message_id": replies[0].id}
+    assert "tools" not in bodies[1] and len(bodies[1]["messages"]) == 1
+    assert bodies[1]["messages"][0]["content"][0]["type"] == "tool_result"
+    # The server prepended the thread: the second prompt holds the first and its reply.
+    assert sum(_input_fields(replies[1].usage)) > sum(_input_fields(replies[0].usage)) + 10
+
+
+def _raw_message(server, body) -> httpx.Response:
+    return httpx.post(server.url + "/v1/messages", headers={"x-api-key": API_KEY}, timeout=300,
+                      json={"model": MODEL, "max_tokens": 4,
+                            "messages": [{"role": "user", "content": "Hi"}], **body})
+
+
+def test_thread_continue_of_an_unknown_id_is_the_sdks_404(server):
+    r = _raw_message(server, {"thread": {"type": "continue", "previous_message_id": "msg_gone"}})
+    assert r.status_code == 404, r.text
+    error = r.json()["error"]
+    assert error["type"] == "not_found_error"
+    assert error["details"] == {"error_code": "thread_not_found"}
+    assert "msg_gone" in error["message"] and "1024" in error["message"]
+
+
+def test_thread_continue_takes_system_and_tools_from_the_thread(server):
+    first = _raw_message(server, {"system": "Be brief.", "thread": {"type": "create"}})
+    assert first.status_code == 200, first.text
+    thread = {"type": "continue", "previous_message_id": first.json()["id"]}
+    r = _raw_message(server, {"system": "Be long.", "thread": thread})
+    assert r.status_code == 400 and "system" in r.json()["error"]["message"]
+    second = _raw_message(server, {"thread": thread})
+    assert second.status_code == 200, second.text
+    # Unthreaded replies are not kept.
+    plain = _raw_message(server, {})
+    r = _raw_message(server, {"thread": {"type": "continue",
+                                         "previous_message_id": plain.json()["id"]}})
+    assert r.status_code == 404
+
+
+@pytest.mark.parametrize("thread, field", [
+    ({"type": "fork"}, "thread.type"),
+    ({"type": "continue"}, "thread.previous_message_id"),
+    ({"type": "continue", "previous_message_id": ""}, "thread.previous_message_id"),
+    ({"type": "continue", "previous_message_id": "m" * 257}, "thread.previous_message_id"),
+    ({"type": "create", "previous_message_id": "msg_1"}, "thread.previous_message_id"),
+    ({"type": "create", "previus_message_id": "msg_1"}, "thread.previus_message_id"),
+    ("create", "thread"),
+])
+def test_malformed_thread_is_a_400_naming_it(server, thread, field):
+    r = _raw_message(server, {"thread": thread})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert r.json()["error"]["message"].startswith(field), r.json()

@@ -3,20 +3,23 @@ chat request (system and content blocks -> messages, tools with input_schema -> 
 tool_choice any -> required, thinking -> enable_thinking and the thinking budget) and runs on
 chat's path through `ChatTurn`. Parsed output becomes content blocks through `_BlockBuilder`,
 whose events are the stream and whose blocks are the message. Errors on these routes are
-Anthropic-shaped. A tool_result with is_error reaches the model as "Error: " + its content."""
+Anthropic-shaped. A tool_result with is_error reaches the model as "Error: " + its content.
+`thread` (the SDK's message threads) keeps each threaded conversation under its reply's id in a
+`ResponseStore` of its own, so a continue sends only the new messages."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from ladle.entrypoints.chat_turn import (
     ChatStep,
@@ -31,17 +34,25 @@ from ladle.entrypoints.common import (
     log_request_fields,
     until_disconnect,
 )
+from ladle.entrypoints.serving_responses import (
+    STORE_MAX_BYTES,
+    STORE_MAX_RESPONSES,
+    ResponseStore,
+    StoredResponse,
+)
 from ladle.frontend.async_llm import OverloadedError
 from ladle.frontend.engine_client import EngineDeadError
 from ladle.protocol.anthropic import (
     MAX_BLOCKS,
     CountTokensRequest,
+    InputMessage,
     Message,
     MessagesRequest,
     Usage,
     anthropic_error_body,
 )
 from ladle.protocol.common import RequestError, unsupported
+from ladle.protocol.responses import MAX_INPUT_ITEMS
 
 logger = logging.getLogger("ladle.server")
 
@@ -62,9 +73,11 @@ _UNSUPPORTED_BLOCKS = {"image": "image inputs", "document": "document inputs",
 
 # ---- errors -----------------------------------------------------------------------------------
 def anthropic_error(e: BaseException) -> JSONResponse:
-    headers = None
+    headers = error_code = None
     if isinstance(e, RequestError):
         status, message, headers = e.status_code, e.message, e.headers
+        if e.code == THREAD_NOT_FOUND:
+            error_code = e.code
     elif isinstance(e, OverloadedError):  # Anthropic's overload status
         status, message = 529, str(e)
         headers = {"Retry-After": str(e.retry_after_s)}
@@ -73,7 +86,7 @@ def anthropic_error(e: BaseException) -> JSONResponse:
     else:
         logger.exception("internal error")
         status, message = 500, f"internal error: {type(e).__name__}: {e}"
-    return JSONResponse(anthropic_error_body(message, status), status_code=status,
+    return JSONResponse(anthropic_error_body(message, status, error_code), status_code=status,
                         headers=headers)
 
 
@@ -275,6 +288,67 @@ def to_chat_message_request(request: MessagesRequest) -> dict[str, Any]:
     return fields
 
 
+# ---- threads: conversations kept by message id -----------------------------------------------
+THREAD_NOT_FOUND = "thread_not_found"
+"""error.details.error_code of a continue from a reply ladle does not keep: the SDK then resends
+the whole conversation under a new thread."""
+
+
+class StoredThread(BaseModel):
+    """A threaded conversation through one reply: what a continue from that reply prepends.
+    The store bounds it by its JSON size."""
+
+    id: str
+    """The reply's message id (the key)."""
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    messages: list[InputMessage]
+    """Every request's messages and every reply (as blocks), through this reply."""
+
+
+def thread_store(server: ServerState) -> ResponseStore:
+    """The kept threads: a ResponseStore of their own, so bounded as stored responses are
+    (STORE_MAX_RESPONSES replies, STORE_MAX_BYTES, oldest evicted); made on first use."""
+    if "message_threads" not in server.extra:
+        server.extra["message_threads"] = ResponseStore(STORE_MAX_RESPONSES, STORE_MAX_BYTES)
+    return server.extra["message_threads"]
+
+
+def continued(store: ResponseStore, request: MessagesRequest) -> MessagesRequest:
+    """The request with the thread it continues in front: the thread's messages, system and
+    tools (a continue leaves system and tools out: they are the thread's, as Anthropic's)."""
+    for name in ("system", "tools"):
+        if getattr(request, name) is not None:
+            raise RequestError(f"{name}: a thread continue takes {name} from the thread; leave "
+                               "it out, or create a new thread to change it", param=name)
+    previous_id = request.thread.previous_message_id
+    record = store.get(previous_id)
+    if record is None:
+        raise RequestError(
+            f"thread.previous_message_id: no kept thread ends with message {previous_id!r} "
+            f"(never created, or evicted: ladle keeps the last {store.max_responses} threaded "
+            f"replies, {store.max_bytes // 2**20} MiB in all); send the whole conversation "
+            'with thread {"type": "create"}', param="thread.previous_message_id",
+            status_code=404, code=THREAD_NOT_FOUND)
+    held: StoredThread = record.response
+    messages = [*held.messages, *request.messages]
+    if len(messages) > MAX_INPUT_ITEMS:
+        raise RequestError(f"messages: the thread and the request hold {len(messages)} "
+                           f"messages; at most {MAX_INPUT_ITEMS}", param="messages")
+    return request.model_copy(update={"messages": messages, "system": held.system,
+                                      "tools": held.tools})
+
+
+def keep_thread(store: ResponseStore, request: MessagesRequest, message: Message) -> None:
+    """Keep a threaded request's conversation and its finished reply under the reply's id."""
+    if request.thread is None:
+        return
+    reply = InputMessage(role="assistant", content=message.content)
+    store.put(StoredResponse(response=StoredThread(
+        id=message.id, system=request.system, tools=request.tools,
+        messages=[*request.messages, reply])))
+
+
 # ---- content blocks and their events ----------------------------------------------------------
 def _stop_reason(finish: str | None, stop: int | str | None) -> tuple[str, str | None]:
     if finish == "tool_calls":
@@ -360,6 +434,9 @@ async def create_message(server: ServerState, raw: Request) -> Response:
     try:
         request = await _parse(raw, MessagesRequest)
         model = server.check_model(request.model)
+        store = thread_store(server)
+        if request.thread is not None and request.thread.type == "continue":
+            request = continued(store, request)
         message_id = f"msg_{uuid.uuid4().hex}"
         log_request_fields(request, message_id)
         if request.thinking is not None and request.thinking.display == "summarized":
@@ -372,14 +449,17 @@ async def create_message(server: ServerState, raw: Request) -> Response:
         except RequestError as e:
             raise renamed_error(e, _CHAT_NAMES) from e
         message = Message(id=message_id, model=model, usage=_usage(turn))
+        keep = functools.partial(keep_thread, store, request)
         if request.stream:
-            return StreamingResponse(_stream(turn, message), media_type="text/event-stream")
-        return await until_disconnect(raw, _full(turn, message))
+            return StreamingResponse(_stream(turn, message, keep),
+                                     media_type="text/event-stream")
+        return await until_disconnect(raw, _full(turn, message, keep))
     except Exception as e:
         return anthropic_error(e)
 
 
-async def _full(turn: ChatTurn, message: Message) -> Response:
+async def _full(turn: ChatTurn, message: Message, keep: Callable[[Message], None]
+                ) -> Response:
     builder = _BlockBuilder()
     finish = stop = None
     async for step in turn.steps():
@@ -388,6 +468,7 @@ async def _full(turn: ChatTurn, message: Message) -> Response:
             finish, stop = step.finish_reason, step.stop_reason
     builder.finish()
     _finish_message(message, turn, builder, finish, stop)
+    keep(message)
     return JSONResponse(message.model_dump())
 
 
@@ -409,7 +490,8 @@ def _usage(turn: ChatTurn) -> Usage:
                  cache_read_input_tokens=turn.num_cached_tokens)
 
 
-async def _stream(turn: ChatTurn, message: Message) -> AsyncIterator[str]:
+async def _stream(turn: ChatTurn, message: Message, keep: Callable[[Message], None]
+                  ) -> AsyncIterator[str]:
     try:
         yield _sse({"type": "message_start", "message": message.model_dump()})
         yield _sse({"type": "ping"})
@@ -423,6 +505,7 @@ async def _stream(turn: ChatTurn, message: Message) -> AsyncIterator[str]:
         for event in builder.finish():
             yield _sse(event)
         _finish_message(message, turn, builder, finish, stop)
+        keep(message)  # before message_stop: a client that saw it may continue at once
         yield _sse({"type": "message_delta",
                     "delta": {"stop_reason": message.stop_reason,
                               "stop_sequence": message.stop_sequence},

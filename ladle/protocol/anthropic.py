@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ladle.protocol.common import OpenAIBaseModel
+from ladle.protocol.common import OpenAIBaseModel, RequestError
 from ladle.protocol.responses import (
     MAX_ID_CHARS,
     MAX_INPUT_ITEMS,
@@ -52,6 +52,28 @@ class OutputConfig(OpenAIBaseModel):
     effort: str | None = Field(default=None, max_length=16)
 
 
+class ThreadParam(BaseModel):
+    """Server-held conversation state (the anthropic SDK's message threads, which its tool
+    runner uses by default): create keeps the conversation under the reply's id; continue
+    resumes from a kept reply, so the request sends only the new messages and leaves out system
+    and tools (the thread's). Checked strictly: a misspelt field is a 400, not dropped."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["create", "continue"]
+    previous_message_id: str | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS)
+    """continue: the id of the reply to continue from (required; only with continue)."""
+
+    @model_validator(mode="after")
+    def _check_previous_message_id(self) -> ThreadParam:
+        if self.type == "continue" and self.previous_message_id is None:
+            raise RequestError("thread.previous_message_id: required when type is continue",
+                               param="thread.previous_message_id")
+        if self.type == "create" and self.previous_message_id is not None:
+            raise RequestError("thread.previous_message_id: only with type continue",
+                               param="thread.previous_message_id")
+        return self
+
+
 class CountTokensRequest(SamplingExtras):
     """The prompt part of a Messages request (count_tokens counts what the template makes of
     it)."""
@@ -76,6 +98,7 @@ class MessagesRequest(CountTokensRequest):
     stop_sequences: list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]] | None = Field(
         default=None, max_length=MAX_STOP)
     stream: bool = False
+    thread: ThreadParam | None = None
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, ge=0, le=1)
     # Fields with no effect on the output: accepted, and logged.
@@ -113,7 +136,12 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 529: "overloaded_error"}
 
 
-def anthropic_error_body(message: str, status_code: int) -> dict[str, Any]:
-    """Anthropic's error shape: {"type": "error", "error": {"type", "message"}}."""
-    return {"type": "error", "error": {"type": _ERROR_TYPES.get(status_code, "api_error"),
-                                       "message": message}}
+def anthropic_error_body(message: str, status_code: int,
+                         error_code: str | None = None) -> dict[str, Any]:
+    """Anthropic's error shape: {"type": "error", "error": {"type", "message"}}, with
+    error.details.error_code when given (the SDK's threads recover from "thread_not_found" by
+    resending the whole conversation)."""
+    error = {"type": _ERROR_TYPES.get(status_code, "api_error"), "message": message}
+    if error_code is not None:
+        error["details"] = {"error_code": error_code}
+    return {"type": "error", "error": error}
