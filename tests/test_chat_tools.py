@@ -275,3 +275,20 @@ def test_conflicts_are_400s(client, body, param):
     assert info.value.body["param"] == param
     assert info.value.body["type"] == "invalid_request_error"
     assert create(client, max_tokens=2, seed=0).choices[0].finish_reason == "length"
+
+
+def test_a_forced_call_cut_by_max_tokens_returns_what_was_generated(client):
+    """A named call cut by max_tokens comes back as generated, as OpenAI's does: the call with
+    its arguments' text so far and finish_reason "length" (not content null and no calls),
+    the same whole and streamed; a client can see the cut and retry with a larger budget."""
+    kw = dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "set_alarm"}},
+              max_tokens=6, seed=3, extra_body=NO_THINKING)
+    whole = as_dict(create(client, **kw))
+    assert whole["finish"] == "length" and whole["content"] is None, whole
+    (call,) = whole["calls"]
+    assert call["name"] == "set_alarm" and call["arguments"].startswith("{")
+    with pytest.raises(ValueError):
+        json.loads(call["arguments"])  # cut: not (yet) valid JSON
+    streamed, _ = stream(client, **kw)
+    assert {k: streamed[k] for k in ("calls", "finish")} == {k: whole[k] for k in ("calls",
+                                                                                  "finish")}

@@ -409,19 +409,25 @@ REQUIRED = ('[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
             '{"name": "get_time", "parameters": {"tz": "U\\"}"}}]')
 
 
-@pytest.mark.parametrize("cut", [len(REQUIRED), 60, 57, 56, 20, 1])
-def test_required_calls_cut_by_max_tokens(cut):
-    """Calls complete before the cut are calls; the cut one is neither a call nor content."""
-    text = REQUIRED[:cut]
-    whole = json.loads(REQUIRED)
-    num_complete = sum(1 for i in range(len(whole))
-                       if len(json.dumps(whole[: i + 1])[:-1]) <= cut)
-    expected = ExtractedMessage(tool_calls=[
-        ToolCall(f"call_{i}", c["name"], json.dumps(c["parameters"]))
-        for i, c in enumerate(whole[:num_complete])])
-    for chunks in chunkings(text):
+CALL_0 = ToolCall("call_0", "get_weather", '{"city": "Paris"}')
+
+
+@pytest.mark.parametrize("cut, calls", [
+    (len(REQUIRED), [CALL_0, ToolCall("call_1", "get_time", '{"tz": "U\\"}"}')]),
+    (60, [CALL_0]),  # the next element opened: no name yet, no call
+    (57, [CALL_0]),
+    (56, [CALL_0]),  # the element not closed: the cut call, its arguments as generated
+    (40, [ToolCall("call_0", "get_weather", "{")]),
+    (24, [ToolCall("call_0", "get_weather", "")]),  # the name whole, no arguments yet
+    (20, []),  # cut inside the name
+    (1, []),
+])
+def test_required_calls_cut_by_max_tokens(cut, calls):
+    """Calls complete before the cut are calls; the cut one is returned as generated (its
+    arguments' text so far), as OpenAI returns a cut call; never content."""
+    for chunks in chunkings(REQUIRED[:cut]):
         parser = ChoiceOutputParser(tool_mode="required", id_factory=counting_ids())
-        assert merge_deltas(stream(parser, chunks)) == expected, chunks
+        assert merge_deltas(stream(parser, chunks)) == ExtractedMessage(tool_calls=calls), chunks
         assert parser.finish_reason("length") == "length"
 
 
@@ -431,5 +437,7 @@ def test_named_call_is_sent_when_its_object_closes():
     assert merge_deltas([parser.feed("}"), parser.finish()]).tool_calls == [
         ToolCall("call_0", "f", '{"a": {"b": 1}}')]
     assert parser.finish_reason("stop") == "tool_calls"
-    cut = ChoiceOutputParser(tool_mode="named", named_function="f")
-    assert merge_deltas(stream(cut, ['{"a": {"b": 1}'])) == ExtractedMessage()
+    cut = ChoiceOutputParser(tool_mode="named", named_function="f", id_factory=counting_ids())
+    assert merge_deltas(stream(cut, ['{"a": {"b": 1}'])) == ExtractedMessage(
+        tool_calls=[ToolCall("call_0", "f", '{"a": {"b": 1}')])
+    assert cut.finish_reason("length") == "length"

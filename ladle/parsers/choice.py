@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -155,12 +156,20 @@ def _one_piece_per_call(pieces: list[DeltaToolCall]) -> list[DeltaToolCall]:
     return out
 
 
+# A required call's element cut by max_tokens: {"name": "<whole name>", "parameters": <so far>
+# (the schema orders name before parameters).
+_CUT_REQUIRED = re.compile(r'\{\s*"name"\s*:\s*"(?P<name>(?:[^"\\]|\\.)*)"'
+                           r'(?:\s*,\s*"parameters"\s*:\s*(?P<arguments>.*))?', re.DOTALL)
+
+
 class _ConstrainedCalls:
     """tool_choice "required" / named: the constrained JSON becomes calls. A required call is
     sent whole when its array element closes; the named call when its object closes. When
-    max_tokens cuts the output, the calls completed before the cut are returned and the cut
-    one is not: the constrained JSON is never returned as content (a cut that leaves no whole
-    call gives no content and no calls, with finish_reason "length")."""
+    max_tokens cuts the output, the calls completed before the cut are returned whole and the
+    cut one as it was generated, as OpenAI returns a cut call (finish_reason "length"): its
+    name, once the name is whole, and its arguments' text so far, not valid JSON. The
+    constrained JSON is never returned as content; a required call cut inside its name is
+    dropped (there is no call to name)."""
 
     def __init__(self, mode: str, named: str | None, id_factory: Callable[[], str]):
         self.mode = mode
@@ -196,8 +205,25 @@ class _ConstrainedCalls:
                 self._depth -= 1
                 if ch == "}" and self._depth == (0 if self.mode == "named" else 1):
                     calls += self._call(self.text[self._element_start : i + 1])
+                    self._element_start = -1
         self._pos = len(self.text)
+        if is_final and self._depth > 0 and self._element_start >= 0:
+            calls += self._cut_call(self.text[self._element_start:])
         return DeltaMessage(tool_calls=calls)
+
+    def _cut_call(self, element: str) -> list[DeltaToolCall]:
+        """The call max_tokens cut: its name and its arguments' text so far."""
+        if self.mode == "named":
+            name, arguments = self.named, element
+        else:
+            m = _CUT_REQUIRED.match(element)
+            if m is None:
+                return []
+            name, arguments = json.loads(f'"{m["name"]}"'), m["arguments"] or ""
+        piece = DeltaToolCall(index=self.num_calls, id=self.id_factory(), name=name,
+                              arguments=arguments)
+        self.num_calls += 1
+        return [piece]
 
     def _call(self, element: str) -> list[DeltaToolCall]:
         try:
