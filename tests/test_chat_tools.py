@@ -256,10 +256,13 @@ def test_strict_tools_in_auto_mode(client):
 @pytest.mark.parametrize("body, param", [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {
-        "type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "structured_outputs": {"json": PERSON}},
+     "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "set_alarm"}},
-      "response_format": {"type": "json_object"}}, "tool_choice"),
+      "guided_json": PERSON}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required",  # a bad format is a 400 even when unused
+      "response_format": {"type": "json_schema", "json_schema": {"name": "p"}}},
+     "response_format.json_schema.schema"),
     ({"tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "bogus"}}}}}]},
      "tools.0.function.parameters"),
@@ -292,3 +295,18 @@ def test_a_forced_call_cut_by_max_tokens_returns_what_was_generated(client):
     streamed, _ = stream(client, **kw)
     assert {k: streamed[k] for k in ("calls", "finish")} == {k: whole[k] for k in ("calls",
                                                                                   "finish")}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function",
+                                                      "function": {"name": "set_alarm"}}])
+def test_forced_call_with_response_format_is_the_call(client, tool_choice):
+    """response_format with a required or named tool_choice (instructor's tools modes send the
+    pair; OpenAI accepts it): the forced call is the output and follows its tool's schema; the
+    format shapes text, and there is none."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    kw = dict(tools=TOOLS, tool_choice=tool_choice, response_format=fmt, max_tokens=300,
+              parallel_tool_calls=False, extra_body=NO_THINKING, seed=1)
+    response = create(client, **kw)
+    check_calls(response, {"set_alarm"} if isinstance(tool_choice, dict) else set(SCHEMAS), 1)
+    streamed, _ = stream(client, **kw)
+    assert streamed == as_dict(response)

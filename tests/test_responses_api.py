@@ -225,6 +225,22 @@ def test_store_false_delete_and_404(server, client):
         client.responses.retrieve(kept.id)
 
 
+def test_text_format_with_a_named_tool_choice_is_the_call(client):
+    """instructor's RESPONSES_TOOLS mode sends text.format with a named tool_choice; OpenAI
+    accepts the pair: the forced call is the output (its arguments follow the tool's schema),
+    and the format shapes text items, of which there are none."""
+    r = client.responses.create(
+        model=MODEL, input="Weather in Oslo for 3 days?", tools=[TOOL],
+        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=200,
+        reasoning=NO_THINKING, text={"format": {"type": "json_schema", "name": "person",
+                                                "schema": PERSON}})
+    assert r.status == "completed", r
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "get_weather" and not r.output_text
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    assert r.text.format.type == "json_schema"  # echoed as sent
+
+
 def test_input_items_lists_the_stored_input(server, client):
     """client.responses.input_items.list: the request's own input items (not the previous
     response's), with ids and statuses, newest first by default, paged with limit and after."""

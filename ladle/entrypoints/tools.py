@@ -12,7 +12,7 @@ from typing import Any
 
 from ladle.protocol.chat import ChatCompletionRequest
 from ladle.protocol.common import RequestError, unsupported
-from ladle.protocol.sampling import checked_structured_outputs
+from ladle.protocol.sampling import checked_structured_outputs, structured_outputs_params
 from ladle.sampling_params import StructuredOutputsParams
 from ladle.structured_output.xgrammar_backend import MAX_JSON_WHITESPACE
 
@@ -69,10 +69,18 @@ def plan_tools(request: ChatCompletionRequest, *, enable_auto_tool_choice: bool,
             tag = _hermes_structural_tag(parameters, strict, is_parallel)
             constraint = checked_structured_outputs("tools", {"structural_tag": tag}, backend)
         return ToolPlan("auto", parameters, is_parallel=is_parallel, constraint=constraint)
+    # A forced call is the whole output, so it is what the constraint shapes. response_format
+    # (and Responses' text.format) shapes text items only, and a forced call leaves none:
+    # OpenAI accepts the pair (instructor sends it), so it is checked, then has nothing to
+    # constrain. vLLM's structured_outputs / guided_* name a constraint for the whole output,
+    # which would contradict the call's.
+    if _has_whole_output_constraint(request):
+        raise RequestError("tool_choice: a required or named tool_choice constrains the whole "
+                           "output, so it cannot be combined with structured_outputs or "
+                           "guided_* (response_format is accepted: it shapes text, and a "
+                           "forced call writes none)", param="tool_choice")
     if has_format:
-        raise RequestError("tool_choice: a required or named tool_choice constrains the output, "
-                           "so it cannot be combined with response_format or structured "
-                           "outputs", param="tool_choice")
+        structured_outputs_params(request, backend)  # a bad format is still a 400
     if choice == "required":
         schema = _calls_schema(parameters, is_parallel)
         return ToolPlan("required", parameters, is_parallel=is_parallel,
@@ -121,9 +129,14 @@ def _named_function(choice: Any) -> str:
 
 def _has_constraint(request: ChatCompletionRequest) -> bool:
     fmt = request.response_format
-    return bool((fmt is not None and fmt.type != "text") or request.structured_outputs
-                or any(getattr(request, f) is not None for f in
-                       ("guided_json", "guided_regex", "guided_choice", "guided_grammar")))
+    return (fmt is not None and fmt.type != "text") or _has_whole_output_constraint(request)
+
+
+def _has_whole_output_constraint(request: ChatCompletionRequest) -> bool:
+    """vLLM's structured_outputs or guided_* fields."""
+    return bool(request.structured_outputs or any(
+        getattr(request, f) is not None
+        for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")))
 
 
 def _calls_schema(parameters: dict[str, dict], is_parallel: bool) -> dict:
