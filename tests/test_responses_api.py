@@ -358,3 +358,27 @@ def test_input_items_become_chat_messages():
          "tool_calls": calls},
         {"role": "tool", "tool_call_id": "call_1", "content": "Snow"},
         {"role": "tool", "tool_call_id": "call_2", "content": "Sun"}]
+
+
+def test_reasoning_effort_maps_the_same_in_chat_and_responses(client):
+    """One mapping for every route (protocol.common.effort_thinks): none and minimal turn the
+    template's thinking off, low up to xhigh on, in chat's reasoning_effort and in Responses'
+    reasoning.effort alike; the prompt tokens show the switch (Qwen3's template writes an empty
+    think block when thinking is off)."""
+    def chat_tokens(effort):
+        return client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+            reasoning_effort=effort).usage.prompt_tokens
+
+    def responses_tokens(effort):
+        return client.responses.create(model=MODEL, input="hi", max_output_tokens=1,
+                                       reasoning={"effort": effort}).usage.input_tokens
+
+    off, on = chat_tokens("none"), chat_tokens("low")
+    assert off != on
+    for effort in ("none", "minimal", "low", "medium", "high", "xhigh"):
+        want = off if effort in ("none", "minimal") else on
+        assert chat_tokens(effort) == want and responses_tokens(effort) == want, effort
+    with pytest.raises(openai.BadRequestError) as e:
+        chat_tokens("extreme")
+    assert e.value.body["param"] == "reasoning_effort"

@@ -48,11 +48,10 @@ from ladle.protocol.chat import (
     FunctionCall,
     ToolCall,
 )
-from ladle.protocol.common import PromptTokensDetails, RequestError, UsageInfo
+from ladle.protocol.common import PromptTokensDetails, RequestError, UsageInfo, effort_thinks
 from ladle.protocol.sampling import to_sampling_params
 
 logger = logging.getLogger("ladle.server")
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 
 
 def load_chat_template(value: str) -> str:
@@ -89,12 +88,8 @@ def template_messages(server: ServerState, request: ChatCompletionRequest) -> li
 def template_kwargs(server: ServerState, request: ChatCompletionRequest) -> dict:
     """The server's defaults, then reasoning_effort's thinking switch, then the request's own."""
     kwargs = dict(server.default_chat_template_kwargs)
-    effort = request.reasoning_effort
-    if effort is not None:
-        if effort not in REASONING_EFFORTS:
-            raise RequestError(f"reasoning_effort: {effort!r}; accepted: "
-                               + ", ".join(REASONING_EFFORTS), param="reasoning_effort")
-        kwargs["enable_thinking"] = effort != "none"
+    if request.reasoning_effort is not None:
+        kwargs["enable_thinking"] = effort_thinks(request.reasoning_effort)
     return kwargs | request.template_kwargs()
 
 

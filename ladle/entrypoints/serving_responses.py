@@ -34,7 +34,7 @@ from ladle.entrypoints.common import (
     log_request_fields,
     until_disconnect,
 )
-from ladle.protocol.common import RequestError, unsupported
+from ladle.protocol.common import RequestError, effort_thinks, unsupported
 from ladle.protocol.responses import (
     FunctionCallItem,
     IncompleteDetails,
@@ -65,6 +65,7 @@ _CHAT_NAMES = [
     (r"response_format.*", "text.format"),
     (r"tools\.(\d+)\.function\.(.*)", r"tools.\1.\2"),
     (r"thinking_token_budget", "thinking_token_budget"),
+    (r"reasoning_effort", "reasoning.effort"),
 ]
 _UNSUPPORTED_PARTS = {"input_image": "image", "input_file": "file", "input_audio": "audio"}
 
@@ -245,8 +246,7 @@ def to_chat(request: ResponsesRequest, history: list[dict[str, Any]]
             "name": fmt.name or "schema", "schema": fmt.schema_, "strict": fmt.strict}}
     kwargs = dict(request.chat_template_kwargs or {})
     effort = request.reasoning.effort if request.reasoning is not None else None
-    if effort is not None:
-        kwargs.setdefault("enable_thinking", effort not in ("none", "minimal"))
+    if effort is not None:  # chat maps it to the thinking switch (protocol.common.effort_thinks)
         fields["reasoning_effort"] = effort
     if kwargs:
         fields["chat_template_kwargs"] = kwargs
@@ -535,7 +535,7 @@ async def create_response(server: ServerState, request: ResponsesRequest,
         logger.info("%s: accepted without effect: stream_options.include_obfuscation (nothing "
                     "is padded)", response_id)
     effort = request.reasoning.effort if request.reasoning is not None else None
-    if effort not in (None, "none", "minimal") and server.reasoning_parser is None:
+    if effort is not None and effort_thinks(effort) and server.reasoning_parser is None:
         logger.info("%s: reasoning.effort %r turns thinking on, but without --reasoning-parser "
                     "the reasoning stays in the output text", response_id, effort)
     history: list[dict[str, Any]] = []

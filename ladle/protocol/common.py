@@ -210,3 +210,19 @@ class DetokenizeRequest(RequestModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+# ---- reasoning effort: the one mapping every route uses --------------------------------------
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+"""OpenAI's reasoning efforts (chat's reasoning_effort, Responses' reasoning.effort)."""
+
+
+def effort_thinks(effort: str) -> bool:
+    """Whether a reasoning effort turns the chat template's thinking switch (enable_thinking)
+    on: off for none and minimal (a model that thinks or not comes closest to "as little as
+    possible" by not), on from low up. The effort itself also reaches the template as
+    reasoning_effort, for templates that grade it (gpt-oss)."""
+    if effort not in REASONING_EFFORTS:
+        raise RequestError(f"reasoning_effort: {effort!r}; accepted: "
+                           + ", ".join(REASONING_EFFORTS), param="reasoning_effort")
+    return effort not in ("none", "minimal")
