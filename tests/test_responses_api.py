@@ -241,6 +241,23 @@ def test_text_format_with_a_named_tool_choice_is_the_call(client):
     assert r.text.format.type == "json_schema"  # echoed as sent
 
 
+def test_instructor_responses_tools_mode(client):
+    """instructor's RESPONSES_TOOLS mode itself (it sends text.format with a named tool_choice
+    of a tool made from the model): the response model comes back, validated."""
+    instructor = pytest.importorskip("instructor")
+    from pydantic import BaseModel
+
+    class Person(BaseModel):
+        name: str
+        age: int
+
+    patched = instructor.from_openai(client, mode=instructor.Mode.RESPONSES_TOOLS)
+    person = patched.responses.create(model=MODEL, input="Make up a person.",
+                                      response_model=Person, max_output_tokens=300,
+                                      max_retries=0, reasoning=NO_THINKING)
+    assert isinstance(person, Person) and isinstance(person.age, int)
+
+
 def test_input_items_lists_the_stored_input(server, client):
     """client.responses.input_items.list: the request's own input items (not the previous
     response's), with ids and statuses, newest first by default, paged with limit and after."""
