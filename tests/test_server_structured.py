@@ -66,6 +66,24 @@ def test_json_schema_and_json_object_validate(client):
     assert isinstance(json.loads(obj.message.content), dict)
 
 
+def test_json_object_whitespace_is_bounded_through_the_api(client):
+    """json_object (vLLM's response_format on completions) with a model pushed towards
+    whitespace (logit_bias +100 on
+    the space and newline tokens, as a client might send by mistake): each run of whitespace
+    between JSON tokens stays within the cap that json_schema has, so the budget is not
+    spent on it."""
+    from test_structured_output import whitespace_runs_outside_strings
+
+    from ladle.structured_output.backend import MAX_JSON_WHITESPACE
+
+    bias = {"220": 100, "198": 100}  # Qwen's " " and "\n"
+    text = client.completions.create(
+        model=MODEL, prompt="Data:", temperature=0, max_tokens=120, logit_bias=bias,
+        extra_body={"response_format": {"type": "json_object"}}).choices[0].text
+    runs = whitespace_runs_outside_strings(text)
+    assert text.lstrip().startswith("{") and runs and max(runs) <= MAX_JSON_WHITESPACE, text
+
+
 def test_guided_fields_on_both_endpoints(client):
     choice = chat(client, seed=0, extra_body={"guided_choice": ["red", "green", "blue"]})
     assert choice.choices[0].message.content in ("red", "green", "blue")
