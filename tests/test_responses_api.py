@@ -293,7 +293,9 @@ def test_input_items_lists_the_stored_input(server, client):
     walked = [i.id for i in client.responses.input_items.list(r.id, order="asc", limit=2)]
     assert walked == [i.id for i in page.data]
     for query, param in [("limit=0", "limit"), ("limit=101", "limit"), ("order=up", "order"),
-                         ("after=msg_nope", "after")]:
+                         ("after=msg_nope", "after"), ("limit=9" * 40, "limit"),
+                         ("&".join(["include=x"] * 17), "include"),
+                         ("include=" + "x" * 101, "include")]:
         bad = httpx.get(f"{server.url}/v1/responses/{r.id}/input_items?{query}", headers=AUTH,
                         timeout=30)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
