@@ -42,6 +42,9 @@ class EngineConfig:
     # kv_cache_memory and num_kv_blocks are unset.
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
+    # Batch-invariant numerics (the README's "Same request, same tokens"): each token's logits
+    # are the same bits whatever else the step holds. CPU kernels only.
+    batch_invariant: bool = False
     seed: int = 0
     max_logprobs: int = 20  # -1: no cap but the vocabulary size
     max_n: int = DEFAULT_MAX_N  # choices per request (OpenAI's 128)

@@ -254,6 +254,22 @@ def test_silu_mul_matches_torch(kernels, dtype, inner):
         assert same.float().mean() > 0.99
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_gelu_mul_matches_torch_and_does_not_depend_on_the_batch(kernels, dtype, approximate):
+    torch.manual_seed(8)
+    x = (3 * torch.randn(67, 2 * 100)).to(dtype)
+    x[0, :6] = torch.tensor([30.0, -30.0, float("inf"), float("-inf"), float("nan"),
+                             0.0]).to(dtype)
+    got = kernels.gelu_mul(x, approximate == "tanh")
+    want = cpu_kernels.gelu_mul_torch(x, approximate)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # std::erf vs torch: a few ulp
+    torch.testing.assert_close(got, want, equal_nan=True, atol=tol, rtol=tol)
+    # Each row's bits are the ones it gets alone.
+    alone = torch.cat([kernels.gelu_mul(x[i:i + 1], approximate == "tanh") for i in range(67)])
+    assert torch.equal(got.nan_to_num(), alone.nan_to_num())
+
+
 def test_penalties_match_torch(kernels):
     from ladle.sample.penalties import PenaltyState
 

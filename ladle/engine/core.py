@@ -57,7 +57,8 @@ class EngineCore:
 
             model = self.model_group = TensorParallelModel(
                 self.model_path, hf_config, self.dtype, device, config.tensor_parallel_size,
-                config.distributed_executor_backend, config.distributed_timeout)
+                config.distributed_executor_backend, config.distributed_timeout,
+                config.batch_invariant)
         else:
             model = load_model(self.model_path, hf_config, self.dtype, device,
                                quantization=config.quantization)
@@ -145,7 +146,8 @@ class EngineCore:
         self.reasoning = ReasoningConfig.from_tokenizer(config.reasoning_parser, self.tokenizer)
         self.runner = ModelRunner(model, device, num_blocks, bs, config.max_num_seqs,
                                   self.max_model_len, config.seed, keep_logits,
-                                  config.logits_processors, self.reasoning, drafter)
+                                  config.logits_processors, self.reasoning, drafter,
+                                  config.batch_invariant)
         eos = _eos_ids(self.tokenizer, self.model_path)
         self.structured = StructuredOutputManager(
             self.tokenizer, self.vocab_size, eos, config.structured_outputs_backend,

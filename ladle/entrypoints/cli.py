@@ -207,6 +207,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=_DEFAULTS.enable_prefix_caching)
 
+    g = p.add_argument_group("ModelConfig (numerics)")
+    g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
+                   default=_DEFAULTS.batch_invariant,
+                   help="every row's numbers independent of the batch, the prefill chunking, "
+                        "the prefix cache and speculation (CPU kernels; README: 'Same request, "
+                        "same tokens')")
+
     g = p.add_argument_group("SchedulerConfig")
     g.add_argument("--max-num-seqs", type=int, default=_DEFAULTS.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=human_readable_int,

@@ -53,6 +53,19 @@ _STALE_BUILD_S = 3600
 
 _loaded: dict[str, object] = {}  # "module" -> the extension once load_cpu_kernels() has run
 
+# Batch-invariant mode (EngineConfig.batch_invariant, set once per process by the runner): every
+# dense linear runs the kernel, for any number of rows, in the reduction order that makes a row's
+# result independent of the rows beside it. The quantized linears are invariant either way.
+_mode = {"batch_invariant": False}
+
+
+def set_batch_invariant(on: bool) -> None:
+    _mode["batch_invariant"] = bool(on)
+
+
+def batch_invariant() -> bool:
+    return _mode["batch_invariant"]
+
 
 def cache_root() -> Path:
     """LADLE_KERNEL_CACHE_DIR, else LADLE_CACHE_DIR/kernels, else ~/.cache/ladle/kernels."""
@@ -189,18 +202,20 @@ def supports(q: torch.Tensor) -> bool:
 # --- The kernels as the model calls them; each falls back to its twin. -------------------------
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """x (..., K) @ weight (N, K)^T + bias; the kernel for a few rows (decode), torch otherwise.
-    A QuantWeight (runner/quant.py) runs its quantized kernels for any number of rows."""
+    """x (..., K) @ weight (N, K)^T + bias; the kernel for a few rows (decode), torch otherwise;
+    the kernel for every row count in batch-invariant mode. A QuantWeight (runner/quant.py) runs
+    its quantized kernels for any number of rows."""
     if isinstance(weight, QuantWeight):
         return quant_linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if 0 < rows <= MAX_LINEAR_ROWS and weight.is_contiguous():
+    invariant = _mode["batch_invariant"]
+    if 0 < rows and (rows <= MAX_LINEAR_ROWS or invariant) and weight.is_contiguous():
         k = kernels_for(x, weight) if bias is None else kernels_for(x, weight, bias)
         if k is not None:
             x2 = x.reshape(rows, x.shape[-1])
             if x2.stride(-1) != 1:
                 x2 = x2.contiguous()
-            return k.linear(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+            return k.linear(x2, weight, bias, invariant).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
@@ -318,7 +333,15 @@ def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 
 def gelu_mul(gate_up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
     """(R, 2I) = [gate | up] -> gelu(gate) * up, (R, I); Gemma's GeGLU ("tanh" is HF's
-    gelu_pytorch_tanh). Torch ops only: no kernel yet."""
+    gelu_pytorch_tanh, "none" the exact erf). The kernel computes each row alike wherever it
+    sits in the batch; gelu_mul_torch is its twin."""
+    kern = kernels_for(gate_up)
+    if kern is not None and gate_up.dim() == 2 and gate_up.stride(1) == 1:
+        return kern.gelu_mul(gate_up, approximate == "tanh")
+    return gelu_mul_torch(gate_up, approximate)
+
+
+def gelu_mul_torch(gate_up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate=approximate) * up
 

@@ -61,7 +61,8 @@ class ModelRunner:
     def __init__(self, model, device: torch.device, num_blocks: int, block_size: int,
                  max_num_seqs: int, max_model_len: int, seed: int, keep_logits: bool = False,
                  logits_processors: list[str] | None = None,
-                 reasoning: ReasoningConfig | None = None, drafter: DraftModel | None = None):
+                 reasoning: ReasoningConfig | None = None, drafter: DraftModel | None = None,
+                 batch_invariant: bool = False):
         self.model = model
         self.drafter = drafter  # speculative decoding's draft model, when configured
         self.draft_proposals: DraftProposals | None = None  # of the current step
@@ -70,11 +71,14 @@ class ModelRunner:
             # Build (or load) the CPU kernels now, so the engine reports ready only when its
             # first step will not stop to compile; a failed build logs and uses torch ops.
             cpu_kernels.load_cpu_kernels()
+        dtype = next(model.parameters()).dtype
+        if batch_invariant:
+            check_batch_invariant(device, dtype)
+        cpu_kernels.set_batch_invariant(batch_invariant)
         self.block_size = block_size
         self.max_model_len = max_model_len
         cfg = model.config
         self.vocab_size = cfg.vocab_size
-        dtype = next(model.parameters()).dtype
         self.kv_caches = allocate_kv_caches(cfg, model.num_local_kv_heads, num_blocks,
                                             block_size, dtype, device)
         self.max_num_seqs = max_num_seqs
@@ -269,10 +273,23 @@ class ModelRunner:
                 torch.from_numpy(pos).to(self.device), attn, starts, ends)
 
     def _attention_layout(self, batch_rows, num_sched, num_computed, starts) -> dict:
-        """Decode rows attend in one batched call; each prefill chunk in its own."""
+        """Decode rows attend in one batched call; each prefill chunk in its own. In
+        batch-invariant mode every token is a decode row: the query at position p attends to
+        the cached positions 0..p through the decode kernel, which reduces over them in one
+        order whatever the step holds (a prefill chunk, a verification, a lone decode)."""
         ctx = num_computed + num_sched
         bs = self.block_size
         table = self.input_batch.block_table
+        if cpu_kernels.batch_invariant():
+            local = np.repeat(np.arange(len(batch_rows)), num_sched)
+            token_ctx = (np.repeat(num_computed, num_sched) + np.arange(len(local))
+                         - np.repeat(starts, num_sched) + 1)
+            num_blocks = -(-int(token_ctx.max()) // bs)
+            return {"decode": DecodeBatch(
+                rows=torch.arange(len(local), device=self.device),
+                block_table=torch.from_numpy(table[batch_rows[local], :num_blocks]).to(self.device),
+                ctx_lens=torch.from_numpy(token_ctx).to(self.device),
+            ), "prefills": []}
         decode = None
         rows = np.nonzero(num_sched == 1)[0]
         if len(rows):
@@ -302,6 +319,21 @@ class ModelRunner:
         self.input_batch.append_tokens(rows, token_ids)
         self.sampler.accept(torch.from_numpy(rows).to(self.device),
                             torch.from_numpy(token_ids).to(self.device))
+
+
+def check_batch_invariant(device: torch.device, dtype: torch.dtype) -> None:
+    """Batch-invariant mode runs on the CPU kernels (the linears, attention and sampler whose
+    reduction order it fixes); elsewhere it is an error, not a promise quietly broken."""
+    if device.type != "cpu":
+        raise ValueError(f"batch_invariant: runs on the CPU kernels; the device is {device}. "
+                         "Accepted: --device cpu, or leave --batch-invariant off")
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"batch_invariant: the CPU kernels run bfloat16 and float32; the model "
+                         f"is {dtype}. Accepted: --dtype bfloat16 or float32")
+    if cpu_kernels.load_cpu_kernels() is None:
+        raise ValueError("batch_invariant: the CPU kernels are unavailable (disabled by "
+                         "LADLE_DISABLE_CPU_KERNELS or their build failed; see the log above). "
+                         "Accepted: a machine where they build, or leave --batch-invariant off")
 
 
 def allocate_kv_caches(model_config, num_kv_heads: int, num_blocks: int, block_size: int,

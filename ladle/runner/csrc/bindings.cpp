@@ -19,7 +19,8 @@ std::string isa() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "paged decode attention, optionally windowed and soft-capped");
-  m.def("linear", &linear, "small-M linear", py::arg("x"), py::arg("w"), py::arg("b"));
+  m.def("linear", &linear, "small-M linear (any M when invariant)", py::arg("x"), py::arg("w"),
+        py::arg("b"), py::arg("invariant") = false);
   m.def("rms_norm", &rms_norm, "RMSNorm with optional residual add", py::arg("x"),
         py::arg("residual"), py::arg("w"), py::arg("eps"));
   m.def("rotary", &rotary, "neox rotary embedding in place");
@@ -27,6 +28,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qk_norm_rotary", &qk_norm_rotary, "per-head q/k RMSNorm then rotary");
   m.def("write_kv_cache", &write_kv_cache, "k and v into their cache slots");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("gelu_mul", &gelu_mul, "gelu(gate) * up (tanh approximation or exact erf)");
   m.def("apply_penalties", &apply_penalties, "repetition/frequency/presence in one pass");
   m.def("logprob_stats", &logprob_stats, "logsumexp, chosen value and rank per row");
   m.def("logsumexp_rows", &logsumexp_rows, "logsumexp per row");

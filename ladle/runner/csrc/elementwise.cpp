@@ -300,3 +300,46 @@ torch::Tensor silu_mul(torch::Tensor x) {
   }
   return out;
 }
+
+// gelu(gate) * up per row, rounded as torch rounds it: gelu to T, then the product to T.
+// tanh_approx: HF's gelu_pytorch_tanh, 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))); else the
+// exact 0.5 g (1 + erf(g / sqrt(2))). One scalar loop per row (std::tanh / std::erf in float),
+// so every element is computed the same way wherever its row sits in the batch (torch's
+// elementwise ops split the flat tensor across threads, and an element that falls in a chunk's
+// tail takes a scalar path that can round differently from the vector one).
+template <typename T>
+static void gelu_mul_kernel(const T* x, T* out, int64_t R, int64_t I, int64_t ldx,
+                            bool tanh_approx) {
+  at::parallel_for(0, R, grain_for(kElementWork * I), [&](int64_t begin, int64_t end) {
+    constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+    constexpr float kInvSqrt2 = 0.7071067811865476f;
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = x + r * ldx;
+      const T* up = gate + I;
+      T* o = out + r * I;
+      for (int64_t i = 0; i < I; ++i) {
+        const float g = to_f(gate[i]);
+        const float ge = tanh_approx
+                             ? 0.5f * g * (1.f + std::tanh(kBeta * (g + 0.044715f * g * g * g)))
+                             : 0.5f * g * (1.f + std::erf(g * kInvSqrt2));
+        o[i] = static_cast<T>(to_f(static_cast<T>(ge)) * to_f(up[i]));
+      }
+    }
+  });
+}
+
+torch::Tensor gelu_mul(torch::Tensor x, bool tanh_approx) {
+  // x: (R, 2I) = [gate | up] per row, unit stride; returns gelu(gate) * up, (R, I).
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "gelu_mul: layout");
+  const int64_t R = x.size(0), I = x.size(1) / 2;
+  auto out = torch::empty({R, I}, x.options());
+  if (x.scalar_type() == at::kBFloat16) {
+    gelu_mul_kernel<at::BFloat16>(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), R, I,
+                                  x.stride(0), tanh_approx);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "gelu_mul: bfloat16 or float32");
+    gelu_mul_kernel<float>(x.data_ptr<float>(), out.data_ptr<float>(), R, I, x.stride(0),
+                           tanh_approx);
+  }
+  return out;
+}

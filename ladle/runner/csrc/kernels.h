@@ -18,7 +18,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      double scale, int64_t window, double softcap);
 
 // linear.cpp
-torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> b);
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> b,
+                     bool invariant);
 
 // elementwise.cpp
 torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor w,
@@ -31,6 +32,7 @@ std::vector<torch::Tensor> qk_norm_rotary(torch::Tensor q, torch::Tensor k, torc
 void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                     torch::Tensor slot_blocks, torch::Tensor slot_offsets);
 torch::Tensor silu_mul(torch::Tensor x);
+torch::Tensor gelu_mul(torch::Tensor x, bool tanh_approx);
 
 // sampler.cpp
 void apply_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask);

@@ -179,10 +179,15 @@ static void linear_sequential(const T* x, const T* w, const T* b, T* y, int64_t 
   });
 }
 
+// invariant: every row through the four-row blocks, whatever M. A row's result is then the same
+// bits in any batch: each (row, weight row) pair accumulates over K in one fixed order (one
+// accumulator per pair, chunk after chunk, the same horizontal sum), and which weight rows form
+// a block depends on N only. The sequential path sums over four interleaved accumulators
+// instead (AVX-512 builds; the portable build computes both paths with the same loop).
 template <typename T>
 static void linear_kernel(const T* x, const T* w, const T* b, T* y, int64_t M, int64_t N,
-                          int64_t K, int64_t ldx) {
-  if (M <= kSequentialRows) return linear_sequential(x, w, b, y, M, N, K, ldx);
+                          int64_t K, int64_t ldx, bool invariant) {
+  if (M <= kSequentialRows && !invariant) return linear_sequential(x, w, b, y, M, N, K, ldx);
   // Each block of 4 weight rows is read once from memory and then used from L1 for every row
   // of x, in register blocks of up to kRowBlock rows (sizes balanced: 8 rows = 4 + 4).
   const int64_t row_blocks = (M + kRowBlock - 1) / kRowBlock;
@@ -227,8 +232,10 @@ static void linear_kernel(const T* x, const T* w, const T* b, T* y, int64_t M, i
   });
 }
 
-torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> b) {
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> b,
+                     bool invariant) {
   // x: (M, K) with unit stride in K; w: (N, K) contiguous; b: (N,) or None. Returns (M, N).
+  // invariant: each row's result independent of M (see linear_kernel).
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: shapes");
   TORCH_CHECK(x.stride(1) == 1 && w.is_contiguous(), "linear: layout");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "linear: dtypes");
@@ -238,12 +245,13 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
   if (x.scalar_type() == at::kBFloat16) {
     linear_kernel<at::BFloat16>(x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(),
                                 has_b ? b->data_ptr<at::BFloat16>() : nullptr,
-                                y.data_ptr<at::BFloat16>(), M, N, K, x.stride(0));
+                                y.data_ptr<at::BFloat16>(), M, N, K, x.stride(0),
+                                invariant);
   } else {
     TORCH_CHECK(x.scalar_type() == at::kFloat, "linear: bfloat16 or float32");
     linear_kernel<float>(x.data_ptr<float>(), w.data_ptr<float>(),
                          has_b ? b->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, N, K,
-                         x.stride(0));
+                         x.stride(0), invariant);
   }
   return y;
 }
