@@ -5,6 +5,7 @@ Every test uses its own LADLE_KERNEL_CACHE_DIR, never the shared one."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_server import MODEL, RemoteServer, child_pids, free_port
+from test_server import MODEL, RemoteServer, child_pids, free_port, is_alive
 
 from ladle.models.demo import ensure_demo_model
 from ladle.runner import cpu_kernels
@@ -25,9 +26,25 @@ def _finished_builds(root: Path) -> list[Path]:
     return [p for p in root.glob("ladle_cpu_kernels-*") if (p / "ladle_cpu_kernels.so").exists()]
 
 
+def build_processes(root: Path) -> list[int]:
+    """Live processes working inside the kernel cache `root` (ninja, the compilers, the guard
+    that ties them to the engine): their working directory is a private build directory."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and os.readlink(entry / "cwd").startswith(str(root)) \
+                    and is_alive(int(entry.name)):
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
 def test_killed_build_then_fresh_start_is_ready_when_healthy(tmp_path, monkeypatch):
-    """SIGKILL the engine in the middle of the kernel build; the next server on the same cache
-    builds, reports healthy only once the kernels are loaded, and serves the first request."""
+    """SIGKILL the whole server (API process and engine, as an OOM killer or `kill -9` would)
+    in the middle of the kernel build: every build process (ninja, the compilers) is gone
+    within 5 s, as the engine is (issue 24); the next server on the same cache builds, reports
+    healthy only once the kernels are loaded, and serves the first request."""
     ensure_demo_model()  # the demo checkpoint is not what this test times
     root = tmp_path / "kernels"
     monkeypatch.setenv("LADLE_KERNEL_CACHE_DIR", str(root))
@@ -46,10 +63,22 @@ def test_killed_build_then_fresh_start_is_ready_when_healthy(tmp_path, monkeypat
             time.sleep(0.1)
         engines = child_pids(proc.pid)
         assert engines, "no engine process"
-        for pid in engines:
+        builders = build_processes(root)
+        assert builders, "no build process"
+        for pid in [proc.pid, *engines]:
             os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        proc.wait()
+        while build_processes(root) or any(is_alive(p) for p in engines):
+            assert time.monotonic() - killed < 5, f"still building: {build_processes(root)}"
+            time.sleep(0.02)
+        print(f"{len(builders)} build processes gone {time.monotonic() - killed:.2f} s after "
+              "the SIGKILL of the server")
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the API process and the orphaned compiler
+        with contextlib.suppress(ProcessLookupError):  # the group is gone, or what is left
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in build_processes(root):  # a failed guard's orphans (own process groups)
+            os.kill(pid, signal.SIGKILL)
         proc.wait()
     assert _finished_builds(root) == []  # nothing half-built is where a loader would look
 

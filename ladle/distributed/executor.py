@@ -24,6 +24,7 @@ import zmq
 
 from ladle.distributed.group import TPGroup, WorkerGroupError
 from ladle.distributed.worker import Command, WorkerSpec, move, run_worker
+from ladle.lifetime import forks_from_main_thread
 from ladle.models.loader import load_model, model_class
 
 logger = logging.getLogger("ladle.distributed.executor")
@@ -47,7 +48,8 @@ class TensorParallelModel:
     at different collectives, so the engine must stop, not retry."""
 
     def __init__(self, model_path: Path, hf_config: dict, dtype: torch.dtype,
-                 device: torch.device, world_size: int, backend: str, timeout_s: float):
+                 device: torch.device, world_size: int, backend: str, timeout_s: float,
+                 batch_invariant: bool = False):
         self.world_size = world_size
         self.timeout_s = timeout_s
         startup_s = timeout_s * _STARTUP_FACTOR
@@ -77,7 +79,9 @@ class TensorParallelModel:
                     control_addr=self._bind(sock, backend, host),
                     hostname=self._launcher.worker_hostname(), timeout_s=timeout_s,
                     startup_timeout_s=startup_s,
-                    num_threads=num_threads, parent_pid=os.getpid()))
+                    num_threads=num_threads, batch_invariant=batch_invariant,
+                    parent_pid=os.getpid(),
+                    parent_death_signal=forks_from_main_thread()))
                 self._socks.append(sock)
             self._launcher.start(specs)
             self.model = load_model(model_path, hf_config, dtype, device, self.tp)
@@ -206,8 +210,8 @@ def _rank_device(device: torch.device, rank: int, backend: str) -> str:
 
 
 class _ProcessLauncher:
-    """`mp`: workers are spawned children of the engine process, on this host. They watch
-    their parent and exit when it is gone; daemonic, so a normal exit also ends them."""
+    """`mp`: workers are spawned children of the engine process, on this host. They die with
+    it, however it ends (ladle/lifetime.py); daemonic, so a normal exit stops them first."""
 
     def __init__(self):
         self.procs = []

@@ -17,11 +17,10 @@ import torch.distributed as dist
 import zmq
 
 from ladle.distributed.group import TPGroup
+from ladle.lifetime import die_with_parent
 
 logger = logging.getLogger("ladle.distributed.worker")
 
-# How often an idle worker checks that rank 0 (its parent process) is still there.
-_IDLE_POLL_MS = 1000
 
 
 class Command(IntEnum):
@@ -50,7 +49,11 @@ class WorkerSpec:
     timeout_s: float  # per collective
     startup_timeout_s: float
     num_threads: int
-    parent_pid: int = 0  # mp: exit when rank 0 (the parent) is gone; Ray kills its own actors
+    batch_invariant: bool  # the engine's --batch-invariant: this rank's kernels in that mode
+    parent_pid: int = 0  # mp: die with rank 0 (the parent); Ray kills its own actors
+    # mp: rank 0 started us from its main thread, so the kernel's parent-death signal may be
+    # used (ladle/lifetime.py)
+    parent_death_signal: bool = True
 
 
 def move(obj, device: torch.device):
@@ -68,7 +71,11 @@ def move(obj, device: torch.device):
 
 def run_worker(spec: WorkerSpec) -> None:
     """The worker process (or Ray actor call) from start to exit. An exception ends it; rank 0
-    sees that as a failed collective or a dead worker and stops the engine."""
+    sees that as a failed collective or a dead worker and stops the engine. An mp worker dies
+    with rank 0, also inside a collective (ladle/lifetime.py)."""
+    if spec.parent_pid:
+        die_with_parent(spec.parent_pid, f"tensor-parallel rank {spec.rank}",
+                        use_signal=spec.parent_death_signal)
     logging.basicConfig(level=os.environ.get("LADLE_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s %(levelname)s [tp rank {spec.rank}] %(name)s: "
                                "%(message)s")
@@ -90,6 +97,12 @@ def run_worker(spec: WorkerSpec) -> None:
             from ladle.runner.cpu_kernels import load_cpu_kernels
 
             load_cpu_kernels()
+        if spec.batch_invariant:
+            from ladle.runner.cpu_kernels import set_batch_invariant
+            from ladle.runner.model_runner import check_batch_invariant
+
+            check_batch_invariant(device, spec.dtype)
+            set_batch_invariant(True)
         tp = TPGroup(spec.rank, spec.world_size, device, spec.timeout_s)
         model = load_model(Path(spec.model_path), spec.hf_config, spec.dtype, device, tp)
         sock.connect(spec.control_addr)
@@ -115,11 +128,6 @@ def _serve(model, tp: TPGroup, sock: zmq.Socket, spec: WorkerSpec, device: torch
 
     kv_caches, hidden = None, None
     while True:
-        if not sock.poll(_IDLE_POLL_MS):
-            if spec.parent_pid and os.getppid() != spec.parent_pid:
-                logger.info("rank 0 is gone; worker stopping")
-                return
-            continue
         command, payload = pickle.loads(sock.recv())
         if command == Command.FORWARD:
             input_ids, positions, meta = payload

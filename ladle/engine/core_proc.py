@@ -8,7 +8,12 @@ Each loop turn drains the input socket without blocking, steps once if there is 
 that step's outputs with EngineCore.stats(). When idle it blocks on the input socket. No HTTP and
 no text work happens here: the process knows token ids only.
 
-    python -m ladle.engine.core_proc --input ipc://... --output ipc://... --config '{json}'
+The process never outlives the API process (ladle/lifetime.py: the parent-death signal and a
+watchdog), and no send blocks for ever: a send that the API has not taken within
+_SEND_STALL_S ends the process.
+
+    python -m ladle.engine.core_proc --input ipc://... --output ipc://... --config '{json}' \
+        --parent-pid PID [--no-parent-death-signal]
 """
 
 from __future__ import annotations
@@ -26,12 +31,21 @@ import zmq
 
 from ladle.config import EngineConfig
 from ladle.engine.request import FinishReason
+from ladle.lifetime import die_with_parent
 from ladle.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 
 logger = logging.getLogger("ladle.engine.core_proc")
 
-# How often an idle engine wakes up to check that the API process is still there.
+# How often an idle engine wakes up to check its tensor-parallel workers.
 _IDLE_POLL_MS = 1000
+# A send blocks only when the API process stops reading (its socket queue is full), and then for
+# at most this long: an API process that takes nothing for a minute is hung, and the engine
+# ends rather than wait with it.
+_SEND_STALL_S = 60
+
+
+class EngineOutputStalled(RuntimeError):
+    """The API process took no output for _SEND_STALL_S seconds."""
 
 
 class RequestType(bytes, Enum):
@@ -57,13 +71,15 @@ class EngineReady(msgspec.Struct, omit_defaults=True):
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> None:
-    """Entry point of the engine process: handshake, then the busy loop until SIGTERM or until
-    the parent goes away. A request's own failure ends that request (EngineCore.step isolates
-    it); only a device fault escapes the step and ends the process with a non-zero code (the API
-    process watches for that and fails the requests in flight)."""
+    """Entry point of the engine process: handshake, then the busy loop until SIGTERM (or the
+    API process's death, which kills this one: ladle/lifetime.py). A request's own failure ends
+    that request (EngineCore.step isolates it); only a device fault escapes the step and ends
+    the process with a non-zero code (the API process watches for that and fails the requests
+    in flight)."""
     ctx = zmq.Context()
     out_sock = ctx.socket(zmq.PUSH)
     out_sock.setsockopt(zmq.LINGER, 2000)
+    out_sock.setsockopt(zmq.SNDTIMEO, _SEND_STALL_S * 1000)
     out_sock.connect(output_addr)
     in_sock = ctx.socket(zmq.PULL)
     in_sock.setsockopt(zmq.LINGER, 0)
@@ -74,18 +90,25 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
 
         engine = EngineCore(config)
     except Exception as e:
-        logger.exception("engine core failed to start")
-        out_sock.send(encoder.encode(EngineReady(error=f"{type(e).__name__}: {e}")))
+        if isinstance(e, ValueError):  # a checkpoint or setting at fault (ModelLoadError is
+            # one): its message names it, and the API process logs it as the one line
+            logger.debug("engine core failed to start", exc_info=True)
+        else:
+            logger.exception("engine core failed to start")
+        _send(out_sock, encoder.encode(EngineReady(error=f"{type(e).__name__}: {e}")))
         out_sock.close()
         ctx.term()
         sys.exit(1)
-    out_sock.send(encoder.encode(EngineReady(
+    _send(out_sock, encoder.encode(EngineReady(
         vocab_size=engine.vocab_size, max_model_len=engine.max_model_len,
         model_path=str(engine.model_path), num_kv_blocks=engine.kv_cache.num_blocks,
         block_size=config.block_size, pid=os.getpid(), weight_bytes=engine.weight_bytes,
     )))
     try:
         EngineCoreLoop(engine, in_sock, out_sock).run()
+    except EngineOutputStalled as e:
+        logger.error("%s", e)
+        sys.exit(1)
     finally:
         engine.close()  # tensor-parallel workers stop with the engine, whatever ended it
 
@@ -100,7 +123,6 @@ class EngineCoreLoop:
         self.encoder = msgspec.msgpack.Encoder()
         self.add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         self.abort_decoder = msgspec.msgpack.Decoder(list[str])
-        self.parent_pid = os.getppid()
         self.errors: list[EngineCoreOutput] = []  # requests rejected since the last send
         self.is_dirty = False  # the engine's state changed since the last stats were sent
 
@@ -111,9 +133,6 @@ class EngineCoreLoop:
                 if self.is_dirty or self.errors:
                     self._send([])  # aborts freed blocks: report the idle gauges once
                 while not self.poller.poll(_IDLE_POLL_MS):
-                    if os.getppid() != self.parent_pid:
-                        logger.info("API process exited; engine core stopping")
-                        return
                     engine.check_health()  # a dead TP worker ends the engine even when idle
             self._drain_input()
             outputs = engine.step() if engine.has_unfinished_requests() else []
@@ -150,8 +169,18 @@ class EngineCoreLoop:
             outputs = self.errors + outputs
             self.errors = []
         msg = EngineCoreOutputs(outputs=outputs, stats=self.engine.stats())
-        self.out_sock.send(self.encoder.encode(msg), copy=False)
+        _send(self.out_sock, self.encoder.encode(msg))
         self.is_dirty = False
+
+
+def _send(sock: zmq.Socket, data: bytes) -> None:
+    """Send on the output socket (SNDTIMEO _SEND_STALL_S); EngineOutputStalled when the API
+    process took nothing for that long. Its death ends this process sooner (ladle/lifetime.py)."""
+    try:
+        sock.send(data, copy=False)
+    except zmq.Again:
+        raise EngineOutputStalled(f"the API process took no engine output for {_SEND_STALL_S} "
+                                  "s; engine core stopping") from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -159,7 +188,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--input", required=True, help="ZMQ address the API process pushes to")
     ap.add_argument("--output", required=True, help="ZMQ address the API process pulls from")
     ap.add_argument("--config", required=True, help="EngineConfig as JSON")
+    ap.add_argument("--parent-pid", type=int, default=None,
+                    help="exit when this process (the API process) exits")
+    ap.add_argument("--no-parent-death-signal", action="store_true",
+                    help="the parent started us from a thread that may end before it does: "
+                         "watch it without the kernel's parent-death signal")
     args = ap.parse_args(argv)
+    if args.parent_pid is not None:
+        die_with_parent(args.parent_pid, "engine core",
+                        use_signal=not args.no_parent_death_signal)
     logging.basicConfig(level=os.environ.get("LADLE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s")
     # Ctrl-C in a terminal reaches the whole process group: the API process decides when the

@@ -325,12 +325,17 @@ def parse_serve_args(argv: list[str]) -> argparse.Namespace:
     args.model = args.model or args.model_tag or "ladle-demo"
     args.command = "serve"
     # The model file's and the engine settings' own checks (EngineConfig) as usage errors now,
-    # not a traceback when the server builds its engine.
+    # not a traceback when the server builds its engine. A broken checkpoint is one line that
+    # names the file (the usage text would only bury it).
+    from ladle.models.loader import ModelLoadError
+
     try:
         _check_model_file(args.model, args.quantization, args.tensor_parallel_size)
         from ladle.entrypoints.api_server import engine_config_from_args
 
         engine_config_from_args(args)
+    except ModelLoadError as e:
+        serve.exit(2, f"{serve.prog}: error: {e}\n")
     except ValueError as e:
         serve.error(str(e))
     return args
@@ -340,7 +345,9 @@ def _check_model_file(model: str, quantization: str | None, tensor_parallel_size
     """A GGUF file's header, metadata and tensor table are read now (milliseconds, memory-
     mapped), so a truncated, corrupt or unsupported file is a usage error naming the file
     before any process starts; the engine reads it again to load. So is a --quantization the
-    local checkpoint cannot take, or a quantization_config ladle cannot run."""
+    local checkpoint cannot take, or a quantization_config ladle cannot run. (The rest of a
+    local checkpoint, its weights' headers and its tokenizer, is checked by the API process
+    while the engine starts: AsyncLLM.start.)"""
     path = Path(model).expanduser()
     from ladle.models.loader import check_quantization
 

@@ -12,6 +12,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from ladle.config import EngineConfig
 from ladle.frontend.engine_client import EngineClient, EngineDeadError
@@ -19,7 +20,7 @@ from ladle.frontend.metrics import IterationStats, ServerMetrics
 from ladle.frontend.output_processor import ChoiceDelta, OutputProcessor, RequestState
 from ladle.frontend.processor import InputProcessor, ProcessedRequest
 from ladle.sampling_params import RequestLimits
-from ladle.tokenizer import load_tokenizer
+from ladle.tokenizer import load_served_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -69,12 +70,26 @@ class AsyncLLM:
 
     @classmethod
     async def start(cls, config: EngineConfig, model_name: str | None = None) -> AsyncLLM:
-        """Start the engine processes, wait until all have loaded the model, and start reading."""
+        """Start the engine processes, wait until all have loaded the model, and start reading.
+        A local checkpoint is checked meanwhile (`check_served_checkpoint`), so a broken one
+        ends the start with a ModelLoadError naming the file before the engines have loaded it;
+        a fetched one has its tokenizer checked once the engine has resolved it."""
+        local = _local_model_path(config.model)
         client = EngineClient(config)
+        checking = None if local is None else asyncio.ensure_future(
+            asyncio.to_thread(check_served_checkpoint, config.tokenizer, local))
+        starting = asyncio.ensure_future(client.start())
         try:
-            ready = await client.start()
-            tokenizer = load_tokenizer(config.tokenizer or ready.model_path)
+            tokenizer = None if checking is None else await checking
+            ready = await starting
+            if tokenizer is None:
+                tokenizer = load_served_tokenizer(config.tokenizer, ready.model_path)
         except BaseException:
+            for task in (checking, starting):
+                if task is not None:
+                    task.cancel()
+            await asyncio.gather(*(t for t in (checking, starting) if t is not None),
+                                 return_exceptions=True)
             await client.shutdown()
             raise
         limits = RequestLimits(ready.vocab_size, config.max_logprobs, config.max_n)
@@ -227,3 +242,25 @@ class AsyncLLM:
             stream.event.set()
         for callback in self._on_dead:
             callback()
+
+
+def check_served_checkpoint(tokenizer: str | None, model_path: Path):
+    """What the API process checks of a local checkpoint while the engines start, so a broken
+    one fails in seconds rather than after a model load: its weights files' headers against its
+    config (loader.check_checkpoint, the engine raises the same errors later), and the
+    tokenizer against the model. Returns the tokenizer."""
+    from ladle.models.loader import check_checkpoint, read_hf_config
+
+    check_checkpoint(model_path, read_hf_config(model_path))
+    return load_served_tokenizer(tokenizer, model_path)
+
+
+def _local_model_path(model: str) -> Path | None:
+    """The checkpoint path when `model` is a local file or directory (resolved as the engine
+    resolves it, which for a local path reads nothing); None for the demo, a packaged model or a
+    hub id, which the engine fetches."""
+    if not Path(model).expanduser().exists():
+        return None
+    from ladle.models.loader import resolve_model_path
+
+    return resolve_model_path(model)

@@ -24,6 +24,7 @@ import zmq.asyncio
 
 from ladle.config import EngineConfig
 from ladle.engine.core_proc import EngineReady, RequestType
+from ladle.lifetime import forks_from_main_thread
 from ladle.messages import EngineCoreOutputs, EngineCoreRequest
 
 logger = logging.getLogger(__name__)
@@ -129,9 +130,12 @@ class EngineProcess:
         return f"engine {self.index}" + ("" if self.proc is None else f" (pid {self.proc.pid})")
 
     def launch(self) -> None:
+        # The engine dies with this process, however this one ends (ladle/lifetime.py).
         cmd = [sys.executable, "-m", "ladle.engine.core_proc", "--input", self.input_addr,
                "--output", self.output_addr,
-               "--config", msgspec.json.encode(self.config).decode()]
+               "--config", msgspec.json.encode(self.config).decode(),
+               "--parent-pid", str(os.getpid()),
+               *([] if forks_from_main_thread() else ["--no-parent-death-signal"])]
         env = {**os.environ, **self.env} if self.env else None
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
         logger.info("%s started%s; loading %s", self.name,

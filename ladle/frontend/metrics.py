@@ -110,6 +110,11 @@ class ServerMetrics:
         )}
         self.engines = [_EngineSeries(model_name, str(i), success, counters, histograms)
                         for i in range(num_engines)]
+        # Before any engine: a request whose client left mid-body is an abort of no choice.
+        self.body_disconnects = Counter(
+            "ladle:request_body_disconnects", "Requests whose client disconnected before "
+            "sending the whole body (aborted before reaching an engine).", ["model_name"],
+            registry=self.registry).labels(model_name=model_name)
         # Each engine's last EngineCore.stats() (gauges and counters since start).
         self.engine_stats: list[dict] = [{} for _ in range(num_engines)]
         # Each engine's weight bytes by storage type, from its ready message (fixed after start).
@@ -152,6 +157,10 @@ class ServerMetrics:
     def record_aborted(self, num_choices: int, engine: int = 0) -> None:
         """Requests the client left (disconnects): counted, not timed."""
         self.engines[engine].success["abort"].inc(num_choices)
+
+    def record_body_disconnect(self) -> None:
+        """A client that left before its request's body ended."""
+        self.body_disconnects.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

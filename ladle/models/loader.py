@@ -121,8 +121,14 @@ def read_hf_config(path: Path) -> dict:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ModelLoadError(f"{cfg_file}: missing; a checkpoint directory needs config.json")
-    with open(cfg_file) as f:
-        cfg = json.load(f)
+    try:
+        with open(cfg_file) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:  # unreadable, or not JSON
+        raise ModelLoadError(f"{cfg_file}: cannot be read as JSON ({e}); accepted: the "
+                             "checkpoint's config.json as published") from e
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{cfg_file}: holds a {type(cfg).__name__}, not a JSON object")
     if "text_config" in cfg and "num_hidden_layers" not in cfg:
         raise ModelLoadError(f"{cfg_file}: multimodal checkpoints are not supported")
     return cfg
@@ -177,7 +183,7 @@ def load_model(path: Path, hf_config: dict, dtype: torch.dtype, device: torch.de
     from ladle.models import int8
 
     stored_int8 = {} if int8.checkpoint_is_int8(hf_config, path / "config.json") else None
-    load_weights(model, path, stored_int8)
+    load_weights(model, path, stored_int8, hf_config)
     if stored_int8:
         int8.install_checkpoint_int8(model, stored_int8, path)
     if quantization == "int8":
@@ -221,58 +227,173 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def _checkpoint_tensors(path: Path):
-    """(checkpoint tensor name, read) pairs, where read(part) returns the tensor, or only the
-    part (dim, start, length) of it that this tensor-parallel rank holds (part None: all)."""
+    """(file, checkpoint tensor name, shape or None, read) for every tensor, where read(part)
+    returns the tensor, or only the part (dim, start, length) of it that this tensor-parallel
+    rank holds (part None: all of it). Nothing is read until `read` is called."""
     if is_gguf(path):
         from ladle.models.gguf import hf_config_from_gguf, iter_hf_tensors, open_gguf
 
         reader = open_gguf(path)
+        # Shapes None: iter_hf_tensors has checked each against the model's already.
         for name, load in iter_hf_tensors(reader, hf_config_from_gguf(reader)):
             # GGUF blocks are dequantized whole (float32); a rank then keeps its slice.
-            yield name, (lambda part, load=load, name=name:
-                         load() if part is None else _read_slice(load(), name, part))
+            yield path, name, None, (lambda part, load=load, name=name:
+                                     load() if part is None else _read_slice(load(), name, part))
         return
     for file in _weight_files(path):
-        with safe_open(file, framework="pt") as f:
+        with _open_safetensors(file) as f:
             for name in f.keys():
-                yield name, (lambda part, f=f, name=name: f.get_tensor(name) if part is None
-                             else _read_slice(f.get_slice(name), name, part))
+                yield file, name, tuple(f.get_slice(name).get_shape()), (
+                    lambda part, f=f, name=name: f.get_tensor(name) if part is None
+                    else _read_slice(f.get_slice(name), name, part))
+
+
+def _open_safetensors(file: Path):
+    """safe_open, with a ModelLoadError naming the file when it cannot be read or is not whole
+    (safetensors itself reports a file it may not read as "No such file or directory")."""
+    try:
+        with open(file, "rb"):
+            pass
+    except OSError as e:
+        raise ModelLoadError(f"{file}: cannot be read ({e.strerror}); accepted: a file the "
+                             f"user running ladle (uid {os.getuid()}) can read") from e
+    try:
+        return safe_open(file, framework="pt")
+    except Exception as e:  # SafetensorError: a header that does not parse or cover the file
+        raise ModelLoadError(
+            f"{file}: not a complete safetensors file ({e}; {file.stat().st_size} bytes): "
+            "truncated or still being copied? Accepted: the file as published (copy or "
+            "download it again)") from e
+
+
+def check_checkpoint(path: Path, hf_config: dict) -> None:
+    """Everything about a checkpoint that can be checked without reading its weights (headers
+    only), so that `ladle serve` refuses a broken one in seconds, not after a model load: every
+    weights file can be read and is whole, and its tensors are exactly the model's (none
+    missing, none the model has no place for, each of the shape the config gives).
+    ModelLoadError names the file, and for a shape config.json and the field; the load itself
+    raises the same errors."""
+    cls = model_class(hf_config, path)
+    try:
+        with torch.device("meta"):
+            model = cls(hf_config, None)
+    except ModelLoadError:
+        raise
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:  # a field missing or odd
+        raise ModelLoadError(f"{_config_file(path)}: does not describe a {cls.__name__} "
+                             f"({type(e).__name__}: {e}); accepted: the config these weights "
+                             "were saved with") from e
+    params = dict(model.named_parameters())
+    from ladle.models import int8
+
+    is_int8 = not is_gguf(path) and int8.checkpoint_is_int8(hf_config, path / "config.json")
+    loaded: set[str] = set()
+    for file, name, shape, _ in _checkpoint_tensors(path):
+        target = _checked_target(name, file, path, model, params, is_int8)
+        if target is None:
+            continue
+        pname, shard, is_scale = target
+        if shape is not None and not is_scale:  # int8.py checks a scale against its weight
+            expected = _expected_shape(model, params[pname], pname, shard)
+            if shape != expected:
+                raise _shape_error(file, name, shape, expected, path, hf_config)
+        loaded.add(_loaded_key(pname, shard))
+    _check_complete(model, params, loaded, path)
 
 
 @torch.no_grad()
-def load_weights(model: LlamaForCausalLM, path: Path, int8: dict | None = None) -> None:
+def load_weights(model: LlamaForCausalLM, path: Path, int8: dict | None = None,
+                 hf_config: dict | None = None) -> None:
     """Copy the checkpoint's tensors into the model's parameters. With `int8` (a dict, for a
     compressed-tensors checkpoint) int8 weights and their `weight_scale`s are collected there
-    by (parameter name, shard) instead, for int8.install_checkpoint_int8."""
+    by (parameter name, shard) instead, for int8.install_checkpoint_int8. `hf_config` lets a
+    shape error name the config field at fault."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     with tqdm(total=len(params), desc="Loading weights", unit="tensor", leave=False,
               disable=os.environ.get("LADLE_NO_PROGRESS") == "1") as bar:
-        for name, read in _checkpoint_tensors(path):
-            is_scale = int8 is not None and name.endswith(".weight_scale")
-            target = _target(name.removesuffix("_scale") if is_scale else name, model, params)
+        for file, name, _, read in _checkpoint_tensors(path):
+            target = _checked_target(name, file, path, model, params, int8 is not None)
             if target is None:
                 continue
-            pname, shard = target
+            pname, shard, is_scale = target
             tensor = read(model.checkpoint_slice(pname, shard))
             param = params[pname]
             if is_scale or tensor.dtype == torch.int8:
                 if int8 is None:
-                    raise ModelLoadError(f"{path}: tensor {name} is int8, but config.json has no "
-                                         "quantization_config to scale it; accepted: a "
-                                         "compressed-tensors int8 checkpoint")
+                    raise ModelLoadError(f"{file}: tensor {name} is int8, but {path} has no "
+                                         "quantization_config in config.json to scale it; "
+                                         "accepted: a compressed-tensors int8 checkpoint")
                 kind = "weight_scale" if is_scale else "weight"
                 int8.setdefault((pname, shard), {})[kind] = (name, tensor)
                 if is_scale:
                     continue
-            elif shard is None:
-                _copy(param, tensor, name)
             else:
-                sizes = model.shard_sizes(pname.rsplit(".", 1)[0].rsplit(".", 1)[1])
-                start = sum(sizes[:shard])
-                _copy(param.narrow(0, start, sizes[shard]), tensor, name)
-            loaded.add(pname if shard is None else f"{pname}#{shard}")
+                if shard is None:
+                    dst = param
+                else:
+                    sizes = _shard_sizes(model, pname)
+                    dst = param.narrow(0, sum(sizes[:shard]), sizes[shard])
+                if dst.shape != tensor.shape:
+                    raise _shape_error(file, name, tuple(tensor.shape), tuple(dst.shape), path,
+                                       hf_config)
+                dst.copy_(tensor)
+            loaded.add(_loaded_key(pname, shard))
             bar.update(1)
+    _check_complete(model, params, loaded, path)
+
+
+def _checked_target(name: str, file: Path, path: Path, model, params: dict, is_int8: bool
+                    ) -> tuple[str, int | None, bool] | None:
+    """(parameter, shard, is an int8 weight_scale) that checkpoint tensor `name` loads into;
+    None for a tensor a checkpoint may hold that the model rebuilds or shares (rotary tables,
+    a tied head's copy of the embedding); a ModelLoadError naming the file for any other
+    tensor the model has no place for."""
+    is_scale = is_int8 and name.endswith(".weight_scale")
+    target = _target(name.removesuffix("_scale") if is_scale else name, model, params)
+    if target is not None:
+        return (*target, is_scale)
+    bare = name.removeprefix("model.")
+    if "rotary_emb" in bare or (bare.startswith("lm_head.") and model.lm_head is None) \
+            or _holds_blocks(bare, model):
+        return None
+    raise ModelLoadError(
+        f"{file}: unexpected tensor {name}: {type(model).__name__} as {_config_file(path)} "
+        "describes it has no such weight; accepted: that model's tensors only (is config.json "
+        "the one these weights were saved with?)")
+
+
+def _holds_blocks(name: str, model) -> bool:
+    """The weight `name` (or the fused one it is part of) is a QuantWeight already, installed
+    from a GGUF file's blocks before the load (models/gguf/quantized.py)."""
+    from ladle.runner.quant import QuantWeight
+
+    for part, (fused, _) in model.stacked.items():
+        name = name.replace(f".{part}.", f".{fused}.")
+    owner, _, attr = name.rpartition(".")
+    try:
+        return isinstance(getattr(model.get_submodule(owner), attr, None), QuantWeight)
+    except AttributeError:  # no such module
+        return False
+
+
+def _shard_sizes(model, pname: str) -> list[int]:
+    return model.shard_sizes(pname.rsplit(".", 1)[0].rsplit(".", 1)[1])
+
+
+def _expected_shape(model, param: torch.Tensor, pname: str, shard: int | None) -> tuple:
+    """The shape checkpoint tensor (`pname`, `shard`) must have (one rank, no split)."""
+    if shard is None:
+        return tuple(param.shape)
+    return (_shard_sizes(model, pname)[shard], *param.shape[1:])
+
+
+def _loaded_key(pname: str, shard: int | None) -> str:
+    return pname if shard is None else f"{pname}#{shard}"
+
+
+def _check_complete(model, params: dict, loaded: set[str], path: Path) -> None:
+    """ModelLoadError naming the checkpoint's tensors that no file holds."""
     expected = set()
     for pname in params:
         fused = pname.rsplit(".", 1)[0].rsplit(".", 1)[-1]
@@ -280,14 +401,70 @@ def load_weights(model: LlamaForCausalLM, path: Path, int8: dict | None = None) 
             expected |= {f"{pname}#{i}" for i in range(len(model.shard_sizes(fused)))}
         else:
             expected.add(pname)
-    missing = sorted(expected - loaded)
+    missing = [_checkpoint_name(key, model) for key in sorted(expected - loaded)]
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
-        raise ModelLoadError(f"{path}: weights missing from the checkpoint: {shown}")
+        files = _weight_files(path) if not is_gguf(path) else [path]
+        where = files[0] if len(files) == 1 else f"{path} ({len(files)} weights files)"
+        raise ModelLoadError(f"{where}: missing tensor(s) {shown}: {type(model).__name__} as "
+                             f"{_config_file(path)} describes it needs them; accepted: a "
+                             "checkpoint with every weight of that model")
+
+
+def _checkpoint_name(key: str, model) -> str:
+    """A loaded-parameter key ("layers.0.self_attn.qkv_proj.weight#1") as the checkpoint names
+    the tensor ("model.layers.0.self_attn.k_proj.weight")."""
+    pname, _, shard = key.partition("#")
+    if shard:
+        parts = {v: k for k, v in model.stacked.items()}
+        fused = pname.rsplit(".", 1)[0].rsplit(".", 1)[-1]
+        pname = pname.replace(f".{fused}.", f".{parts[(fused, int(shard))]}.")
+    return pname if pname.startswith("lm_head.") else f"model.{pname}"
+
+
+def _config_file(path: Path) -> Path:
+    """Where a checkpoint's configuration is: config.json, or a GGUF file's own metadata."""
+    return path if is_gguf(path) else path / "config.json"
+
+
+def _shape_error(file: Path, name: str, shape: tuple, expected: tuple, path: Path,
+                 hf_config: dict | None) -> ModelLoadError:
+    """A tensor whose shape is not the one the config gives: names the file, the tensor, the
+    config file and the config fields that set the dimensions that differ."""
+    fields: list[str] = []
+    if hf_config is not None and len(shape) == len(expected):
+        for got, want in zip(shape, expected, strict=True):
+            if got != want:
+                fields += [f"{k} is {want}" for k in size_fields(want, hf_config, path)]
+    why = f" ({', '.join(dict.fromkeys(fields))})" if fields else ""
+    return ModelLoadError(
+        f"{file}: tensor {name} has shape {shape}, but {_config_file(path)} makes it "
+        f"{expected}{why}; the weights and the config disagree: accepted: the config these "
+        "weights were saved with")
+
+
+def size_fields(size: int, hf_config: dict, path: Path) -> list[str]:
+    """The config fields (config.json's, or a GGUF file's metadata keys) that give a tensor
+    dimension of `size`."""
+    heads = hf_config.get("num_attention_heads") or 0
+    hidden = hf_config.get("hidden_size") or 0
+    head_dim = hf_config.get("head_dim") or (hidden // heads if heads else 0)
+    kv_heads = hf_config.get("num_key_value_heads") or heads
+    sizes = {"hidden_size": hidden, "intermediate_size": hf_config.get("intermediate_size"),
+             "vocab_size": hf_config.get("vocab_size"), "head_dim": head_dim,
+             "num_attention_heads x head_dim": heads * head_dim,
+             "num_key_value_heads x head_dim": kv_heads * head_dim}
+    names = [k for k, v in sizes.items() if v == size]
+    if is_gguf(path):
+        from ladle.models.gguf.mapping import gguf_field_names
+
+        names = gguf_field_names(names, hf_config)
+    return names
 
 
 def _target(name: str, model, params: dict) -> tuple[str, int | None] | None:
-    """Map a checkpoint tensor name to (parameter name, shard index or None)."""
+    """Map a checkpoint tensor name to (parameter name, shard index or None); None when the
+    model has no parameter for it (`_checked_target` tells the expected ones from the rest)."""
     if name.startswith("model."):
         name = name[len("model."):]
     if "rotary_emb" in name:
@@ -301,7 +478,7 @@ def _target(name: str, model, params: dict) -> tuple[str, int | None] | None:
                 return pname, shard
     if name in params:
         return name, None
-    return None  # tensors of heads ladle does not run (e.g. mtp layers) are skipped
+    return None
 
 
 def _read_slice(view, name: str, part: tuple[int, int, int]) -> torch.Tensor:
@@ -319,8 +496,3 @@ def _read_slice(view, name: str, part: tuple[int, int, int]) -> torch.Tensor:
                                                       *tensor.shape[1:]))])
     return tensor
 
-
-def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if dst.shape != src.shape:
-        raise ModelLoadError(f"weight {name}: shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
-    dst.copy_(src)

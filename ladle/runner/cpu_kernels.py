@@ -19,13 +19,16 @@ on."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.machinery
 import importlib.util
 import logging
 import os
+import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -153,8 +156,9 @@ def _load_or_build(root: Path):
                 " ".join(_CFLAGS), final)
     t = time.perf_counter()
     try:
-        load(name=_NAME, sources=[str(s) for s in _sources()], extra_cflags=_CFLAGS,
-             extra_ldflags=_LDFLAGS, build_directory=str(private), verbose=False)
+        with _ninja_dies_with_us():
+            load(name=_NAME, sources=[str(s) for s in _sources()], extra_cflags=_CFLAGS,
+                 extra_ldflags=_LDFLAGS, build_directory=str(private), verbose=False)
         try:
             private.rename(final)  # atomic: a reader sees no directory or a complete one
         except OSError:  # another engine finished first; use its build
@@ -164,6 +168,31 @@ def _load_or_build(root: Path):
     module = _import(so)
     logger.info("CPU kernels (%s) built in %.0f s", module.isa(), time.perf_counter() - t)
     return module
+
+
+@contextlib.contextmanager
+def _ninja_dies_with_us():
+    """While the build runs, `ninja` on PATH (torch's cpp_extension runs it by name) is a shim
+    that runs the real one under ladle/lifetime.py's guard: when this process dies, even by
+    SIGKILL, ninja gets SIGTERM and stops its compilers, which otherwise run on for a minute
+    as orphans. Linux only (elsewhere ninja runs as it is)."""
+    ninja = shutil.which("ninja")
+    if ninja is None or not sys.platform.startswith("linux"):
+        yield
+        return
+    from ladle.lifetime import guarded_command_argv
+
+    with tempfile.TemporaryDirectory(prefix="ladle-ninja-") as shim_dir:
+        shim = Path(shim_dir) / "ninja"
+        shim.write_text("#!/bin/sh\nexec " + shlex.join(guarded_command_argv([ninja]))
+                        + ' "$@"\n')
+        shim.chmod(0o755)
+        path = os.environ.get("PATH", "")
+        os.environ["PATH"] = shim_dir + os.pathsep + path
+        try:
+            yield
+        finally:
+            os.environ["PATH"] = path
 
 
 def _import(so: Path):

@@ -113,13 +113,43 @@ def hf_tensor_names(gguf_file: GGUFFile, hf_config: dict[str, Any]) -> dict[str,
         hf_name = gguf_to_hf.get(gguf_name)
         if hf_name is None:
             raise ModelLoadError(f"{gguf_file.path}: tensor {gguf_name!r} has no counterpart "
-                                 f"in {hf_class}")
+                                 f"in {hf_class}; accepted: that model's tensors only")
         if tensor.shape != hf_shapes[hf_name]:
             raise ModelLoadError(
                 f"{gguf_file.path}: tensor {gguf_name!r} has shape {tensor.shape}; {hf_name} "
-                f"of {hf_class} with this file's metadata has {hf_shapes[hf_name]}")
+                f"of {hf_class} with this file's metadata has {hf_shapes[hf_name]}"
+                f"{_metadata_behind(tensor.shape, hf_shapes[hf_name], hf_config, gguf_file)}")
         names[gguf_name] = hf_name
     return names
+
+
+# config.json fields (as loader.size_fields names them) and the GGUF metadata keys they come from.
+_METADATA_KEYS = {"hidden_size": ("embedding_length",),
+                  "intermediate_size": ("feed_forward_length",),
+                  "head_dim": ("attention.key_length",),
+                  "num_attention_heads x head_dim": ("attention.head_count",
+                                                     "attention.key_length"),
+                  "num_key_value_heads x head_dim": ("attention.head_count_kv",
+                                                     "attention.key_length")}
+
+
+def gguf_field_names(names: list[str], hf_config: dict[str, Any]) -> list[str]:
+    """config.json field names as the GGUF metadata keys they were read from, for errors."""
+    arch = hf_config.get("model_type", "").removesuffix("_text")
+    return [" x ".join(f"{arch}.{key}" for key in _METADATA_KEYS[n]) if n in _METADATA_KEYS
+            else "token_embd.weight's rows" if n == "vocab_size" else n for n in names]
+
+
+def _metadata_behind(shape: tuple, expected: tuple, hf_config: dict[str, Any],
+                     gguf_file: GGUFFile) -> str:
+    """' (<metadata key> is N)' for the dimensions that differ, when a key gives them."""
+    from ladle.models.loader import size_fields
+
+    if len(shape) != len(expected):
+        return ""
+    fields = [f"{k} is {want}" for got, want in zip(shape, expected, strict=True) if got != want
+              for k in size_fields(want, hf_config, gguf_file.path)]
+    return f" ({', '.join(dict.fromkeys(fields))})" if fields else ""
 
 
 def iter_hf_tensors(gguf_file: GGUFFile, hf_config: dict[str, Any]

@@ -10,6 +10,7 @@ bytes left before anything is read, so a bad file fails in milliseconds."""
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,8 +97,12 @@ def _read_header(path: Path) -> tuple[_Parser, int, int, dict[str, Any]]:
     """(parser left at the tensor table, version, tensor count, metadata)."""
     if not path.is_file():
         raise ModelLoadError(f"{path}: no such GGUF file")
-    with open(path, "rb") as f:
-        head = f.read(8)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot be read ({e.strerror}); accepted: a file the user "
+                             f"running ladle (uid {os.getuid()}) can read") from e
     if head[:4] != MAGIC:
         raise ModelLoadError(f"{path}: not a GGUF file (it starts with {head[:4]!r}, "
                              f"a GGUF file with {MAGIC!r})")
