@@ -183,7 +183,8 @@ def test_missing_shard_and_missing_tensor(tmp_path):
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != shards[-1].name}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(ModelLoadError, match="weights missing from the checkpoint"):
+    with pytest.raises(ModelLoadError, match=r"\(9 weights files\): missing tensor\(s\) "
+                                             r"model\.layers\.1\.input_layernorm\.weight, "):
         make_engine(tmp_path)
 
 

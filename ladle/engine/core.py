@@ -30,6 +30,7 @@ from ladle.models.loader import (
     resolve_model_path,
 )
 from ladle.reasoning import ReasoningConfig
+from ladle.runner import cpu_kernels
 from ladle.runner.model_runner import ModelRunner, RunnerOutput
 from ladle.runner.quant import weight_bytes
 from ladle.sampling_params import RequestLimits
@@ -170,7 +171,11 @@ class EngineCore:
             self.model_group.check_workers()
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any. The engine cannot step afterwards."""
+        """Stop the tensor-parallel workers, if any, and leave batch-invariant mode (process-wide:
+        a later engine or kernel call in this process starts from the default). The engine
+        cannot step afterwards."""
+        if getattr(self, "runner", None) is not None and self.runner.batch_invariant:
+            cpu_kernels.set_batch_invariant(False)
         if self.model_group is not None:
             self.model_group.close()
             self.model_group = None

@@ -75,6 +75,7 @@ class ModelRunner:
         if batch_invariant:
             check_batch_invariant(device, dtype)
         cpu_kernels.set_batch_invariant(batch_invariant)
+        self.batch_invariant = batch_invariant
         self.block_size = block_size
         self.max_model_len = max_model_len
         cfg = model.config
