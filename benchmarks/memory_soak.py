@@ -22,9 +22,7 @@ import argparse
 import asyncio
 import json
 import random
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -49,12 +47,6 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-def child_pids(pid: int, marker: str) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True,
-                         text=True).stdout
-    return [int(line.split()[0]) for line in out.splitlines() if marker in line]
 
 
 def request(rng: random.Random, max_prompt: int) -> tuple[str, dict, bool]:
@@ -184,34 +176,18 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("serve_args", nargs="*", help="after --: more `ladle serve` arguments")
     args = ap.parse_args()
-    from test_server import free_port
+    from test_server import RemoteServer  # tests/: `ladle serve` on a free port, by PID
 
-    port = free_port()
-    log = tempfile.NamedTemporaryFile("w+", prefix="ladle-soak-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "ladle.entrypoints.cli", "serve", args.model, "--port",
-           str(port), "--api-key", "k", "--disable-log-stats", "--disable-access-log",
-           "--max-model-len", "4096", *args.serve_args]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    server = RemoteServer("--api-key", "k", "--disable-log-stats", "--disable-access-log",
+                          "--max-model-len", "4096", *args.serve_args, model=args.model,
+                          timeout=300)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                sys.exit(f"server exited:\n{Path(log.name).read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                sys.exit("server not healthy after 300 s")
-            time.sleep(0.5)
-        pids = {"api": proc.pid}
-        for i, pid in enumerate(child_pids(proc.pid, "ladle.engine.core_proc")):
+        pids = {"api": server.proc.pid}
+        for i, pid in enumerate(server.engine_pids()):
             pids[f"engine{i}"] = pid
         print(f"ladle serve {args.model} {' '.join(args.serve_args)}: pids {pids}; "
               f"{args.requests} requests, {args.concurrency} at a time", flush=True)
-        trend = asyncio.run(soak(url, pids, args))
+        trend = asyncio.run(soak(server.url, pids, args))
         start = args.warmup // args.every - 1
         ok = True
         for name, values in trend.items():
@@ -225,8 +201,7 @@ def main() -> None:
                   f"{args.budget_mib:.0f})")
         print("within budget" if ok else "OVER BUDGET")
     finally:
-        proc.terminate()
-        proc.wait(60)
+        server.stop()
 
 
 if __name__ == "__main__":
