@@ -18,6 +18,7 @@ import zmq
 
 from ladle.distributed.group import TPGroup
 from ladle.lifetime import die_with_parent
+from ladle.native_memory import bound_native_memory
 
 logger = logging.getLogger("ladle.distributed.worker")
 
@@ -76,6 +77,7 @@ def run_worker(spec: WorkerSpec) -> None:
     if spec.parent_pid:
         die_with_parent(spec.parent_pid, f"tensor-parallel rank {spec.rank}",
                         use_signal=spec.parent_death_signal)
+    bound_native_memory()
     logging.basicConfig(level=os.environ.get("LADLE_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s %(levelname)s [tp rank {spec.rank}] %(name)s: "
                                "%(message)s")

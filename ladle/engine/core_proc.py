@@ -33,6 +33,7 @@ from ladle.config import EngineConfig
 from ladle.engine.request import FinishReason
 from ladle.lifetime import die_with_parent
 from ladle.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from ladle.native_memory import bound_native_memory
 
 logger = logging.getLogger("ladle.engine.core_proc")
 
@@ -197,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.parent_pid is not None:
         die_with_parent(args.parent_pid, "engine core",
                         use_signal=not args.no_parent_death_signal)
+    bound_native_memory()
     logging.basicConfig(level=os.environ.get("LADLE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s")
     # Ctrl-C in a terminal reaches the whole process group: the API process decides when the
