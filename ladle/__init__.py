@@ -1,10 +1,11 @@
 """ladle: an OpenAI-compatible LLM inference server with vLLM's semantics."""
 
-from ladle.outputs import CompletionOutput, RequestOutput
-from ladle.sampling_params import SamplingParams, StructuredOutputsParams
+from ladle.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
+from ladle.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
+           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
 
 
 def __getattr__(name):

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 
 from tqdm import tqdm
 
 from ladle.config import EngineConfig
 from ladle.engine.core import EngineCore
+from ladle.engine.request import FinishReason
 from ladle.frontend.output_processor import OutputProcessor
 from ladle.frontend.processor import InputProcessor, Prompt
-from ladle.outputs import RequestOutput
-from ladle.sampling_params import SamplingParams
+from ladle.messages import EngineCoreOutput, EngineCoreRequest
+from ladle.outputs import BeamSearchOutput, BeamSearchSequence, Logprob, RequestOutput
+from ladle.sampling_params import BeamSearchParams, SamplingParams
 from ladle.tokenizer import load_tokenizer
 
 
@@ -95,6 +98,69 @@ class LLM:
                    for p in prompts]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def beam_search(self, prompts: Prompt | Sequence[Prompt],
+                    params: BeamSearchParams | Sequence[BeamSearchParams],
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search for each prompt, as vLLM's LLM.beam_search (params: one for all prompts,
+        or one per prompt): every beam_width beam comes back, best first. The searches run
+        together inside the engine's batch (engine/beam_search.py): each prompt is prefilled
+        once, and a search decodes beam_width rows."""
+        prompts = self._as_list(prompts)
+        if isinstance(params, BeamSearchParams):
+            params = [params] * len(prompts)
+        elif len(params) != len(prompts):
+            raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts; pass one, "
+                             "or one per prompt")
+        requests = []
+        for prompt, bp in zip(prompts, params, strict=True):
+            sp = bp.to_sampling_params()
+            sp.verify_for_model(self.engine.limits)
+            _, token_ids = self.processor.tokenize(prompt)
+            self.processor.check_prompt(token_ids)
+            rid = f"beam-{next(self._ids)}"
+            requests.append(EngineCoreRequest(
+                rid, token_ids, sp, self.processor.eos_token_ids, time.monotonic(),
+                output_ids=[f"{rid}-{i}" for i in range(sp.n)]))
+        results: dict[str, EngineCoreOutput] = {}
+        try:
+            for r in requests:
+                self.engine.add_request(r)
+            bar = tqdm(total=len(requests), desc="Beam search", disable=not use_tqdm)
+            while self.engine.has_unfinished_requests():
+                for o in self.engine.step():
+                    results[o.req_id] = o
+                    if o.error is not None:
+                        raise RuntimeError(f"beam search {o.req_id}: {o.error}")
+                    bar.update(1 / len(requests[0].output_ids))
+            bar.close()
+        except BaseException:
+            for r in requests:
+                self.engine.abort_request(r.req_id)
+            raise
+        return [BeamSearchOutput([self._beam_sequence(r.prompt_token_ids, results[i],
+                                                      r.sampling_params)
+                                  for i in r.output_ids if results[i].new_token_ids])
+                for r in requests]
+
+    def _beam_sequence(self, prompt_ids: list[int], o: EngineCoreOutput,
+                       sp: SamplingParams) -> BeamSearchSequence:
+        logprobs = None
+        if o.logprobs is not None:
+            lp = o.logprobs
+            logprobs = []
+            for tok, ids, vals, value, rank in zip(o.new_token_ids, lp.token_ids, lp.values,
+                                                   lp.sampled_values, lp.sampled_ranks,
+                                                   strict=True):
+                entry = {t: Logprob(v, r + 1) for r, (t, v) in enumerate(zip(ids, vals, strict=True))}
+                entry[tok] = Logprob(value, rank)
+                logprobs.append(entry)
+        return BeamSearchSequence(
+            tokens=prompt_ids + o.new_token_ids, cum_logprob=o.cumulative_logprob,
+            score=o.beam_score,
+            text=self.tokenizer.decode(o.new_token_ids, skip_special_tokens=sp.skip_special_tokens),
+            finish_reason=str(FinishReason(o.finish_reason)), stop_reason=o.stop_reason,
+            logprobs=logprobs)
+
     # ---- internals --------------------------------------------------------------------------
     @staticmethod
     def _as_list(prompts) -> list:
@@ -107,7 +173,7 @@ class LLM:
     def _add(self, prompt: Prompt, params: SamplingParams) -> str:
         req = self.processor.process(str(next(self._ids)), prompt, params)
         self.output_processor.add_request(req.request_id, req.prompt, req.prompt_token_ids,
-                                          req.child_ids, req.child_params)
+                                          req.child_ids, req.child_params, params=req.params)
         try:
             for engine_req in req.engine_requests:
                 self.engine.add_request(engine_req)

@@ -16,6 +16,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    # Beam search: the request ids its n best beams are reported under (default: req_id for
+    # n = 1, else req_id-0 ... req_id-(n-1), the frontend's names for n choices).
+    output_ids: list[str] | None = None
 
 
 class Logprobs(msgspec.Struct, array_like=True):
@@ -43,6 +46,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # The failure is the server's (a crash in the step, a grammar rejecting its own sampled
     # token), not the request's: the API answers 500, not 400.
     is_server_error: bool = False
+    # A beam search's returned beam (all its tokens at once): the sum of its tokens'
+    # log-probabilities and its length-penalised score.
+    cumulative_logprob: float | None = None
+    beam_score: float | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -36,3 +36,23 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finished: bool = False
     num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """One returned beam of LLM.beam_search."""
+
+    tokens: list[int]  # the prompt's, then the generated ones (as vLLM's)
+    cum_logprob: float  # sum of the generated tokens' log-probabilities
+    score: float  # cum_logprob / generated length ** length_penalty (transformers' sequences_scores)
+    text: str  # the generated text
+    finish_reason: str  # "stop" (a stop or EOS token) or "length"
+    stop_reason: int | None = None  # the stop_token_id that ended it
+    logprobs: list[dict[int, Logprob]] | None = None  # per generated token, when asked
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """LLM.beam_search's result for one prompt: the beams, best score first."""
+
+    sequences: list[BeamSearchSequence] = field(default_factory=list)

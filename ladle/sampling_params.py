@@ -77,7 +77,7 @@ class StructuredOutputsParams:
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1  # completions returned per prompt
-    best_of: int | None = None  # accepted only equal to n (ranking extra candidates is not built)
+    best_of: int | None = None  # candidates drawn; the n with the highest cumulative logprob return
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
@@ -103,6 +103,12 @@ class SamplingParams:
     thinking_token_budget: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     extra_args: dict[str, Any] | None = None  # free-form, read by custom logits processors
+    # Beam search (engine/beam_search.py): 0 = off, else the beams kept per step; the n best
+    # finished beams are returned. Scores are sum(logprob) / generated_length ** length_penalty;
+    # early_stopping is True, False or "never", as transformers defines them.
+    beam_width: int = 0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
     # Filled in by the engine from the tokenizer, not by users.
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
@@ -125,8 +131,8 @@ class SamplingParams:
     def verify(self) -> None:
         _check(self.n >= 1, "n", self.n, "an integer >= 1")
         if self.best_of is not None:
-            _check(self.best_of == self.n, "best_of", self.best_of,
-                   f"None or equal to n ({self.n}); ranking extra candidates is not supported")
+            _check(self.best_of >= self.n, "best_of", self.best_of,
+                   f"None or an integer >= n ({self.n})")
         # NaN fails every comparison below; infinities are ruled out by name.
         _check(0 <= self.temperature < math.inf, "temperature", self.temperature,
                "a finite float >= 0")
@@ -162,6 +168,7 @@ class SamplingParams:
             _check(0 <= self.thinking_token_budget <= MAX_THINKING_TOKEN_BUDGET,
                    "thinking_token_budget", self.thinking_token_budget,
                    f"an integer in [0, {MAX_THINKING_TOKEN_BUDGET}]")
+        self._verify_beam_search()
         _check_count(self.stop, MAX_STOP_STRINGS, "stop", "strings")
         for s in self.stop:
             _check(0 < len(s) <= MAX_STOP_STRING_CHARS, "stop", s[:40],
@@ -173,12 +180,42 @@ class SamplingParams:
                 _check(len(w) <= MAX_BAD_WORD_CHARS, "bad_words", w[:40],
                        f"words of at most {MAX_BAD_WORD_CHARS} characters")
 
+    def _verify_beam_search(self) -> None:
+        _check(isinstance(self.beam_width, int) and self.beam_width >= 0, "beam_width",
+               self.beam_width, "0 (no beam search) or an integer >= 1")
+        _check(math.isfinite(self.length_penalty), "length_penalty", self.length_penalty,
+               "a finite float")
+        _check(self.early_stopping in (True, False, "never"), "early_stopping",
+               self.early_stopping, 'true, false or "never"')
+        if not self.beam_width:
+            _check(self.length_penalty == 1.0, "length_penalty", self.length_penalty,
+                   "1.0 unless beam search is on (it only scores beams)")
+            _check(self.early_stopping is False, "early_stopping", self.early_stopping,
+                   "false unless beam search is on (it only ends beam searches)")
+            return
+        _check(self.temperature < _GREEDY_EPS, "temperature", self.temperature,
+               "0 with beam search (sampled beam search is not implemented)")
+        _check(self.best_of is None, "best_of", self.best_of,
+               "None with beam_width (the width is the search's candidates)")
+        _check(self.n <= self.beam_width, "n", self.n,
+               f"at most the beam width ({self.beam_width}): the n best beams are returned")
+        _check(not self.stop, "stop", self.stop,
+               "no stop strings with beam search (they are matched on streamed text, after the "
+               "search has chosen its beams); use stop_token_ids")
+        _check(self.prompt_logprobs is None, "prompt_logprobs", self.prompt_logprobs,
+               "none with beam search")
+        _check(self.thinking_token_budget is None, "thinking_token_budget",
+               self.thinking_token_budget, "none with beam search")
+
     def verify_for_model(self, limits: RequestLimits) -> None:
         """Checks that need the model or the server's limits: token ids in range, list sizes up
         to the vocabulary, n and logprobs under the server's caps. A top_k at or above the
         vocabulary size means no top-k (as vLLM)."""
         vocab_size, max_logprobs, max_n = limits.vocab_size, limits.max_logprobs, limits.max_n
-        _check(self.n <= max_n, "n", self.n, f"an integer in [1, {max_n}] (the server's --max-n)")
+        for name in ("n", "best_of", "beam_width"):  # best_of >= n is checked in verify()
+            v = getattr(self, name)
+            _check(v is None or v <= max_n, name, v,
+                   f"an integer in [1, {max_n}] (the server's --max-n)")
         if self.top_k >= vocab_size:
             self.top_k = 0
         for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
@@ -224,11 +261,25 @@ class SamplingParams:
         return SamplingType.RANDOM_SEED if self.seed is not None else SamplingType.RANDOM
 
     @property
+    def num_candidates(self) -> int:
+        """Outputs drawn for one prompt: best_of when given, else n."""
+        return self.n if self.best_of is None else self.best_of
+
+    @property
+    def is_ranked(self) -> bool:
+        """best_of > n: the candidates are ranked by cumulative logprob and the best n returned
+        (OpenAI's best_of; vLLM V0's ranking for sampling). The value ranked is the sampled
+        token's logprob as the engine reports it under logprobs_mode, by default raw_logprobs:
+        the model's own distribution, before temperature, penalties, biases and top-k/top-p."""
+        return self.best_of is not None and self.best_of > self.n
+
+    @property
     def all_stop_token_ids(self) -> list[int]:
         return self.stop_token_ids or []
 
     def child(self, index: int) -> SamplingParams:
-        """Params of choice `index` of an n > 1 request: one output, seed + index."""
+        """Params of choice (or best_of candidate) `index` of a request: one output, seed +
+        index."""
         from dataclasses import replace
 
         # seed + index, wrapped within int64 so the largest seed still has n children
@@ -244,3 +295,26 @@ def _check(ok: bool, name: str, value, accepted: str) -> None:
 def _check_count(items, most: int, name: str, what: str) -> None:
     if len(items) > most:
         raise ValueError(f"{name}: {len(items)} given; accepted: at most {most} {what}")
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """LLM.beam_search's parameters, as vLLM's (plus early_stopping). The search is
+    transformers' `generate(num_beams=beam_width, do_sample=False)`: see engine/beam_search.py."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0  # only 0: sampled beam search is not implemented
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    logprobs: int | None = None  # top logprobs per token of each returned beam
+    skip_special_tokens: bool = True
+
+    def to_sampling_params(self) -> SamplingParams:
+        """The engine's form: n = beam_width (every beam is returned, best first)."""
+        return SamplingParams(n=self.beam_width, beam_width=self.beam_width,
+                              max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
+                              temperature=self.temperature, length_penalty=self.length_penalty,
+                              early_stopping=self.early_stopping, logprobs=self.logprobs,
+                              skip_special_tokens=self.skip_special_tokens)

@@ -140,7 +140,10 @@ def test_structured_outputs_mapping(fields, expected):
 
 @pytest.mark.parametrize("request_, param", [
     (completion(suffix="x"), "suffix"),
-    (completion(best_of=3), "best_of"),
+    (completion(best_of=3, stream=True), "best_of"),
+    (completion(n=2, best_of=1), "best_of"),
+    (completion(best_of=129), "best_of"),
+    (chat(best_of=2, stream=True), "best_of"),
     (completion(stream_options={"include_usage": True}), "stream_options"),
     (completion(stream=True, prompt_logprobs=1), "prompt_logprobs"),
     (completion(logprobs=21), "logprobs"),
@@ -151,7 +154,9 @@ def test_structured_outputs_mapping(fields, expected):
     (completion(presence_penalty=3), "presence_penalty"),
     (completion(min_tokens=20, max_tokens=10), "min_tokens"),
     (completion(logit_bias={"x": 1}), "logit_bias"),
-    (completion(use_beam_search=True), "use_beam_search"),
+    (completion(use_beam_search=True, temperature=0.5), "temperature"),
+    (completion(use_beam_search=True, n=2, best_of=1), "n"),
+    (completion(length_penalty=0.5), "length_penalty"),
     (completion(guided_regex="("), "guided_regex"),
     (completion(guided_json={"type": "nope"}), "guided_json"),
     (completion(guided_grammar="root ::= ("), "guided_grammar"),

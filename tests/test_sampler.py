@@ -278,7 +278,7 @@ def test_sampling_frequencies_match_softmax(case, seeded):
     (dict(top_p=1.5), "top_p", "(0, 1]"),
     (dict(top_k=-2), "top_k", "-1 or 0"),
     (dict(n=0), "n", ">= 1"),
-    (dict(n=2, best_of=3), "best_of", "equal to n"),
+    (dict(n=3, best_of=2), "best_of", ">= n"),
     (dict(min_tokens=20, max_tokens=10), "min_tokens", "<= max_tokens"),
     (dict(allowed_token_ids=[]), "allowed_token_ids", "non-empty"),
     (dict(min_p=1.5), "min_p", "[0, 1]"),
@@ -304,6 +304,8 @@ def test_model_dependent_validation():
         SamplingParams(allowed_token_ids=[1, 99]).verify_for_model(lim)
     with pytest.raises(ValueError, match=r"n: 5 is invalid; accepted: an integer in \[1, 4\]"):
         SamplingParams(n=5).verify_for_model(lim)
+    with pytest.raises(ValueError, match=r"best_of: 5 is invalid; accepted: an integer in \[1, 4\]"):
+        SamplingParams(n=2, best_of=5).verify_for_model(lim)
     # max_logprobs -1: no cap but the vocabulary (vLLM's meaning).
     SamplingParams(logprobs=32).verify_for_model(RequestLimits(32, max_logprobs=-1))
     with pytest.raises(ValueError, match="prompt_logprobs: 33 is out of range; accepted: 0 to 32"):

@@ -46,7 +46,10 @@ J = {"content-type": "application/json"}
 CASES = [
     ("n too large", C, completion(n=129), J, 400, "n"),
     ("n enormous", C, completion(n=100_000_000), J, 400, "n"),
-    ("best_of too large", C, completion(n=129, best_of=129), J, 400, "n"),
+    ("n and best_of too large", C, completion(n=129, best_of=129), J, 400, "n"),
+    ("best_of too large", C, completion(best_of=129), J, 400, "best_of"),
+    ("best_of x prompts over the queue", C, completion(prompt=["a"] * 3, best_of=128), J, 503,
+     None),  # admission counts the 384 candidates, not the 3 choices
     ("n x prompts over the queue", C, completion(prompt=["a"] * 8, n=128), J, 503, None),
     ("seed above int64", C, completion(seed=2**64), J, 400, "seed"),
     ("priority above int64", C, completion(priority=2**70), J, 400, "priority"),

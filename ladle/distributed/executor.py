@@ -111,6 +111,10 @@ class TensorParallelModel:
         self._send(Command.FORWARD, (input_ids.to(cpu), positions.to(cpu), move(meta, cpu)))
         return self._guarded(self.model, input_ids, positions, meta, kv_caches)
 
+    def copy_kv_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """The workers copy KV blocks in their shards (rank 0's own copy is the runner's)."""
+        self._send(Command.COPY_BLOCKS, (src.to("cpu"), dst.to("cpu")))
+
     def compute_logits(self, hidden, indices=None) -> torch.Tensor:
         self._send(Command.LOGITS, None if indices is None else indices.to("cpu"))
         return self._guarded(self.model.compute_logits, hidden, indices)

@@ -31,6 +31,7 @@ class Command(IntEnum):
     FORWARD = 1  # (input_ids, positions, AttentionMetadata), all on CPU: run the shard
     LOGITS = 2  # indices (or None) into the last FORWARD's hidden states: join the gather
     SHUTDOWN = 3  # leave the loop and the group
+    COPY_BLOCKS = 4  # (sources, destinations): copy KV blocks (a beam search fork)
 
 
 @dataclass(slots=True)
@@ -126,7 +127,7 @@ def run_worker(spec: WorkerSpec) -> None:
 
 @torch.inference_mode()
 def _serve(model, tp: TPGroup, sock: zmq.Socket, spec: WorkerSpec, device: torch.device) -> None:
-    from ladle.runner.model_runner import allocate_kv_caches
+    from ladle.runner.model_runner import allocate_kv_caches, copy_kv_blocks
 
     kv_caches, hidden = None, None
     while True:
@@ -141,6 +142,9 @@ def _serve(model, tp: TPGroup, sock: zmq.Socket, spec: WorkerSpec, device: torch
             num_blocks, block_size = payload
             kv_caches = allocate_kv_caches(model.config, model.num_local_kv_heads, num_blocks,
                                            block_size, spec.dtype, device)
+        elif command == Command.COPY_BLOCKS:
+            src, dst = payload
+            copy_kv_blocks(kv_caches, src.to(device), dst.to(device))
         elif command == Command.SHUTDOWN:
             return
         else:

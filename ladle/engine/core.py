@@ -18,6 +18,7 @@ from ladle.config import (
     kv_cache_bytes_from_utilization,
 )
 from ladle.distributed.group import WorkerGroupError
+from ladle.engine.beam_search import BeamGroup, Continuation
 from ladle.engine.kv_cache_manager import KVCacheManager
 from ladle.engine.request import FinishReason, Request, RequestStatus
 from ladle.engine.scheduler import Scheduler, SchedulerOutput
@@ -156,6 +157,8 @@ class EngineCore:
             config.structured_outputs_cache_bytes, overlap_fill=device.type != "cpu")
         self.structured.warm_up()  # before ready, not inside the first constrained step
         self.hf_config = hf_config
+        # Beam searches (engine/beam_search.py), by their request id and by each output id.
+        self.beam_groups: dict[str, BeamGroup] = {}
         self.num_steps = 0
         self.num_failed_runs = 0  # batches that raised (then split to find the request at fault)
         self.num_failed_requests = 0  # requests ended by an exception only they caused
@@ -214,10 +217,33 @@ class EngineCore:
             request.can_draft = self._can_draft(params)
         room = self.max_model_len - n_prompt
         request.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.beam_width:
+            self._add_beam_group(req, request)
         if params.structured_outputs is not None:
             self.structured.add_request(request)  # compiles in the background
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.scheduler.add_request(request)
+
+    def _add_beam_group(self, req: EngineCoreRequest, request: Request) -> None:
+        """The request starts a beam search: it is the group's first beam (its prompt is
+        prefilled once; the first step forks it into the other beams)."""
+        n = request.sampling_params.n
+        output_ids = req.output_ids or ([f"{req.req_id}-{i}" for i in range(n)] if n > 1
+                                        else [req.req_id])
+        if len(output_ids) != n:
+            raise ValueError(f"output_ids: {len(output_ids)} given for n={n}")
+        taken = [i for i in output_ids if i in self.beam_groups and i != req.req_id]
+        if taken:
+            raise ValueError(f"request id {taken[0]!r} is already in use")
+        group = BeamGroup(req.req_id, output_ids, request.sampling_params, request.eos_token_ids,
+                          request.max_tokens, self.max_model_len, len(req.prompt_token_ids),
+                          self.vocab_size)
+        request.beam = group
+        request.beam_candidates = group.num_candidates
+        request.can_draft = False
+        group.running.append(request)
+        for i in {req.req_id, *output_ids}:
+            self.beam_groups[i] = group
 
     def _can_draft(self, params) -> bool:
         """False when a custom processor that cannot see draft positions applies to the
@@ -234,6 +260,12 @@ class EngineCore:
         return True
 
     def abort_request(self, req_id: str) -> None:
+        group = self.beam_groups.get(req_id)
+        if group is not None:
+            for beam in group.running:
+                self.structured.abort(beam)
+            self._end_beam_group(group, RequestStatus.FINISHED_ABORTED)
+            return
         req = self.scheduler.requests.get(req_id)
         if req is not None:
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
@@ -273,7 +305,7 @@ class EngineCore:
             self.num_failed_runs += 1
             self.runner.reset_batch()
             if len(sched.scheduled) == 1:
-                return [self._fail(sched.scheduled[0], e)]
+                return self._fail(sched.scheduled[0], e)
             logger.warning("a step of %d requests raised %s: %s; isolating the request(s) at "
                            "fault", len(sched.scheduled), type(e).__name__, e)
             half = len(sched.scheduled) // 2
@@ -284,17 +316,20 @@ class EngineCore:
             self.last_logits, self.last_req_ids = out.logits, out.req_ids
         return self._update(sched, out)
 
-    def _fail(self, req: Request, e: Exception) -> EngineCoreOutput:
-        """End one request with the exception that only it causes."""
+    def _fail(self, req: Request, e: Exception) -> list[EngineCoreOutput]:
+        """End one request (a beam search: all of it) with the exception that only it causes."""
         logger.error("request %s failed in the engine", req.req_id,
                      exc_info=(type(e), e, e.__traceback__))
-        req.error = f"the request failed in the engine: {type(e).__name__}: {e}"
+        self.num_failed_requests += 1
+        error = f"the request failed in the engine: {type(e).__name__}: {e}"
+        if req.beam is not None:
+            return self._end_beam_group(req.beam, RequestStatus.FINISHED_ERROR, error)
+        req.error = error
         req.is_server_error = True
         self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-        self.num_failed_requests += 1
-        return EngineCoreOutput(req_id=req.req_id, new_token_ids=[],
-                                finish_reason=int(FinishReason.ERROR), error=req.error,
-                                is_server_error=True)
+        return [EngineCoreOutput(req_id=req.req_id, new_token_ids=[],
+                                 finish_reason=int(FinishReason.ERROR), error=req.error,
+                                 is_server_error=True)]
 
     def _update(self, sched: SchedulerOutput, out: RunnerOutput) -> list[EngineCoreOutput]:
         """Accept the sampled token of every row that finished its prompt; stop what is done.
@@ -309,7 +344,13 @@ class EngineCore:
                 req.prompt_logprobs_parts.append(out.prompt_logprobs[req.req_id])
             if req.num_computed_tokens >= req.num_tokens:
                 sampling.append(req)  # else a prompt chunk: its sample is not an output token
+        beams = [r for r in sampling if r.beam is not None]
+        if beams:
+            sampling = [r for r in sampling if r.beam is None]
         going = self._accept(sampling, out, outputs, 0)
+        if beams:
+            for o in self._advance_beams(beams, out):
+                outputs[o.req_id] = o
         if sched.draft_token_ids:
             self._verify(going, outputs)
             self._settle_drafts(sched)
@@ -423,6 +464,140 @@ class EngineCore:
             self.kv_cache.cache_full_blocks(req, req.num_computed_tokens)
         self.num_accepted_tokens = sum(self.accepted_per_position)
 
+    # ---- beam search ------------------------------------------------------------------------
+    def _advance_beams(self, beams: list[Request], out: RunnerOutput) -> list[EngineCoreOutput]:
+        """Hand each beam's candidates to its group; every group whose beams have all reported
+        takes its step (engine/beam_search.py): beams are continued, forked or freed, and a
+        finished search reports its best beams."""
+        rows = self.runner.input_batch.req_id_to_row
+        index = {int(r): i for i, r in enumerate(out.beam_rows)}
+        ready: dict[int, BeamGroup] = {}
+        for req in beams:
+            i = index[rows[req.req_id]]
+            if req.beam.report(req, out.beam_values[i], out.beam_ids[i]):
+                ready[id(req.beam)] = req.beam
+        outputs: list[EngineCoreOutput] = []
+        copies: list[tuple[int, int]] = []
+        accepted_rows, accepted_tokens = [], []
+        for group in ready.values():
+            if group.num_cached_tokens == 0 and group.running:
+                group.num_cached_tokens = group.running[0].num_cached_tokens
+            going, done = group.select()
+            if done:
+                outputs += self._end_beam_group(group, RequestStatus.FINISHED_STOPPED)
+                continue
+            try:
+                for req, token in self._continue_beams(group, going, copies):
+                    row = rows.get(req.req_id)
+                    if row is not None and req.status == RequestStatus.RUNNING:
+                        accepted_rows.append(row)
+                        accepted_tokens.append(token)
+            except GrammarRejectedError as e:
+                outputs += self._end_beam_group(group, RequestStatus.FINISHED_ERROR, str(e))
+        if copies:
+            self.runner.copy_blocks(copies)
+        if accepted_rows:
+            self.runner.accept_tokens(np.array(accepted_rows), np.array(accepted_tokens))
+        return outputs
+
+    def _continue_beams(self, group: BeamGroup, going: list[Continuation],
+                        copies: list[tuple[int, int]]) -> list[tuple[Request, int]]:
+        """Make the group's running beams `going`: a beam's first continuation goes on in its
+        own request, further ones fork it, beams without one are freed. Returns (request,
+        token) of each beam in its new order; the KV copies the forks need go to `copies`."""
+        children: dict[str, list[Continuation]] = {}
+        for c in going:
+            children.setdefault(c.parent.req_id, []).append(c)
+        for beam in group.running:
+            if beam.req_id not in children:
+                self.scheduler.finish(beam, RequestStatus.FINISHED_STOPPED)
+        placed: dict[int, Request] = {}  # id(continuation) -> its request
+        for cs in children.values():  # forks first: they copy the parent's state before it moves on
+            for c in cs[1:]:
+                placed[id(c)] = self._fork_beam(group, c.parent, copies)
+            placed[id(cs[0])] = cs[0].parent
+        result = []
+        for c in going:
+            req = placed[id(c)]
+            req.append_output_token(c.token)
+            req.beam_score = c.score
+            req.beam_logprobs = req.beam_logprobs + [c.entry]
+            if req.grammar is not None:
+                self.structured.accept(req, c.token)
+            result.append((req, c.token))
+        group.running = [req for req, _ in result]
+        return result
+
+    def _fork_beam(self, group: BeamGroup, parent: Request,
+                   copies: list[tuple[int, int]]) -> Request:
+        """A new beam with the parent's tokens, state and (shared) KV. Without a free row or
+        block it waits like a preempted request and recomputes (its full blocks are prefix-cache
+        hits)."""
+        child = Request(group.next_beam_id(), parent.prompt_token_ids, parent.sampling_params,
+                        parent.eos_token_ids, parent.priority, parent.cache_salt,
+                        parent.arrival_time)
+        child.output_token_ids = list(parent.output_token_ids)
+        child.all_token_ids = list(parent.all_token_ids)
+        child.block_hashes = list(parent.block_hashes)
+        child.max_tokens = parent.max_tokens
+        child.can_draft = False
+        child.beam = group
+        child.beam_candidates = parent.beam_candidates
+        child.beam_logprobs = list(parent.beam_logprobs)
+        child.num_cached_tokens = parent.num_cached_tokens
+        if parent.grammar is not None:
+            self.structured.fork(parent, child)
+        running = False
+        if parent.status == RequestStatus.RUNNING and self.scheduler.has_free_row():
+            try:
+                copy = self.kv_cache.fork(parent, child)
+            except MemoryError:
+                pass
+            else:
+                running = True
+                child.num_computed_tokens = parent.num_computed_tokens
+                if copy is not None:
+                    copies.append(copy)
+        self.scheduler.add_fork(child, running)
+        return child
+
+    def _end_beam_group(self, group: BeamGroup, status: RequestStatus,
+                        error: str | None = None) -> list[EngineCoreOutput]:
+        """Free every beam of the group; a finished search reports its n best hypotheses under
+        the output ids (fewer hypotheses than n, possible only when fewer tokens than beams are
+        allowed, leave the rest empty), a failed one an error under each."""
+        for beam in group.running:
+            self.scheduler.finish(beam, status)
+        group.running = []
+        for i in {group.req_id, *group.output_ids}:
+            if self.beam_groups.get(i) is group:
+                del self.beam_groups[i]
+        if status == RequestStatus.FINISHED_ABORTED:
+            return []
+        if error is not None:
+            return [EngineCoreOutput(req_id=i, new_token_ids=[],
+                                     finish_reason=int(FinishReason.ERROR), error=error,
+                                     is_server_error=True) for i in group.output_ids]
+        want_lp = group.params.logprobs is not None
+        outputs = []
+        for i, out_id in enumerate(group.output_ids):
+            if i >= len(group.finished):
+                outputs.append(EngineCoreOutput(req_id=out_id, new_token_ids=[],
+                                                finish_reason=int(FinishReason.STOP)))
+                continue
+            h = group.finished[i]
+            lp = None
+            if want_lp:
+                lp = Logprobs(token_ids=[e[0] for e in h.logprobs], values=[e[1] for e in h.logprobs],
+                              sampled_values=[e[2] for e in h.logprobs],
+                              sampled_ranks=[e[3] for e in h.logprobs])
+            outputs.append(EngineCoreOutput(
+                req_id=out_id, new_token_ids=h.token_ids, finish_reason=int(h.finish_reason),
+                stop_reason=h.stop_reason, ended_by_stop_token=h.ended_by_stop_token,
+                num_cached_tokens=group.num_cached_tokens, logprobs=lp,
+                cumulative_logprob=h.cum_logprob, beam_score=h.score))
+        return outputs
+
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
         if req.num_output_tokens >= params.min_tokens:
@@ -448,6 +623,7 @@ class EngineCore:
             "failed_runs": self.num_failed_runs,
             "failed_requests": self.num_failed_requests,
             "num_preemptions": self.scheduler.num_preemptions,
+            "prefill_tokens": self.scheduler.num_prefill_tokens,
             "latencies": self.scheduler.take_latencies(),  # drained: call once per message
         } | self._spec_stats()
 

@@ -95,14 +95,42 @@ class KVCacheManager:
         if computed_blocks:
             self.num_cached_blocks[request.req_id] = len(computed_blocks)
         for _ in range(max(need, 0)):
-            b, _ = self.free_queue.popitem(last=False)
-            if self.block_hash[b] is not None:  # evict from the prefix cache
-                if self.cached.get(self.block_hash[b]) == b:
-                    del self.cached[self.block_hash[b]]
-                self.block_hash[b] = None
-            self.ref_cnt[b] = 1
-            blocks.append(b)
+            blocks.append(self._pop_free())
         return True
+
+    def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
+        """Give `child` the KV of parent's computed tokens (a beam search fork): the full blocks
+        are shared (reference-counted), the last partial block, which both will write past,
+        gets a private copy for the child. Returns (source, copy) blocks for the model runner
+        to copy, None when there is no partial block; raises MemoryError (nothing changed)
+        when no block is free for the copy."""
+        blocks = self.req_blocks.get(parent.req_id, [])
+        n = parent.num_computed_tokens
+        full = n // self.block_size
+        partial = n % self.block_size != 0
+        if partial and not self.free_queue:
+            raise MemoryError("no free KV block for a beam's copy")
+        mine = self.req_blocks.setdefault(child.req_id, [])
+        for b in blocks[:full]:
+            self.ref_cnt[b] += 1
+            mine.append(b)
+        self.num_cached_blocks[child.req_id] = min(self.num_cached_blocks.get(parent.req_id, 0),
+                                                   full)
+        if not partial:
+            return None
+        b = self._pop_free()
+        mine.append(b)
+        return blocks[full], b
+
+    def _pop_free(self) -> int:
+        """The oldest free block, out of the prefix cache, held once."""
+        b, _ = self.free_queue.popitem(last=False)
+        if self.block_hash[b] is not None:  # evict from the prefix cache
+            if self.cached.get(self.block_hash[b]) == b:
+                del self.cached[self.block_hash[b]]
+            self.block_hash[b] = None
+        self.ref_cnt[b] = 1
+        return b
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Publish the request's blocks that the first num_tokens tokens fill completely."""

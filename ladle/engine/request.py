@@ -79,6 +79,13 @@ class Request:
         # cannot see draft positions applies to it).
         self.draft_token_ids: list[int] = []
         self.can_draft = True
+        # Beam search: the group this request is a beam of (engine/beam_search.py), the beam's
+        # running score (sum of its tokens' log-probabilities) and per-token logprob entries;
+        # beam_candidates: the candidates (top log-probabilities) its row reports each step.
+        self.beam = None
+        self.beam_score = 0.0
+        self.beam_logprobs: list = []
+        self.beam_candidates = 0
 
     @property
     def num_tokens(self) -> int:

@@ -67,6 +67,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order; the newest is last
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0  # since start, for metrics and tests
+        self.num_prefill_tokens = 0  # prompt tokens computed since start (recomputes too)
         # Per-request phase times (time.monotonic(), the clock arrival_time uses) for metrics:
         # req_id -> [first scheduled, first token]; finished phases wait in `latencies` until
         # take_latencies() hands them to the stats message.
@@ -101,8 +102,13 @@ class Scheduler:
 
         # 1. Running requests keep going; preempt from the back when blocks run out.
         i = 0
+        num_stalled = 0  # beams waiting for their group's other beams: no row this step
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if _is_stalled(req):
+                num_stalled += 1
+                i += 1
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             drafts = self._propose(req, budget) if num_new == 1 else []
             num_new += len(drafts)
@@ -125,11 +131,12 @@ class Scheduler:
             i += 1
 
         # 2. Admit waiting requests while there is budget, a free row and cache room.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) - num_stalled < self.max_num_seqs:
             req = self.waiting[0]
-            if req.status == RequestStatus.WAITING_FOR_GRAMMAR and not self._grammar_ready(req):
-                # Others may run; this one stays until its grammar compiles.
-                ready = [r for r in self.waiting if self._grammar_ready(r)]
+            if not self._admissible(req):
+                # Others may run; this one stays until its grammar compiles (or its group's
+                # step, for a beam that has reported).
+                ready = [r for r in self.waiting if self._admissible(r)]
                 if not ready:
                     break
                 req = min(ready)
@@ -140,6 +147,13 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             if not self.kv_cache.allocate_slots(req, num_new, computed_blocks):
                 req.num_computed_tokens = 0
+                # Beams waiting for their group hold blocks that no step uses: the newest one
+                # gives them back (it has reported; it recomputes after its group's step).
+                stalled = [r for r in self.running if _is_stalled(r)]
+                if stalled:
+                    self._preempt(max(stalled, key=lambda r: (r.priority, r.arrival_time)), out)
+                    num_stalled -= 1
+                    continue
                 break
             self.waiting.remove(req)
             heapq.heapify(self.waiting)
@@ -155,6 +169,20 @@ class Scheduler:
             out.num_scheduled_tokens[req.req_id] = num_new
             budget -= num_new
         return out
+
+    def add_fork(self, req: Request, running: bool) -> None:
+        """A beam forked from a running one (engine/beam_search.py): running when its KV was
+        forked and a row is free, else waiting to recompute its tokens (prefix-cache hits)."""
+        self.requests[req.req_id] = req
+        if running:
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+        else:
+            req.status = RequestStatus.WAITING
+            heapq.heappush(self.waiting, req)
+
+    def has_free_row(self) -> bool:
+        return len(self.running) < self.max_num_seqs
 
     def _propose(self, req: Request, budget: int) -> list[int]:
         """Draft tokens for a decoding request: no more than the budget, the tokens it may
@@ -173,6 +201,13 @@ class Scheduler:
             # position forbids it), so verifying it would be wasted work.
             drafts = slot.matcher.validate_tokens(drafts)
         return drafts
+
+    def _admissible(self, req: Request) -> bool:
+        """Whether a waiting request may start: its grammar has compiled, and it is not a beam
+        that has reported its candidates (it needs no step until its group's)."""
+        if req.beam is not None and req.req_id in req.beam.pending:
+            return False
+        return req.status != RequestStatus.WAITING_FOR_GRAMMAR or self._grammar_ready(req)
 
     @staticmethod
     def _grammar_ready(req: Request) -> bool:
@@ -204,7 +239,10 @@ class Scheduler:
         """Advance num_computed_tokens for what ran and publish newly full blocks."""
         now = time.monotonic()
         for req in out.scheduled:
-            req.num_computed_tokens += out.num_scheduled_tokens[req.req_id]
+            num = out.num_scheduled_tokens[req.req_id]
+            self.num_prefill_tokens += max(0, min(num, req.num_prompt_tokens
+                                                  - req.num_computed_tokens))
+            req.num_computed_tokens += num
             self.kv_cache.cache_full_blocks(req, req.num_computed_tokens)
             start = self._phase_start.get(req.req_id)
             if start and start[1] is None and req.num_computed_tokens >= req.num_prompt_tokens:
@@ -234,3 +272,9 @@ class Scheduler:
             self.latencies["inference"].append(now - start[0])
         self.finished_req_ids.add(req.req_id)
         del self.requests[req.req_id]
+
+
+def _is_stalled(req: Request) -> bool:
+    """A running beam that has reported and waits for its group's other beams: it has no token
+    to compute, so it gets no row this step."""
+    return req.beam is not None and req.num_tokens == req.num_computed_tokens

@@ -161,7 +161,7 @@ async def create_chat_completion(server: ServerState, request: ChatCompletionReq
     model = server.check_model(request.model)
     request_id = f"chatcmpl-{base_request_id(raw)}"
     log_request_fields(request, request_id)
-    with server.engine.admitting(request.n):
+    with server.engine.admitting(request.num_candidates()):
         processed, plan = await server.run_blocking(process_chat, server, request, request_id)
     if server.log_requests:  # --enable-log-requests
         logger.info("%s: %d prompt tokens, %s", request_id, len(processed.prompt_token_ids),
@@ -213,7 +213,7 @@ class _Writer:
 
     # ---- non-streaming ----------------------------------------------------------------------
     async def full(self) -> Response:
-        n = len(self.processed.child_ids)
+        n = self.processed.params.n  # choices returned (fewer than candidates with best_of)
         texts: list[list[str]] = [[self.echo_text] for _ in range(n)]
         parsers = [self._parser() for _ in range(n)]
         parsed: list[list[ParsedDelta]] = [[] for _ in range(n)]
@@ -259,7 +259,7 @@ class _Writer:
             ))
         response = ChatCompletionResponse(
             id=self.request_id, created=self.created, model=self.model, choices=choices,
-            usage=self._usage(sum(map(len, token_ids)), state.num_cached_tokens),
+            usage=self._usage(state.num_output_tokens, state.num_cached_tokens),  # best_of: all
             prompt_logprobs=(None if self.processed.params.prompt_logprobs is None else
                              [None if d is None else {k: v.model_dump() for k, v in d.items()}
                               for d in prompt_logprobs(self.names, state.prompt_logprobs) or []]),

@@ -75,7 +75,7 @@ async def create_completion(server: ServerState, request: CompletionRequest,
     request_id = f"cmpl-{base_request_id(raw)}"
     log_request_fields(request, request_id)
     request.check_supported()
-    with server.engine.admitting(request.n, len(request.prompts())):
+    with server.engine.admitting(request.num_candidates(), len(request.prompts())):
         processed = await server.run_blocking(process_completion, server, request, request_id)
     if server.log_requests:  # --enable-log-requests
         logger.info("%s: %d prompt(s), %s", request_id, len(processed), processed[0].params)
@@ -165,7 +165,7 @@ class _Writer:
                 prompt_logprobs=(None if p.params.prompt_logprobs is None
                                  else prompt_logprobs(self.names, state.prompt_logprobs)),
             ))
-        num_completion = sum(len(c.token_ids) for c in choices.values())
+        num_completion = sum(s.num_output_tokens for s in states.values())  # best_of: all
         num_cached = sum(s.num_cached_tokens for s in states.values())
         response = CompletionResponse(id=self.request_id, created=self.created, model=self.model,
                                       choices=out, usage=self._usage(num_completion, num_cached))

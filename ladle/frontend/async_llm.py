@@ -136,11 +136,12 @@ class AsyncLLM:
     @contextlib.contextmanager
     def admitting(self, n: int, num_prompts: int = 1):
         """Admission control around a request's preprocessing: raises OverloadedError (a 503
-        with Retry-After at the edge) when its n choices per prompt would put more requests in
-        the engines than they run (--max-num-seqs each) plus --max-waiting-requests (for the
-        server, not per engine). Requests being preprocessed count as in flight, so a burst
-        cannot slip past the bound while it tokenizes. (An n above --max-n is a 400 from
-        preprocessing; it is not an overload.)"""
+        with Retry-After at the edge) when its n engine requests per prompt (its choices, or
+        its best_of candidates) would put more requests in the engines than they run
+        (--max-num-seqs each) plus --max-waiting-requests (for the server, not per engine).
+        Requests being preprocessed count as in flight, so a burst cannot slip past the bound
+        while it tokenizes. (An n above --max-n is a 400 from preprocessing; it is not an
+        overload.)"""
         if self.refusing is not None:
             raise self.refusing
         num_choices = min(n, self.processor.limits.max_n) * num_prompts
@@ -172,7 +173,7 @@ class AsyncLLM:
             raise self.dead_error
         state = self.output_processor.add_request(
             req.request_id, req.prompt, req.prompt_token_ids, req.child_ids, req.child_params,
-            arrival_time=req.engine_requests[0].arrival_time)
+            arrival_time=req.engine_requests[0].arrival_time, params=req.params)
         stream = _Stream(state)
         self.streams[req.request_id] = stream
         finished = False

@@ -248,7 +248,8 @@ class EngineClient:
     def add_requests(self, requests: list[EngineCoreRequest]) -> int:
         """Send one request's choices to the least-loaded engine; returns its index."""
         self._check_alive()
-        index = self.router.place([req.req_id for req in requests])
+        # (a beam search is one engine request that answers under n output ids)
+        index = self.router.place([i for req in requests for i in (req.output_ids or [req.req_id])])
         sock = self.engines[index].input
         for req in requests:
             sock.send_multipart([RequestType.ADD.value, self._encoder.encode(req)], copy=False)

@@ -49,7 +49,8 @@ class IterationStats:
         self.finished.append((child.finish_reason or "abort", now - state.arrival_time))
         self.lengths.append((len(child.token_ids), child.params.max_tokens))
         if child.index == 0:
-            self.requests.append((len(state.prompt_token_ids), len(state.children)))
+            n = len(state.children) if state.num_returned is None else state.num_returned
+            self.requests.append((len(state.prompt_token_ids), n))  # best_of: n, not candidates
 
 
 def _buckets_1_2_5(limit: int) -> list[int]:
@@ -195,6 +196,9 @@ _ENGINE_SERIES = (
      _C),
     ("ladle:num_preemptions", "Requests preempted (KV blocks freed, recomputed later).",
      "num_preemptions", _C),
+    ("ladle:prefill_tokens", "Prompt tokens computed by the engine (prefix-cache hits not "
+     "counted; recomputes after preemption counted again; a beam search's prompt once).",
+     "prefill_tokens", _C),
     ("ladle:grammar_compiles", "Structured-output grammars compiled.", "grammar_compiles", _C),
     ("ladle:grammar_cache_hits", "Structured-output requests that reused a compiled grammar.",
      "grammar_cache_hits", _C),

@@ -4,11 +4,14 @@ For every engine output it runs the request's incremental detokenizer, checks st
 asks the engine to finish a request as soon as one matches, so its KV blocks are freed), keeps the
 per-token logprobs, and keeps what the offline API and the server need: the text so far, the
 deltas not yet taken by a stream, finish reasons, and timing for metrics.
-An n > 1 request is n child requests in the engine, gathered here under the parent id."""
+An n > 1 request is n child requests in the engine, gathered here under the parent id; a best_of > n
+request is best_of children, of which the n with the highest cumulative logprob are handed out
+once all have finished (`RequestState.returned_children`)."""
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -73,6 +76,8 @@ class ChildState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
     is_server_error: bool = False
+    returns_logprobs: bool = True  # False: asked of the engine only to rank best_of candidates
+    beam_cumulative_logprob: float | None = None  # a returned beam's, as the engine summed it
     num_sent_tokens: int = 0  # tokens (and logprobs) already handed out in deltas
     is_finish_sent: bool = False
     last_token_time: float = 0.0
@@ -84,6 +89,13 @@ class ChildState:
     @property
     def text(self) -> str:
         return self.detok.get_next_output_text(self.is_finished, delta=False)
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the sampled tokens' logprobs; None when none were reported."""
+        if self.beam_cumulative_logprob is not None:
+            return self.beam_cumulative_logprob
+        return sum(x.logprob for x in self.logprobs) if self.logprobs else None
 
     def take_delta(self) -> ChoiceDelta | None:
         """The text, tokens and logprobs since the last call; None when there is nothing new."""
@@ -97,7 +109,7 @@ class ChildState:
             index=self.index,
             text=text,
             token_ids=self.token_ids[start:],
-            logprobs=None if self.params.logprobs is None else self.logprobs[start:],
+            logprobs=self.logprobs[start:] if self.returns_logprobs else None,
             finish_reason=self.finish_reason if finish else None,
             stop_reason=self.stop_reason if finish else None,
             error=self.error if finish else None,
@@ -116,13 +128,43 @@ class RequestState:
     arrival_time: float = 0.0  # time.monotonic() when the request was added
     first_token_time: float | None = None
     tokenizer: object = None  # decodes logprob tokens for the offline output
+    num_returned: int | None = None  # choices handed out (n); None: every child
+    _ranked: list[ChildState] | None = field(default=None, repr=False)
 
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.children)
 
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated for every child, returned or not (usage bills best_of candidates)."""
+        return sum(len(c.token_ids) for c in self.children)
+
+    @property
+    def returned_children(self) -> list[ChildState]:
+        """The choices handed out, choice i first: every child; or, when best_of > n, nothing
+        until every candidate has finished, then the n with the highest cumulative logprob, best
+        first (ties in candidate order). A failed candidate ranks first, so its error is seen
+        rather than ranked away."""
+        if self.num_returned is None or self.num_returned >= len(self.children):
+            return self.children
+        if not self.finished:
+            return []
+        if self._ranked is None:
+            def key(c: ChildState) -> tuple[bool, float]:
+                cum = c.cumulative_logprob
+                return c.error is None, math.inf if cum is None else -cum
+
+            self._ranked = sorted(self.children, key=key)[: self.num_returned]
+        return self._ranked
+
     def take_deltas(self) -> list[ChoiceDelta]:
-        return [d for c in self.children if (d := c.take_delta()) is not None]
+        deltas = []
+        for index, c in enumerate(self.returned_children):
+            if (d := c.take_delta()) is not None:
+                d.index = index  # a best_of candidate's place among the returned ones
+                deltas.append(d)
+        return deltas
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(
@@ -130,13 +172,13 @@ class RequestState:
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             outputs=[
-                CompletionOutput(index=c.index, text=c.text, token_ids=list(c.token_ids),
-                                 cumulative_logprob=(sum(x.logprob for x in c.logprobs)
-                                                     if c.logprobs else None),
-                                 logprobs=[self._logprob_dict(x) for x in c.logprobs] or None,
+                CompletionOutput(index=index, text=c.text, token_ids=list(c.token_ids),
+                                 cumulative_logprob=c.cumulative_logprob,
+                                 logprobs=(([self._logprob_dict(x) for x in c.logprobs] or None)
+                                           if c.returns_logprobs else None),
                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                  error=c.error)
-                for c in self.children
+                for index, c in enumerate(self.returned_children)
             ],
             prompt_logprobs=(None if self.prompt_logprobs is None else
                              [x and self._logprob_dict(x) for x in self.prompt_logprobs]),
@@ -163,17 +205,23 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     child_ids: list[str], child_params: list[SamplingParams],
-                    arrival_time: float | None = None) -> RequestState:
+                    arrival_time: float | None = None,
+                    params: SamplingParams | None = None) -> RequestState:
+        """params: the request's own (ProcessedRequest.params), which say how many choices are
+        returned (n, of best_of candidates) and whether logprobs are; None: every child as is."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        hides_logprobs = params is not None and params.logprobs is None
         children = [
             ChildState(cid, i, p, IncrementalDetokenizer.from_sampling_params(
-                self.tokenizer, prompt_token_ids, p))
+                self.tokenizer, prompt_token_ids, p),
+                returns_logprobs=p.logprobs is not None and not hides_logprobs)
             for i, (cid, p) in enumerate(zip(child_ids, child_params, strict=True))
         ]
         state = RequestState(request_id, prompt, prompt_token_ids, children,
                              arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-                             tokenizer=self.tokenizer)
+                             tokenizer=self.tokenizer,
+                             num_returned=None if params is None else params.n)
         self.requests[request_id] = state
         for c in children:
             self.child_of[c.req_id] = (state, c)
@@ -224,6 +272,8 @@ class OutputProcessor:
     def _apply(self, child: ChildState, out: EngineCoreOutput, to_abort: list[str]) -> None:
         new = out.new_token_ids
         child.token_ids.extend(new)
+        if out.cumulative_logprob is not None:
+            child.beam_cumulative_logprob = out.cumulative_logprob
         if out.logprobs is not None:
             child.logprobs.extend(split_logprobs(out.logprobs, new))
         # EOS or a stop token id ended it: that token's text is not output.

@@ -1,11 +1,12 @@
 """Input processing shared by the offline LLM and the server's AsyncLLM: a prompt (text, token
 ids, or chat messages through the chat template) becomes token ids, is checked against the model,
-and an n > 1 request fans out into n child engine requests with seeds seed + i."""
+and an n > 1 request fans out into n child engine requests with seeds seed + i (best_of > n: into
+best_of candidates, exactly as n = best_of would, which the output side ranks)."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ladle.config import check_priority
@@ -22,12 +23,14 @@ class ProcessedRequest:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
-    child_ids: list[str]  # engine request ids, one per choice
-    engine_requests: list[EngineCoreRequest]  # one per choice, in index order
+    params: SamplingParams  # as asked: n choices returned, logprobs only if asked for
+    child_ids: list[str]  # engine request ids, one per choice (per candidate with best_of)
+    engine_requests: list[EngineCoreRequest]  # one per choice (candidate), in index order
 
     @property
     def child_params(self) -> list[SamplingParams]:
+        if self.params.beam_width:  # one engine request, n returned beams
+            return [self.params] * len(self.child_ids)
         return [r.sampling_params for r in self.engine_requests]
 
 
@@ -127,10 +130,24 @@ class InputProcessor:
         check_priority(priority, self.scheduling_policy)
         if params.bad_words and params.bad_words_token_ids is None:
             params.update_from_tokenizer(self.tokenizer)
-        n = params.n
+        n = params.num_candidates
         children = [params.child(i) for i in range(n)] if n > 1 else [params]
+        if params.is_ranked and params.logprobs is None:
+            # Ranking sums the sampled tokens' logprobs, which the engine reports only when
+            # asked: ask for those alone (0 top), and the output side does not return them.
+            children = [replace(c, logprobs=0) for c in children]
+        if params.prompt_logprobs is not None:
+            # One prompt, one set of prompt logprobs: the first child reports them (the output
+            # side keeps one list per request; a second child's used to overflow it).
+            children[1:] = [replace(c, prompt_logprobs=None) for c in children[1:]]
         child_ids = [f"{request_id}-{i}" for i in range(n)] if n > 1 else [request_id]
         now = time.monotonic() if arrival_time is None else arrival_time
+        if params.beam_width:
+            # One beam search in the engine (engine/beam_search.py); its n best beams come back
+            # under the choices' ids.
+            req = EngineCoreRequest(request_id, token_ids, params, self.eos_token_ids, now,
+                                    priority, cache_salt, output_ids=child_ids)
+            return ProcessedRequest(request_id, text, token_ids, params, child_ids, [req])
         reqs = [
             EngineCoreRequest(cid, token_ids, cp, self.eos_token_ids, now, priority, cache_salt)
             for cid, cp in zip(child_ids, children, strict=True)

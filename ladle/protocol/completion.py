@@ -18,8 +18,6 @@ DEFAULT_MAX_TOKENS = 16
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]] | None = None
     """Text, token ids, or a batch of either; each prompt gets n choices."""
-    best_of: int | None = None
-    """Only best_of == n is supported (ladle does not rank extra candidates)."""
     echo: bool = False
     """Put the prompt in front of each choice's text."""
     logprobs: int | None = None
@@ -54,9 +52,6 @@ class CompletionRequest(SamplingFields):
                                f"{MAX_PROMPTS}", param="prompt")
         if self.suffix:
             raise unsupported("suffix", "is not supported by ladle (no insertion)")
-        if self.best_of is not None and self.best_of != self.n:
-            raise unsupported("best_of", "is not supported unless equal to n (ladle does not rank "
-                              "extra candidates)")
         if self.prompt_embeds is not None:
             raise unsupported("prompt_embeds")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -33,6 +33,10 @@ class SamplingFields(RequestModel):
     """A served model name; the server's first one when left out."""
     n: int = 1
     """Choices to generate."""
+    best_of: int | None = None
+    """Candidates drawn per prompt (>= n, up to --max-n; candidate i seeded seed + i, as choice i
+    of n = best_of); the n with the highest cumulative logprob are returned, best first. Not
+    with stream when above n. usage counts every candidate's tokens."""
     seed: int | None = Field(default=None, **_INT64)
     """Seeds sampling; choice i of an n > 1 request uses seed + i."""
     stop: str | list[str] | None = None
@@ -66,7 +70,13 @@ class SamplingFields(RequestModel):
     prompt_logprobs: int | None = None
     """Logprobs of the top-k tokens at each prompt position (non-streaming only)."""
     use_beam_search: bool = False
+    """Beam search (greedy: temperature must be 0 or left out) of width best_of, else n; the n
+    best beams are the choices. Streamed, each beam's text comes when the search ends."""
     length_penalty: float = 1.0
+    """Beam search: a beam's score is sum(logprob) / generated_length ** length_penalty."""
+    early_stopping: bool | Literal["never"] = False
+    """Beam search: True ends it once n_beams hypotheses are finished; False and "never" as in
+    transformers (when the best running beam can no longer beat them)."""
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     """Keep only the last k prompt tokens."""
     priority: int = 0
@@ -92,6 +102,16 @@ class SamplingFields(RequestModel):
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
 
+    @property
+    def is_best_of_ranked(self) -> bool:
+        """best_of > n, sampled: the candidates are ranked. With use_beam_search, best_of is the
+        beam width instead, which beam search reads and checks itself."""
+        return not self.use_beam_search and (self.best_of or 0) > self.n
+
+    def num_candidates(self) -> int:
+        """Engine requests per prompt, for admission: best_of when above n, else n."""
+        return max(self.n, self.best_of or 0)
+
     # ---- what differs between the endpoints ---------------------------------------------------
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """(the output-token cap or None for the remaining context, the field it is in). A
@@ -105,17 +125,15 @@ class SamplingFields(RequestModel):
 
     def check_supported(self) -> None:
         """Rejects fields ladle knows but cannot honour (a 400 that says so)."""
+        if self.is_best_of_ranked and self.stream:  # as OpenAI: ranking needs whole candidates
+            raise RequestError(f"best_of: {self.best_of} > n ({self.n}) cannot be streamed; set "
+                               "stream to false or best_of to n", param="best_of")
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options: only allowed when stream is true",
                                param="stream_options")
         if self.prompt_logprobs is not None and self.stream:
             raise RequestError("prompt_logprobs: not available when streaming; set stream to "
                                "false", param="prompt_logprobs")
-        if self.use_beam_search:
-            raise unsupported("use_beam_search", "beam search is not supported by ladle")
-        if self.length_penalty != 1.0:
-            raise unsupported("length_penalty", "only applies to beam search, which ladle does "
-                              "not support")
 
 
 def to_sampling_params(
@@ -140,6 +158,8 @@ def to_sampling_params(
 
     def pick(name: str):
         value = getattr(request, name)
+        if value is None and name == "temperature" and request.use_beam_search:
+            return 0.0  # beam search is greedy; a model's sampling default does not apply
         return value if value is not None else defaults.get(name, _MODEL_DEFAULTS[name])
 
     room = max_model_len - num_prompt_tokens
@@ -166,6 +186,8 @@ def to_sampling_params(
     try:
         params = SamplingParams(
             n=request.n,
+            # use_beam_search reads best_of as the beam width, not as sampled candidates
+            best_of=None if request.use_beam_search else request.best_of,
             temperature=pick("temperature"),
             top_p=pick("top_p"),
             top_k=pick("top_k"),
@@ -190,13 +212,17 @@ def to_sampling_params(
             thinking_token_budget=request.thinking_token_budget,
             structured_outputs=structured_outputs,
             extra_args=request.vllm_xargs,
+            beam_width=(request.best_of or request.n) if request.use_beam_search else 0,
+            length_penalty=request.length_penalty,
+            early_stopping=request.early_stopping,
         )
         if limits is not None:
             params.verify_for_model(limits)
         return params
     except ValueError as e:
         param = _param_of(str(e))
-        renamed = {"logprobs": logprobs_field, "max_tokens": max_tokens_field}.get(param, param)
+        renamed = {"logprobs": logprobs_field, "max_tokens": max_tokens_field,
+                   "beam_width": "best_of" if request.best_of else "n"}.get(param, param)
         message = str(e)
         if renamed != param:
             message = renamed + message[len(param):]

@@ -27,7 +27,9 @@ SAMPLING_COLUMNS: dict[str, tuple[type, Callable[[SamplingParams], object]]] = {
     "presence_penalty": (np.float32, lambda p: p.presence_penalty),
     "frequency_penalty": (np.float32, lambda p: p.frequency_penalty),
     "repetition_penalty": (np.float32, lambda p: p.repetition_penalty),
-    "num_logprobs": (np.int32, lambda p: -1 if p.logprobs is None else p.logprobs),
+    # A beam's logprobs come from its candidates (engine/beam_search.py), not this column.
+    "num_logprobs": (np.int32,
+                     lambda p: -1 if p.logprobs is None or p.beam_width else p.logprobs),
     "logprobs_mode": (np.int8, lambda p: LOGPROBS_MODES.index(p.logprobs_mode)),
 }
 
@@ -48,9 +50,11 @@ class InputBatch:
         self.num_draft_computed = np.zeros(max_num_reqs, dtype=np.int64)
         self.columns = {name: np.zeros(max_num_reqs, dtype=dt)
                         for name, (dt, _) in SAMPLING_COLUMNS.items()}
+        # Beam search: the candidates a beam's row reports each step (0: not a beam).
+        self.beam_candidates = np.zeros(max_num_reqs, dtype=np.int32)
         self._row_arrays = [self.token_ids, self.num_tokens, self.num_prompt_tokens,
                             self.block_table, self.num_blocks, self.num_draft_computed,
-                            *self.columns.values()]
+                            self.beam_candidates, *self.columns.values()]
 
     @property
     def req_ids(self) -> list[str]:
@@ -108,6 +112,7 @@ class InputBatch:
         self.num_draft_computed[row] = req.num_computed_tokens
         for name, (_, get) in SAMPLING_COLUMNS.items():
             self.columns[name][row] = get(req.sampling_params)
+        self.beam_candidates[row] = req.beam_candidates
 
     def _move_row(self, src: int, dst: int) -> None:
         for arr in self._row_arrays:

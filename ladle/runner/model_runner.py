@@ -53,6 +53,10 @@ class RunnerOutput:
     logprob_rows: np.ndarray  # rows that have logprobs, in the order of `logprobs`
     num_logprobs: np.ndarray  # (R,) requested top-k per row, -1 = none
     logprobs: LogprobsTensors | None = None  # on CPU
+    # Beam search rows and their candidates, best first: (B,), (B, K) values and token ids.
+    beam_rows: np.ndarray | None = None
+    beam_values: np.ndarray | None = None
+    beam_ids: np.ndarray | None = None
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     logits: torch.Tensor | None = None  # (R, V) kept only when asked (tests, debugging)
 
@@ -126,7 +130,7 @@ class ModelRunner:
         self.sampler.update_state(update)
         if update is not None or self.sampling_metadata is None:
             self.sampling_metadata = SamplingMetadata.from_columns(
-                batch.columns, batch.num_reqs, self.device
+                batch.columns, batch.num_reqs, self.device, batch.beam_candidates
             )
         meta = self.sampling_metadata
         R = batch.num_reqs
@@ -161,6 +165,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden, torch.from_numpy(last).to(self.device))
         self._keep_verify_logits(hidden, last, num_drafts)
         kept = logits.float().clone() if self.keep_logits else None
+        if meta.beam_rows is not None:
+            # Beams are scored as transformers scores them: log_softmax of the raw logits, then
+            # the processors and the grammar mask (in float32).
+            logits = logits.float()
+            logits[meta.beam_rows] = torch.log_softmax(logits[meta.beam_rows], dim=-1)
         if mask_job is not None:
             apply_bitmask(logits, *mask_job.result())
         prompt_lp = self._prompt_logprobs(hidden, reqs, num_sched, num_computed, starts)
@@ -172,12 +181,19 @@ class ModelRunner:
         if lp is not None:
             lp = LogprobsTensors(lp.token_ids.cpu(), lp.values.cpu(), lp.sampled_values.cpu(),
                                  lp.sampled_ranks.cpu())
+        beam = (None, None, None)
+        if out.beam is not None:
+            beam = (meta.beam_rows.cpu().numpy(), out.beam[0].cpu().numpy(),
+                    out.beam[1].cpu().numpy())
         return RunnerOutput(
             req_ids=[r.req_id for r in reqs],
             sampled_token_ids=out.sampled_token_ids.cpu().numpy(),
             logprob_rows=meta.logprob_rows.cpu().numpy(),
             num_logprobs=meta.num_logprobs,
             logprobs=lp,
+            beam_rows=beam[0],
+            beam_values=beam[1],
+            beam_ids=beam[2],
             prompt_logprobs=prompt_lp,
             logits=kept,
         )
@@ -315,6 +331,17 @@ class ModelRunner:
         return None if proposals is None else proposals.test(position, rows, self.device)
 
     @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy KV blocks (source, destination) in every layer: a forked beam's private copy of
+        its parent's last partial block. Tensor-parallel workers copy their shards too."""
+        src = torch.tensor([a for a, _ in pairs], device=self.device)
+        dst = torch.tensor([b for _, b in pairs], device=self.device)
+        copy_kv_blocks(self.kv_caches, src, dst)
+        copy_remote = getattr(self.model, "copy_kv_blocks", None)
+        if copy_remote is not None:
+            copy_remote(src, dst)
+
+    @torch.inference_mode()
     def accept_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Append the tokens the engine accepted (one per listed row) to the batch state."""
         self.input_batch.append_tokens(rows, token_ids)
@@ -335,6 +362,12 @@ def check_batch_invariant(device: torch.device, dtype: torch.dtype) -> None:
         raise ValueError("batch_invariant: the CPU kernels are unavailable (disabled by "
                          "LADLE_DISABLE_CPU_KERNELS or their build failed; see the log above). "
                          "Accepted: a machine where they build, or leave --batch-invariant off")
+
+
+def copy_kv_blocks(kv_caches: list[tuple], src: torch.Tensor, dst: torch.Tensor) -> None:
+    for k, v in kv_caches:
+        k[dst] = k[src]
+        v[dst] = v[src]
 
 
 def allocate_kv_caches(model_config, num_kv_heads: int, num_blocks: int, block_size: int,

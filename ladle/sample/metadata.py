@@ -46,9 +46,14 @@ class SamplingMetadata:
     any_raw_logprobs: bool
     any_logit_mode: bool  # some row wants raw_logits / processed_logits values
     any_processed_logprobs: bool
+    # Beam search rows (engine/beam_search.py): they report their top beam_k log-probabilities
+    # (log_softmax, then the processors); None when the step has none.
+    beam_rows: torch.Tensor | None = None
+    beam_k: int = 0
 
     @classmethod
-    def from_columns(cls, cols: dict[str, np.ndarray], n: int, device) -> SamplingMetadata:
+    def from_columns(cls, cols: dict[str, np.ndarray], n: int, device,
+                     beam_candidates: np.ndarray | None = None) -> SamplingMetadata:
         def t(x):
             return torch.from_numpy(np.ascontiguousarray(x)).to(device)
 
@@ -69,6 +74,8 @@ class SamplingMetadata:
         lp_rows = np.nonzero(num_logprobs >= 0)[0]
         modes = cols["logprobs_mode"][:n][lp_rows]
         raw = np.isin(modes, RAW_MODES)
+        beam = np.zeros(0, dtype=np.int32) if beam_candidates is None else beam_candidates[:n]
+        beam_rows = np.nonzero(beam)[0]
         return cls(
             num_rows=n,
             temperature=t(np.where(is_greedy, 1.0, cols["temperature"][:n]).astype(np.float32)),
@@ -99,4 +106,6 @@ class SamplingMetadata:
             any_raw_logprobs=bool(raw.any()),
             any_logit_mode=bool(np.isin(modes, LOGIT_MODES).any()),
             any_processed_logprobs=bool((~raw).any()),
+            beam_rows=t(beam_rows.astype(np.int64)) if len(beam_rows) else None,
+            beam_k=int(beam.max()) if len(beam_rows) else 0,
         )

@@ -67,6 +67,7 @@ class LogprobsTensors:
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # (R,) int64
     logprobs: LogprobsTensors | None = None
+    beam: tuple[torch.Tensor, torch.Tensor] | None = None  # beam rows' top (values, ids)
 
 
 class Sampler:
@@ -149,6 +150,10 @@ class Sampler:
                                           meta.penalties_used)
         if self.thinking is not None:
             logits = self.thinking.apply(logits)
+        beam = None
+        if meta.beam_rows is not None and not verify:
+            # Beam rows hold log-probabilities here (see ModelRunner.execute): their candidates.
+            beam = torch.topk(logits[meta.beam_rows], meta.beam_k, dim=-1)
         greedy = None if meta.all_random else cpu_kernels.argmax(logits)
         if meta.all_greedy:
             sampled, processed = greedy, logits
@@ -163,7 +168,7 @@ class Sampler:
         lp = None
         if meta.max_num_logprobs >= 0:
             lp = self._logprobs(raw, processed, sampled, meta)
-        return SamplerOutput(sampled, lp)
+        return SamplerOutput(sampled, lp, None if beam is None else (beam.values, beam.indices))
 
     def _noise(self, meta: SamplingMetadata, positions, ids: torch.Tensor | None):
         return self.draw_noise(meta.seeds, meta.has_seed, positions, ids,

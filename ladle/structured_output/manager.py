@@ -175,6 +175,22 @@ class StructuredOutputManager:
             slot.reasoning_ended = self.reasoning.is_reasoning_end(request.prompt_token_ids)
         request.grammar = slot
 
+    def fork(self, parent, child) -> None:
+        """A beam search fork: the child gets a matcher of its own in the parent's state (a new
+        matcher of the same compiled grammar, fed the parent's output tokens)."""
+        slot: GrammarSlot = parent.grammar
+        mine = GrammarSlot(slot.backend, slot.key, slot.job, slot.timeout, slot.added_at,
+                           slot.give_up, waiting=False)
+        child.grammar = mine
+        if slot.matcher is None:  # (a fork exists only after its parent sampled)
+            mine.error = slot.error
+            return
+        mine.matcher = slot.backend.new_grammar(slot.job.future.result())
+        if self.reasoning is not None:
+            mine.reasoning_ended = self.reasoning.is_reasoning_end(parent.prompt_token_ids)
+        for token in parent.output_token_ids:
+            self.accept(child, token)
+
     def abort(self, request) -> None:
         """The request is gone: if its grammar is still compiling, stop waiting for it."""
         slot: GrammarSlot | None = request.grammar
