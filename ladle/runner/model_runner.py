@@ -165,18 +165,20 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden, torch.from_numpy(last).to(self.device))
         self._keep_verify_logits(hidden, last, num_drafts)
         kept = logits.float().clone() if self.keep_logits else None
+        beam_shift = None
         if meta.beam_rows is not None:
-            # Beams are scored as transformers scores them: log_softmax of the raw logits, then
-            # the processors and the grammar mask (in float32).
-            logits = logits.float()
-            logits[meta.beam_rows] = torch.log_softmax(logits[meta.beam_rows], dim=-1)
+            # Beams score tokens as transformers does: log_softmax of the raw logits, then the
+            # processors and the grammar mask. The sampler subtracts each beam row's logsumexp
+            # of its raw logits, taken here, before the mask.
+            beam_shift = cpu_kernels.logsumexp(logits.index_select(0, meta.beam_rows).float())
         if mask_job is not None:
             apply_bitmask(logits, *mask_job.result())
         prompt_lp = self._prompt_logprobs(hidden, reqs, num_sched, num_computed, starts)
         output_positions = torch.from_numpy(
             batch.num_tokens[:R] - batch.num_prompt_tokens[:R]
         ).to(self.device)
-        out = self.sampler(logits, meta, output_positions, draft=self._draft_test(0))
+        out = self.sampler(logits, meta, output_positions, draft=self._draft_test(0),
+                           beam_shift=beam_shift)
         lp = out.logprobs
         if lp is not None:
             lp = LogprobsTensors(lp.token_ids.cpu(), lp.values.cpu(), lp.sampled_values.cpu(),
@@ -366,8 +368,8 @@ def check_batch_invariant(device: torch.device, dtype: torch.dtype) -> None:
 
 def copy_kv_blocks(kv_caches: list[tuple], src: torch.Tensor, dst: torch.Tensor) -> None:
     for k, v in kv_caches:
-        k[dst] = k[src]
-        v[dst] = v[src]
+        k.index_copy_(0, dst, k.index_select(0, src))
+        v.index_copy_(0, dst, v.index_select(0, src))
 
 
 def allocate_kv_caches(model_config, num_kv_heads: int, num_blocks: int, block_size: int,

@@ -3,11 +3,13 @@ own parameters.
 
 Steps, in order (each skipped when no row needs it):
    1. raw snapshot for rows that asked for raw logprobs / raw logits
-   2. float32
+   2. float32; beam-search rows become log-probabilities (minus their raw logsumexp, as
+      transformers scores beams before its processors)
    3. processors that can change the argmax: allowed_token_ids, bad_words, min_tokens,
       logit_bias, then custom ones
    4. penalties: repetition, frequency, presence (incremental counts, see penalties.py)
    5. thinking-token budget (forces the end-of-thinking token once the budget is spent)
+      beam-search rows: their top candidates (engine/beam_search.py), not a sampled token
    6. greedy argmax for greedy rows
    7. temperature
    8. processors that cannot change the argmax: min_p, then custom ones
@@ -124,13 +126,16 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
                  output_positions: torch.Tensor, verify: bool = False,
-                 draft: DraftTest | None = None) -> SamplerOutput:
+                 draft: DraftTest | None = None,
+                 beam_shift: torch.Tensor | None = None) -> SamplerOutput:
         """logits: (R, V) in batch-row order, owned by the sampler from here on (stages work in
         place); output_positions: (R,) index of the token being sampled within each request's
         output (the counter of the seeded noise). verify: a further draft position of a
         speculative step; processors that do not support positions are skipped (their
         requests are never drafted, so none of their rows is verified). draft: draft-model tokens
-        to test at this position (random rows only), by rejection sampling."""
+        to test at this position (random rows only), by rejection sampling. beam_shift: the
+        logsumexp of each beam row's raw logits (meta.beam_rows), which turns them into
+        log-probabilities before the processors."""
         raw = None
         if meta.any_raw_logprobs:
             # Later stages work in place, so the raw logits are copied, into a buffer reused
@@ -142,6 +147,9 @@ class Sampler:
             # Into a reused buffer: a fresh (rows, V) float32 tensor page-faults its whole size
             # on CPU every step (39 MB at 64 rows).
             logits = self._workspace("logits", logits.shape).copy_(logits)
+        if beam_shift is not None:  # (index_select / index_copy_: torch's advanced indexing
+            rows = meta.beam_rows    # is several times slower on CPU)
+            logits.index_copy_(0, rows, logits.index_select(0, rows).sub_(beam_shift[:, None]))
         for p in self.argmax_changing:
             if not verify or p.supports_positions():
                 logits = p.apply(logits)
@@ -152,8 +160,8 @@ class Sampler:
             logits = self.thinking.apply(logits)
         beam = None
         if meta.beam_rows is not None and not verify:
-            # Beam rows hold log-probabilities here (see ModelRunner.execute): their candidates.
-            beam = torch.topk(logits[meta.beam_rows], meta.beam_k, dim=-1)
+            # Beam rows hold processed log-probabilities here: their candidates.
+            beam = cpu_kernels.topk(logits.index_select(0, meta.beam_rows), meta.beam_k)
         greedy = None if meta.all_random else cpu_kernels.argmax(logits)
         if meta.all_greedy:
             sampled, processed = greedy, logits
@@ -168,7 +176,7 @@ class Sampler:
         lp = None
         if meta.max_num_logprobs >= 0:
             lp = self._logprobs(raw, processed, sampled, meta)
-        return SamplerOutput(sampled, lp, None if beam is None else (beam.values, beam.indices))
+        return SamplerOutput(sampled, lp, None if beam is None else tuple(beam))
 
     def _noise(self, meta: SamplingMetadata, positions, ids: torch.Tensor | None):
         return self.draw_noise(meta.seeds, meta.has_seed, positions, ids,
