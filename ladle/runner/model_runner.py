@@ -165,20 +165,20 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden, torch.from_numpy(last).to(self.device))
         self._keep_verify_logits(hidden, last, num_drafts)
         kept = logits.float().clone() if self.keep_logits else None
-        beam_shift = None
         if meta.beam_rows is not None:
-            # Beams score tokens as transformers does: log_softmax of the raw logits, then the
-            # processors and the grammar mask. The sampler subtracts each beam row's logsumexp
-            # of its raw logits, taken here, before the mask.
-            beam_shift = cpu_kernels.logsumexp(logits.index_select(0, meta.beam_rows).float())
+            # Beams score tokens as transformers does: log_softmax of the raw float32 logits (its
+            # own rounding: x - max - log(sum), not x - logsumexp), then the grammar mask and
+            # the processors. (index_select / index_copy_: advanced indexing is slow on CPU.)
+            logits = logits.float()
+            rows = meta.beam_rows
+            logits.index_copy_(0, rows, torch.log_softmax(logits.index_select(0, rows), dim=-1))
         if mask_job is not None:
             apply_bitmask(logits, *mask_job.result())
         prompt_lp = self._prompt_logprobs(hidden, reqs, num_sched, num_computed, starts)
         output_positions = torch.from_numpy(
             batch.num_tokens[:R] - batch.num_prompt_tokens[:R]
         ).to(self.device)
-        out = self.sampler(logits, meta, output_positions, draft=self._draft_test(0),
-                           beam_shift=beam_shift)
+        out = self.sampler(logits, meta, output_positions, draft=self._draft_test(0))
         lp = out.logprobs
         if lp is not None:
             lp = LogprobsTensors(lp.token_ids.cpu(), lp.values.cpu(), lp.sampled_values.cpu(),

@@ -3,8 +3,8 @@ own parameters.
 
 Steps, in order (each skipped when no row needs it):
    1. raw snapshot for rows that asked for raw logprobs / raw logits
-   2. float32; beam-search rows become log-probabilities (minus their raw logsumexp, as
-      transformers scores beams before its processors)
+   2. float32 (beam-search rows arrive as log-probabilities: transformers scores beams so,
+      before its processors)
    3. processors that can change the argmax: allowed_token_ids, bad_words, min_tokens,
       logit_bias, then custom ones
    4. penalties: repetition, frequency, presence (incremental counts, see penalties.py)
@@ -126,16 +126,14 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
                  output_positions: torch.Tensor, verify: bool = False,
-                 draft: DraftTest | None = None,
-                 beam_shift: torch.Tensor | None = None) -> SamplerOutput:
+                 draft: DraftTest | None = None) -> SamplerOutput:
         """logits: (R, V) in batch-row order, owned by the sampler from here on (stages work in
         place); output_positions: (R,) index of the token being sampled within each request's
         output (the counter of the seeded noise). verify: a further draft position of a
         speculative step; processors that do not support positions are skipped (their
         requests are never drafted, so none of their rows is verified). draft: draft-model tokens
-        to test at this position (random rows only), by rejection sampling. beam_shift: the
-        logsumexp of each beam row's raw logits (meta.beam_rows), which turns them into
-        log-probabilities before the processors."""
+        to test at this position (random rows only), by rejection sampling. Beam-search rows
+        (meta.beam_rows) come in as log-probabilities (ModelRunner.execute)."""
         raw = None
         if meta.any_raw_logprobs:
             # Later stages work in place, so the raw logits are copied, into a buffer reused
@@ -147,9 +145,6 @@ class Sampler:
             # Into a reused buffer: a fresh (rows, V) float32 tensor page-faults its whole size
             # on CPU every step (39 MB at 64 rows).
             logits = self._workspace("logits", logits.shape).copy_(logits)
-        if beam_shift is not None:  # (index_select / index_copy_: torch's advanced indexing
-            rows = meta.beam_rows    # is several times slower on CPU)
-            logits.index_copy_(0, rows, logits.index_select(0, rows).sub_(beam_shift[:, None]))
         for p in self.argmax_changing:
             if not verify or p.supports_positions():
                 logits = p.apply(logits)
