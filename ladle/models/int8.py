@@ -123,7 +123,7 @@ def quantize_model_int8(model: nn.Module) -> None:
     t0 = time.perf_counter()
     count = 0
     for name, module in list(model.named_modules()):
-        if isinstance(module, nn.Linear):
+        if isinstance(module, nn.Linear) and not getattr(module, "keep_dense", False):
             w = module.weight
             if isinstance(w, QuantWeight):
                 if all(p.kind != DENSE for p in w.parts):
@@ -167,7 +167,7 @@ def install_checkpoint_int8(model: nn.Module, int8: dict, path: Path) -> None:
         if None in shards:
             rows = [(None, 0, dense.shape[0])]
         else:
-            sizes = model.shard_sizes(module_name.rsplit(".", 1)[1])
+            sizes = model.shard_sizes(module_name)
             starts = [sum(sizes[:i]) for i in range(len(sizes))]
             rows = [(i, starts[i], sizes[i]) for i in range(len(sizes))]
         parts = []

@@ -37,6 +37,7 @@ class DecoderConfig:
     o_bias: bool = False  # Llama's `attention_bias` also covers o_proj
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3 normalises each head of q and k before rotary
+    sliding_window: int | None = None  # every layer attends to its last `sliding_window` tokens
 
     @classmethod
     def from_hf(cls, hf: dict, **switches) -> DecoderConfig:
@@ -135,6 +136,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
+        self.window = cfg.sliding_window
 
     def forward(self, x, positions, rotary, meta: AttentionMetadata, kv_cache):
         T = x.shape[0]
@@ -147,7 +149,7 @@ class Attention(nn.Module):
             q, k = rotary.with_qk_norm(positions, q, k, self.q_norm, self.k_norm)
         else:
             q, k = rotary(positions, q, k)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # (T, H, D)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.window)  # (T, H, D)
         if self.tp is None:
             return linear(out.reshape(T, self.q_size), self.o_proj.weight, self.o_proj.bias)
         # Row-parallel: each rank's heads give a partial sum; the bias is added once, after it.
@@ -157,13 +159,17 @@ class Attention(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, layout: ShardLayout | None = None,
-                 tp: TPGroup | None = None):
+                 tp: TPGroup | None = None, mlp: nn.Module | None = None):
+        """`mlp`: the feed-forward block (a family's own, such as a mixture of experts); by
+        default the gated MLP of the config's intermediate size."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layout, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        intermediate = cfg.intermediate_size if layout is None else layout.intermediate_size
-        self.mlp = GatedMLP(cfg.hidden_size, intermediate, bias=cfg.mlp_bias, tp=tp)
+        if mlp is None:
+            intermediate = cfg.intermediate_size if layout is None else layout.intermediate_size
+            mlp = GatedMLP(cfg.hidden_size, intermediate, bias=cfg.mlp_bias, tp=tp)
+        self.mlp = mlp
 
     def forward(self, x, residual, positions, rotary, meta, kv_cache):
         """Returns (this layer's MLP output, the residual stream before it). The residual add is
@@ -193,18 +199,30 @@ class LlamaForCausalLM(nn.Module):
                 switches.update(qkv_bias=True, o_bias=True)
         else:
             switches = dict(self.switches)
-        cfg = self.config = DecoderConfig.from_hf(hf_config, **switches)
+        cfg = self.config = self.read_config(hf_config, switches)
         self.tp = tp
         self.layout = None if tp is None else shard_layout(cfg, tp.rank, tp.world_size)
         lay = self.layout
         # The heads this process's KV cache holds (the model runner sizes the cache with it).
         self.num_local_kv_heads = cfg.num_kv_heads if lay is None else lay.num_kv_heads
         self.embed_tokens, self.lm_head = vocab_layers(cfg, lay, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, lay, tp) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, lay, tp, self.make_mlp(i, hf_config))
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
+
+    @classmethod
+    def read_config(cls, hf_config: dict, switches: dict) -> DecoderConfig:
+        """The decoder's dimensions from config.json; a family with more fields reads them
+        here."""
+        return DecoderConfig.from_hf(hf_config, **switches)
+
+    def make_mlp(self, index: int, hf_config: dict) -> nn.Module | None:
+        """Layer `index`'s feed-forward block; None: the config's gated MLP. Mixture-of-experts
+        families return their experts' block on their sparse layers."""
+        return None
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         """input_ids, positions: (T,). Returns final hidden states (T, hidden)."""
@@ -236,9 +254,11 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def shard_sizes(self, fused: str) -> list[int]:
-        """Rows of each checkpoint tensor inside fused parameter `fused` (this rank's part)."""
+    def shard_sizes(self, module: str) -> list[int]:
+        """Rows of each checkpoint tensor inside the fused parameter of `module` (its dotted
+        name, "layers.0.self_attn.qkv_proj"): this rank's part."""
         cfg, lay = self.config, self.layout
+        fused = module.rsplit(".", 1)[-1]
         heads, kv_heads = (cfg.num_heads, cfg.num_kv_heads) if lay is None else \
             (lay.num_heads, lay.num_kv_heads)
         if fused == "qkv_proj":

@@ -14,19 +14,10 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from ladle.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from ladle.models.layers import RotaryEmbedding
 from ladle.models.llama import LlamaForCausalLM
-from ladle.models.qwen2 import Qwen2ForCausalLM
-from ladle.models.qwen3 import Qwen3ForCausalLM
+from ladle.models.registry import ARCHITECTURES, architecture_class
 
-ARCHITECTURES = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "Gemma2ForCausalLM": Gemma2ForCausalLM,
-    "Gemma3ForCausalLM": Gemma3ForCausalLM,
-}
 DEMO_MODEL = "ladle-demo"
 logger = logging.getLogger(__name__)
 
@@ -137,8 +128,9 @@ def read_hf_config(path: Path) -> dict:
 def model_class(hf_config: dict, path: Path) -> type[torch.nn.Module]:
     archs = hf_config.get("architectures") or []
     for arch in archs:
-        if arch in ARCHITECTURES:
-            return ARCHITECTURES[arch]
+        cls = architecture_class(arch)
+        if cls is not None:
+            return cls
     raise ModelLoadError(
         f"{path / 'config.json'}: architectures {archs} not supported; "
         f"supported: {', '.join(ARCHITECTURES)}"
@@ -226,10 +218,33 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _checkpoint_tensors(path: Path):
+def _checkpoint_tensors(path: Path, model=None):
     """(file, checkpoint tensor name, shape or None, read) for every tensor, where read(part)
     returns the tensor, or only the part (dim, start, length) of it that this tensor-parallel
-    rank holds (part None: all of it). Nothing is read until `read` is called."""
+    rank holds (part None: all of it). Nothing is read until `read` is called. A tensor that
+    holds several of the model's (a layer's experts stacked in one, which a family's
+    `unfused(name, shape)` lists as (name, shape, index) triples) comes as those tensors."""
+    unfused = getattr(model, "unfused", None)
+    for file, name, shape, read in _stored_tensors(path):
+        parts = None if unfused is None else unfused(name, shape)
+        if parts is None:
+            yield file, name, shape, read
+            continue
+        whole: list[torch.Tensor] = []  # the stored tensor, read once for all its parts
+
+        def piece(part, index, sub, read=read, whole=whole):
+            if not whole:
+                whole.append(read(None))
+            t = whole[0][index]
+            return t if part is None else _read_slice(t, sub, part)
+
+        for sub, sub_shape, index in parts:
+            yield file, sub, sub_shape, (lambda part, index=index, sub=sub, piece=piece:
+                                         piece(part, index, sub))
+
+
+def _stored_tensors(path: Path):
+    """_checkpoint_tensors as the files store them."""
     if is_gguf(path):
         from ladle.models.gguf import hf_config_from_gguf, iter_hf_tensors, open_gguf
 
@@ -288,7 +303,7 @@ def check_checkpoint(path: Path, hf_config: dict) -> None:
 
     is_int8 = not is_gguf(path) and int8.checkpoint_is_int8(hf_config, path / "config.json")
     loaded: set[str] = set()
-    for file, name, shape, _ in _checkpoint_tensors(path):
+    for file, name, shape, _ in _checkpoint_tensors(path, model):
         target = _checked_target(name, file, path, model, params, is_int8)
         if target is None:
             continue
@@ -312,7 +327,7 @@ def load_weights(model: LlamaForCausalLM, path: Path, int8: dict | None = None,
     loaded: set[str] = set()
     with tqdm(total=len(params), desc="Loading weights", unit="tensor", leave=False,
               disable=os.environ.get("LADLE_NO_PROGRESS") == "1") as bar:
-        for file, name, _, read in _checkpoint_tensors(path):
+        for file, name, _, read in _checkpoint_tensors(path, model):
             target = _checked_target(name, file, path, model, params, int8 is not None)
             if target is None:
                 continue
@@ -368,6 +383,7 @@ def _holds_blocks(name: str, model) -> bool:
     from a GGUF file's blocks before the load (models/gguf/quantized.py)."""
     from ladle.runner.quant import QuantWeight
 
+    name = _renamed(name, model)
     for part, (fused, _) in model.stacked.items():
         name = name.replace(f".{part}.", f".{fused}.")
     owner, _, attr = name.rpartition(".")
@@ -378,7 +394,7 @@ def _holds_blocks(name: str, model) -> bool:
 
 
 def _shard_sizes(model, pname: str) -> list[int]:
-    return model.shard_sizes(pname.rsplit(".", 1)[0].rsplit(".", 1)[1])
+    return model.shard_sizes(pname.rsplit(".", 1)[0])
 
 
 def _expected_shape(model, param: torch.Tensor, pname: str, shard: int | None) -> tuple:
@@ -398,7 +414,8 @@ def _check_complete(model, params: dict, loaded: set[str], path: Path) -> None:
     for pname in params:
         fused = pname.rsplit(".", 1)[0].rsplit(".", 1)[-1]
         if fused in ("qkv_proj", "gate_up_proj"):
-            expected |= {f"{pname}#{i}" for i in range(len(model.shard_sizes(fused)))}
+            expected |= {f"{pname}#{i}"
+                         for i in range(len(model.shard_sizes(pname.rsplit(".", 1)[0])))}
         else:
             expected.add(pname)
     missing = [_checkpoint_name(key, model) for key in sorted(expected - loaded)]
@@ -419,6 +436,8 @@ def _checkpoint_name(key: str, model) -> str:
         parts = {v: k for k, v in model.stacked.items()}
         fused = pname.rsplit(".", 1)[0].rsplit(".", 1)[-1]
         pname = pname.replace(f".{fused}.", f".{parts[(fused, int(shard))]}.")
+    for old, new in reversed(getattr(model, "renames", ())):
+        pname = pname.replace(new, old)
     return pname if pname.startswith("lm_head.") else f"model.{pname}"
 
 
@@ -467,6 +486,7 @@ def _target(name: str, model, params: dict) -> tuple[str, int | None] | None:
     model has no parameter for it (`_checked_target` tells the expected ones from the rest)."""
     if name.startswith("model."):
         name = name[len("model."):]
+    name = _renamed(name, model)
     if "rotary_emb" in name:
         return None
     if name.startswith("lm_head.") and model.lm_head is None:
@@ -481,17 +501,31 @@ def _target(name: str, model, params: dict) -> tuple[str, int | None] | None:
     return None
 
 
-def _read_slice(view, name: str, part: tuple[int, int, int]) -> torch.Tensor:
-    """Rows (dim 0) or columns (dim 1) [start, start + length) of tensor `name` (`view`: a
+def _renamed(name: str, model) -> str:
+    """A checkpoint name in the model's own module names: a family whose checkpoints name
+    modules otherwise (Mixtral's block_sparse_moe, w1/w2/w3) lists `renames` (old, new)."""
+    for old, new in getattr(model, "renames", ()):
+        name = name.replace(old, new)
+    return name
+
+
+def _read_slice(view, name: str, part: tuple[int, int, int] | list) -> torch.Tensor:
+    """Indices [start, start + length) along `dim` of tensor `name` (`view`: a
     safetensors slice, read without loading the rest, or a tensor); rows past the end (the
-    padded vocabulary) are zeros."""
+    padded vocabulary) are zeros. `part` may be a list of such parts along one dim, joined in
+    order (a rank's share of a tensor that fuses several projections: q, k and v rows, or each
+    expert's gate and up rows)."""
+    if isinstance(part, list):
+        return torch.cat([_read_slice(view, name, p) for p in part], dim=part[0][0])
     dim, start, length = part
     size = view.get_shape()[dim] if hasattr(view, "get_shape") else view.shape[dim]
     start, end = min(start, size), min(start + length, size)  # a slice wholly past the end
-    tensor = view[start:end] if dim == 0 else view[:, start:end]  # is empty, then all padding
+    # A slice wholly past the end is empty, then all padding.
+    tensor = view[(slice(None),) * dim + (slice(start, end),)]
     if end - start < length:
         if dim != 0:
-            raise ModelLoadError(f"weight {name}: {size} columns, too few to split")
+            raise ModelLoadError(f"weight {name}: {size} entries along dim {dim}, too few "
+                                 "to split")
         tensor = torch.cat([tensor, tensor.new_zeros((length - (end - start),
                                                       *tensor.shape[1:]))])
     return tensor

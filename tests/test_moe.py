@@ -1,0 +1,198 @@
+"""Mixture-of-experts families (issue 25): Qwen3-MoE and Mixtral against transformers on
+random-weight float32 checkpoints with 8 experts: greedy tokens equal to `generate` and logits
+within float32 rounding, plain, in 16-token prefill chunks, through prefix-cache hits, with ngram
+speculation and with `-tp 2` (the experts' intermediate dimension split across ranks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine_numerics import reference_logits, run
+
+from ladle.config import EngineConfig
+from ladle.engine.core import EngineCore
+
+# Qwen3-MoE top-2 with norm_topk_prob and a dense first layer (mlp_only_layers), top-4 without
+# it (transformers' default) and every second layer sparse; Mixtral top-2 with a sliding window
+# of 12 tokens, shorter than every prompt.
+CHECKPOINTS = {
+    "qwen3_moe-top2-norm": dict(num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0]),
+    "qwen3_moe-top4": dict(num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=2),
+    "mixtral-top2-window": dict(num_experts_per_tok=2, sliding_window=12),
+}
+_gen = torch.Generator().manual_seed(3)
+PROMPTS = [torch.randint(3, 500, (n,), generator=_gen).tolist() for n in (40, 63, 88, 120)]
+NUM_DECODE = 32
+FP32_TOL = 2e-4  # as tests/test_engine_numerics.py: float32 agrees to rounding
+MIN_ROUTING_MARGIN = 1e-3  # router logits: far above their float32 rounding (~1e-6)
+
+
+def make_moe_checkpoint(name: str, path):
+    """A 3-layer model with 8 experts. Weights: N(0, 0.15) matrices and N(0, 0.5) embeddings
+    as tests/checkpoints.py, and router rows N(0, 2): router logits far apart, so that float32
+    rounding cannot change which experts a token gets (the test measures the margin)."""
+    import transformers as tf
+
+    kind, *_ = name.split("-")
+    common = dict(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, **CHECKPOINTS[name])
+    if kind == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(**common, head_dim=16, intermediate_size=96,
+                                moe_intermediate_size=32, num_experts=8, rope_theta=1e6)
+        cls = tf.Qwen3MoeForCausalLM
+    else:
+        cfg = tf.MixtralConfig(**common, intermediate_size=32, num_local_experts=8)
+        cls = tf.MixtralForCausalLM
+    torch.manual_seed(0)
+    model = cls(cfg)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if ".gate.weight" in pname and p.shape[0] == 8:  # the router
+                p.normal_(0, 2.0)
+            elif "experts" in pname or p.dim() == 2:
+                p.normal_(0, 0.5 if "embed" in pname else 0.15)
+    model = model.eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CHECKPOINTS))
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return path, make_moe_checkpoint(request.param, path)
+
+
+def generate(ref, prompt) -> list[int]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: more threads only wait on each other
+    try:
+        with torch.no_grad():
+            out = ref.generate(torch.tensor([prompt]), max_new_tokens=NUM_DECODE,
+                               do_sample=False, eos_token_id=None, pad_token_id=0)
+    finally:
+        torch.set_num_threads(threads)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint):
+    _, ref = checkpoint
+    return [generate(ref, p) for p in PROMPTS]
+
+
+def engine(path, **kw) -> EngineCore:
+    kw.setdefault("kv_cache_memory", "16MB")
+    return EngineCore(EngineConfig(model=str(path), dtype="float32", **kw), keep_logits=True)
+
+
+def assert_matches(ref, prompts, toks, logs, want_toks):
+    for p, t, ours, want in zip(prompts, toks, logs, want_toks, strict=True):
+        assert t == want
+        err = (ours - reference_logits(ref, p, t)).abs().max().item()
+        assert err <= FP32_TOL, err
+
+
+def routing_margin(ref, prompts, outputs) -> float:
+    """The smallest gap, over every token of prompt + output and every sparse layer, between
+    the k-th and the (k+1)-th router logit in transformers' forward (the softmax keeps their
+    order, so this is the margin by which each token's experts are chosen)."""
+    gaps = []
+
+    def hook(module, args, out):
+        logits = out[0].float().sort(dim=-1, descending=True).values
+        gaps.append((logits[:, module.top_k - 1] - logits[:, module.top_k]).min().item())
+
+    routers = [m for n, m in ref.named_modules() if n.endswith("mlp.gate")]
+    handles = [r.register_forward_hook(hook) for r in routers]
+    try:
+        for p, t in zip(prompts, outputs, strict=True):
+            with torch.no_grad():
+                ref(torch.tensor([p + t]))
+    finally:
+        for h in handles:
+            h.remove()
+    return min(gaps)
+
+
+def test_greedy_and_logits_match_transformers(checkpoint, expected):
+    path, ref = checkpoint
+    eng = engine(path)
+    toks, logs = run(eng, PROMPTS, max_tokens=NUM_DECODE)
+    assert_matches(ref, PROMPTS, toks, logs, expected)
+    assert all(len(set(t)) > 4 for t in toks)  # tokens vary, so equality means something
+    assert routing_margin(ref, PROMPTS, toks) > MIN_ROUTING_MARGIN
+
+
+def test_chunked_prefill_and_prefix_cache_hits(checkpoint, expected):
+    """16-token prefill chunks, then the same prompts again (hitting the prefix cache) beside a
+    prompt that shares 70 tokens with one of them."""
+    path, ref = checkpoint
+    eng = engine(path, max_num_batched_tokens=16)
+    toks, logs = run(eng, PROMPTS, max_tokens=NUM_DECODE)
+    assert eng.num_steps >= 26
+    assert_matches(ref, PROMPTS, toks, logs, expected)
+    hits_before = eng.kv_cache.num_prefix_hits
+    shared = PROMPTS[3][:70] + [11, 12, 13, 14, 15]
+    toks, logs = run(eng, PROMPTS + [shared], max_tokens=NUM_DECODE, start=100)
+    assert eng.kv_cache.num_prefix_hits - hits_before >= 16 * (2 + 3 + 5 + 7 + 4)
+    assert_matches(ref, PROMPTS + [shared], toks, logs, expected + [generate(ref, shared)])
+
+
+def test_ngram_speculation(checkpoint, expected):
+    path, _ = checkpoint
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3}
+    eng = engine(path, speculative_config=spec)
+    toks, _ = run(eng, PROMPTS, max_tokens=NUM_DECODE)
+    assert toks == expected
+
+
+def test_tp2_equals_transformers(checkpoint, expected):
+    path, ref = checkpoint
+    eng = EngineCore(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64,
+                                  max_model_len=256, tensor_parallel_size=2), keep_logits=True)
+    try:
+        toks, logs = run(eng, PROMPTS[:2], max_tokens=NUM_DECODE)
+    finally:
+        eng.close()
+    assert_matches(ref, PROMPTS[:2], toks, logs, expected[:2])
+
+
+def test_stacked_expert_tensors_load_as_per_expert_ones(checkpoint, expected, tmp_path):
+    """A checkpoint that stores each layer's experts stacked (transformers 5's in-memory
+    layout: experts.gate_up_proj (E, 2I, H), experts.down_proj (E, H, I)) serves the same
+    tokens, alone and split over two ranks."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path, ref = checkpoint
+    flat = load_file(path / "model.safetensors")
+    stacked, experts = {}, {}
+    for name, t in flat.items():
+        m = re.match(r"(.*\.experts)\.(\d+)\.(\w+)\.weight$", name)
+        if m:
+            experts.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = t
+        else:
+            stacked[name] = t
+    assert experts
+    for stem, projs in experts.items():
+        stem = stem.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's in-memory name
+        gate = projs.get("gate_proj") or projs["w1"]
+        up = projs.get("up_proj") or projs["w3"]
+        down = projs.get("down_proj") or projs["w2"]
+        stacked[f"{stem}.gate_up_proj"] = torch.stack(
+            [torch.cat([gate[e], up[e]]) for e in sorted(gate)])
+        stacked[f"{stem}.down_proj"] = torch.stack([down[e] for e in sorted(down)])
+    save_file(stacked, tmp_path / "model.safetensors")
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    toks, logs = run(engine(tmp_path), PROMPTS[:2], max_tokens=NUM_DECODE)
+    assert_matches(ref, PROMPTS[:2], toks, logs, expected[:2])
+    eng = EngineCore(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=64,
+                                  max_model_len=256, tensor_parallel_size=2), keep_logits=True)
+    try:
+        assert run(eng, PROMPTS[:1], max_tokens=8)[0] == [expected[0][:8]]
+    finally:
+        eng.close()
