@@ -30,6 +30,7 @@ from ladle.models.loader import (
     resolve_dtype,
     resolve_model_path,
 )
+from ladle.models.registry import SERVED_LEN_KEY
 from ladle.reasoning import ReasoningConfig
 from ladle.runner import cpu_kernels
 from ladle.runner.model_runner import ModelRunner, RunnerOutput
@@ -48,7 +49,8 @@ class EngineCore:
         self.config = config
         device = config.torch_device()
         self.model_path = resolve_model_path(config.model)
-        hf_config = read_hf_config(self.model_path)
+        # With the served context (registry.SERVED_LEN_KEY): Phi-3's LongRoPE depends on it.
+        hf_config = {**read_hf_config(self.model_path), SERVED_LEN_KEY: config.max_model_len}
         check_quantization(self.model_path, config.quantization, hf_config,
                            config.tensor_parallel_size)
         self.dtype = resolve_dtype(config.dtype, hf_config, device)

@@ -113,6 +113,27 @@ class RotaryEmbedding(nn.Module):
                                           q_norm.eps, self.cos, self.sin)
 
 
+class PartialRotaryEmbedding(RotaryEmbedding):
+    """Neox rotary on the first `rotary_dim` dims of each head only, the rest passed through
+    (Phi-3's partial_rotary_factor). The tables span rotary_dim; the rotated dims are copied
+    out, rotated by the same kernel and copied back, so RotaryEmbedding's own path (every
+    other family) is untouched."""
+
+    def __init__(self, rotary_dim: int, max_positions: int, theta: float,
+                 scaling: dict | None):
+        super().__init__(rotary_dim, max_positions, theta, scaling)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        rd = self.head_dim  # the rotated dims (RotaryEmbedding's tables are built for them)
+        if rd == q.shape[-1]:
+            return super().forward(positions, q, k)
+        q_rot, k_rot = cpu_kernels.rotary(positions, q[..., :rd].contiguous(),
+                                          k[..., :rd].contiguous(), self.cos, self.sin)
+        q[..., :rd] = q_rot  # q, k: views of this step's qkv output, written in place
+        k[..., :rd] = k_rot
+        return q, k
+
+
 class GatedMLP(nn.Module):
     """Gated MLP with gate and up projections fused into one matmul: SwiGLU by default, GeGLU
     with `activation` "gelu_tanh" (Gemma's gelu_pytorch_tanh) or "gelu" (exact erf)."""
