@@ -178,7 +178,7 @@ def test_output_starts_in_reasoning_from_the_prompt_text():
 def test_unknown_reasoning_parser_lists_names():
     assert get_reasoning_parser("qwen3") is Qwen3ReasoningParser
     assert issubclass(get_reasoning_parser("deepseek_r1"), ReasoningParser)
-    with pytest.raises(ValueError, match="'nope'.*deepseek_r1, qwen3"):
+    with pytest.raises(ValueError, match="'nope'.*deepseek_r1, openai_gptoss, qwen3"):
         get_reasoning_parser("nope")
 
 
@@ -397,7 +397,7 @@ def test_include_reasoning_false_drops_only_the_reasoning():
 
 
 def test_choice_parser_unknown_name():
-    with pytest.raises(ValueError, match="available: deepseek_r1, qwen3"):
+    with pytest.raises(ValueError, match="available: deepseek_r1, openai_gptoss, qwen3"):
         ChoiceOutputParser("nope")
     with pytest.raises(ValueError, match="available: hermes, llama3_json, mistral"):
         ChoiceOutputParser(None, "nope", "auto")

@@ -29,7 +29,11 @@ from ladle.entrypoints.common import (
     error_response,
     request_error_response,
 )
-from ladle.entrypoints.serving_chat import create_chat_completion, resolve_content_format
+from ladle.entrypoints.serving_chat import (
+    create_chat_completion,
+    harmony_prompt,
+    resolve_content_format,
+)
 from ladle.entrypoints.serving_completion import create_completion
 from ladle.entrypoints.serving_messages import count_tokens, create_message
 from ladle.entrypoints.serving_responses import (
@@ -156,6 +160,14 @@ def build_app(server: ServerState, root_path: str = "", cors: dict | None = None
     def _tokenize(request: TokenizeRequest) -> TokenizeResponse:
         processor = engine.processor
         try:
+            if request.messages is not None and server.harmony is not None:
+                chat = ChatCompletionRequest.model_validate({
+                    "messages": request.messages, "tools": request.tools,
+                    "add_generation_prompt": request.add_generation_prompt,
+                    "continue_final_message": request.continue_final_message,
+                    "chat_template_kwargs": request.chat_template_kwargs})
+                ids = harmony_prompt(server, chat).token_ids
+                return _tokenized(ids, request)
             if request.messages is not None:
                 text = processor.render_chat(
                     request.messages, tools=request.tools,
@@ -170,7 +182,9 @@ def build_app(server: ServerState, root_path: str = "", cors: dict | None = None
                 add_special = request.add_special_tokens is not False
         except ValueError as e:
             raise as_request_error(e) from e
-        ids = processor.encode(text, add_special_tokens=add_special)
+        return _tokenized(processor.encode(text, add_special_tokens=add_special), request)
+
+    def _tokenized(ids: list[int], request: TokenizeRequest) -> TokenizeResponse:
         strs = [token_to_str(engine.tokenizer, t) for t in ids] if request.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids,
                                 token_strs=strs)
@@ -453,6 +467,12 @@ async def run_server(args: argparse.Namespace) -> int:
                 engine.processor.generation_defaults or "none (ladle's own)")
     if chat_template is not None:  # every chat render (and /tokenize) uses it from now on
         engine.tokenizer.chat_template = chat_template
+    try:
+        harmony = _harmony_tokens(engine, args, chat_template)
+    except ValueError as e:
+        logger.error("%s", e)
+        await engine.shutdown()
+        return 2
     server = ServerState(
         engine=engine, served_model_names=names, api_key=args.api_key,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
@@ -464,6 +484,7 @@ async def run_server(args: argparse.Namespace) -> int:
         force_include_usage=args.enable_force_include_usage,
         logprobs_mode=args.logprobs_mode, log_requests=args.enable_log_requests,
         keep_parser_markers=_markers_are_special(engine.tokenizer, args),
+        harmony=harmony,
         chat_template_content_format=resolve_content_format(
             args.chat_template_content_format, engine.tokenizer.chat_template),
         max_request_body_bytes=args.max_request_body_bytes,
@@ -550,7 +571,12 @@ def check_frontend_args(args: argparse.Namespace) -> tuple[str | None, tuple[str
     if source not in ("auto", "vllm") and not Path(source).is_dir():
         raise ValueError(f"--generation-config: {source!r} is not auto, vllm, or a directory")
     generation_defaults(Path(source), "vllm", args.override_generation_config)  # checks the keys
-    if args.reasoning_parser is not None and args.reasoning_parser not in ENGINE_REASONING:
+    from ladle.parsers.reasoning import ReasoningParserManager
+
+    is_harmony = getattr(ReasoningParserManager.parsers.get(args.reasoning_parser), "is_harmony",
+                         False)
+    if (args.reasoning_parser is not None and args.reasoning_parser not in ENGINE_REASONING
+            and not is_harmony):
         logger.info("--reasoning-parser %s: a plugin; thinking_token_budget and structured "
                     "outputs after the reasoning need a built-in one (%s)", args.reasoning_parser,
                     ", ".join(ENGINE_REASONING))
@@ -579,6 +605,22 @@ def _resolve_hub_model(args: argparse.Namespace) -> None:
     if not args.served_model_name:
         args.served_model_name = [args.model]
     args.model = path
+
+
+def _harmony_tokens(engine: AsyncLLM, args: argparse.Namespace, chat_template: str | None):
+    """The harmony marker ids when the model speaks harmony (gpt-oss), else None; ValueError
+    when it does and its tokenizer lacks a marker."""
+    from ladle.entrypoints.harmony import HarmonyTokens, harmony_reason
+
+    why = harmony_reason(engine.model_path, args.reasoning_parser, args.tool_call_parser)
+    if why is None:
+        return None
+    tokens = HarmonyTokens.from_tokenizer(engine.tokenizer, why)
+    logger.info("%s: the model speaks harmony: chats are rendered in harmony, their channels "
+                "parsed into reasoning, content and tool calls", why)
+    if chat_template is not None:
+        logger.info("--chat-template: no effect on chats: the model speaks harmony")
+    return tokens
 
 
 def _markers_are_special(tokenizer, args: argparse.Namespace) -> bool:

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ladle.entrypoints.common import ServerState, check_engine_error
+from ladle.entrypoints.harmony import reasoning_token_count
 from ladle.entrypoints.serving_chat import choice_parser, process_chat
 from ladle.parsers.types import DeltaToolCall, merge_pieces
 from ladle.protocol.chat import ChatCompletionRequest
@@ -72,6 +73,8 @@ class ChatTurn:
         """Output tokens up to and including the one that ends thinking."""
         if not has_reasoning:
             return 0
+        if self.server.harmony is not None:
+            return reasoning_token_count(self.output_token_ids, self.server.harmony)
         end = self.server.engine.tokenizer.convert_tokens_to_ids("</think>")
         ids = self.output_token_ids
         return ids.index(end) + 1 if end in ids else len(ids)

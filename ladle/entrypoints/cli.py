@@ -113,12 +113,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="streams end with a usage chunk even without stream_options")
     g.add_argument("--enable-auto-tool-choice", action="store_true")
     g.add_argument("--tool-call-parser", default=None,
-                   help="hermes, llama3_json, mistral, pythonic, qwen3_coder, or a plugin's name")
+                   help="hermes, llama3_json, mistral, pythonic, qwen3_coder, openai (gpt-oss's "
+                        "harmony), or a plugin's name")
     g.add_argument("--tool-parser-plugin", default=None, metavar="FILE.py",
                    help="a Python file that registers tool parsers with "
                         "@ToolParserManager.register_module(NAME)")
     g.add_argument("--reasoning-parser", default=None,
-                   help="qwen3, deepseek_r1, or a plugin's name")
+                   help="qwen3, deepseek_r1, openai_gptoss (gpt-oss's harmony), or a plugin's "
+                        "name")
     g.add_argument("--reasoning-parser-plugin", default=None, metavar="FILE.py",
                    help="a Python file that registers reasoning parsers with "
                         "@ReasoningParserManager.register_module(NAME)")

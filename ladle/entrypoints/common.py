@@ -57,6 +57,9 @@ class ServerState:
     # The tokenizer marks a parser's tags as special tokens: parsed requests keep special tokens
     # in the text (skip_special_tokens off) so the parsers see the tags.
     keep_parser_markers: bool = False
+    # The model speaks harmony (gpt-oss): its marker ids (entrypoints/harmony.HarmonyTokens);
+    # chats are rendered, constrained and parsed per that format. None: it does not.
+    harmony: Any = None
     # Limits (README: "Limits and errors").
     max_request_body_bytes: int = 4 * 2**20
     trust_request_chat_template: bool = False

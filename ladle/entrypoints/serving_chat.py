@@ -28,11 +28,13 @@ from ladle.entrypoints.common import (
     unique_id,
     until_disconnect,
 )
+from ladle.entrypoints.harmony import HarmonyPrompt, harmony_constraint, render_harmony
 from ladle.entrypoints.logprobs import TokenNames, chat_logprobs, prompt_logprobs
 from ladle.entrypoints.tools import ToolPlan, plan_tools
 from ladle.frontend.output_processor import TokenLogprob
 from ladle.frontend.processor import ProcessedRequest
 from ladle.parsers.choice import ChoiceOutputParser, output_starts_in_reasoning
+from ladle.parsers.harmony import START
 from ladle.parsers.types import DeltaMessage as ParsedDelta
 from ladle.parsers.types import merge_deltas, merge_pieces
 from ladle.protocol.chat import (
@@ -93,28 +95,55 @@ def template_kwargs(server: ServerState, request: ChatCompletionRequest) -> dict
     return kwargs | request.template_kwargs()
 
 
+def harmony_prompt(server: ServerState, request: ChatCompletionRequest) -> HarmonyPrompt:
+    """A chat in harmony, for a model that speaks it (server.harmony): the template kwargs
+    reasoning_effort (the request's, unless chat_template_kwargs has one) and model_identity
+    (the gpt-oss template's) reach its system message."""
+    kwargs = template_kwargs(server, request)
+    return render_harmony(
+        request.template_messages(), tools=request.tools, tokenizer=server.engine.tokenizer,
+        tokens=server.harmony, reasoning_effort=kwargs.get("reasoning_effort"),
+        model_identity=kwargs.get("model_identity"),
+        add_generation_prompt=request.add_generation_prompt,
+        continue_final_message=request.continue_final_message)
+
+
 def process_chat(server: ServerState, request: ChatCompletionRequest,
                  request_id: str) -> tuple[ProcessedRequest, ToolPlan]:
     engine = server.engine
     processor = engine.processor
     request.check_supported()
     server.check_chat_template(request.chat_template)
-    if request.thinking_token_budget is not None and server.reasoning_parser is None:
-        raise RequestError("thinking_token_budget: needs a reasoning parser (start the server "
-                           "with --reasoning-parser)", param="thinking_token_budget")
+    harmony = server.harmony
+    if request.thinking_token_budget is not None and (server.reasoning_parser is None
+                                                      or harmony is not None):
+        raise RequestError("thinking_token_budget: needs a reasoning parser with think tags "
+                           "(start the server with --reasoning-parser; a harmony model, "
+                           "gpt-oss, has no thinking budget)", param="thinking_token_budget")
     try:
         plan = plan_tools(request, enable_auto_tool_choice=server.enable_auto_tool_choice,
                           tool_call_parser=server.tool_call_parser,
-                          backend=server.structured_outputs_backend)
-        prompt = processor.render_chat(
-            template_messages(server, request),
-            tools=request.tools,
-            add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message,
-            chat_template=request.chat_template,
-            chat_template_kwargs=template_kwargs(server, request),
-        )
-        ids = processor.encode(prompt, add_special_tokens=request.add_special_tokens)
+                          backend=server.structured_outputs_backend,
+                          harmony=harmony is not None)
+        constraint = plan.constraint
+        if harmony is not None:  # rendered and constrained per the format, not a template
+            if request.chat_template is not None:
+                raise RequestError("chat_template: this model speaks harmony (gpt-oss): its "
+                                   "prompt is rendered in harmony, not by a template",
+                                   param="chat_template")
+            rendered = harmony_prompt(server, request)
+            prompt, ids = rendered.text, rendered.token_ids
+            constraint = harmony_constraint(request, plan, server.structured_outputs_backend)
+        else:
+            prompt = processor.render_chat(
+                template_messages(server, request),
+                tools=request.tools,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                chat_template=request.chat_template,
+                chat_template_kwargs=template_kwargs(server, request),
+            )
+            ids = processor.encode(prompt, add_special_tokens=request.add_special_tokens)
         if request.truncate_prompt_tokens is not None and len(ids) > request.truncate_prompt_tokens:
             ids, prompt = ids[-request.truncate_prompt_tokens:], None
         try:  # before max_tokens is fitted to what is left
@@ -125,10 +154,16 @@ def process_chat(server: ServerState, request: ChatCompletionRequest,
             request, num_prompt_tokens=len(ids), max_model_len=engine.max_model_len,
             defaults=processor.generation_defaults, limits=processor.limits,
             structured_outputs_backend=server.structured_outputs_backend,
-            structured_outputs=plan.constraint)
+            structured_outputs=constraint)
         params.logprobs_mode = server.logprobs_mode
-        if server.keep_parser_markers and (server.reasoning_parser is not None
-                                           or plan.mode == "auto"):
+        if harmony is not None:
+            # The parser reads the channels from the markers, which are special tokens; the
+            # turn ends on <|call|> or <|return|>, whatever generation_config lists.
+            params.skip_special_tokens = False
+            stops = list(params.stop_token_ids or [])
+            params.stop_token_ids = stops + [t for t in harmony.stop_token_ids if t not in stops]
+        elif server.keep_parser_markers and (server.reasoning_parser is not None
+                                             or plan.mode == "auto"):
             # This tokenizer marks the parsers' tags as special tokens: keep them in the text.
             params.skip_special_tokens = False
         processed = processor.process(unique_id(request_id),
@@ -144,6 +179,11 @@ def choice_parser(server: ServerState, processed: ProcessedRequest, plan: ToolPl
                   starts_in_reasoning: bool | None = None) -> ChoiceOutputParser:
     """The parser of one choice's text (chat, and the Responses and Messages APIs).
     starts_in_reasoning: when the caller already decided it for the request's prompt."""
+    include_reasoning = request.include_reasoning if request is not None else True
+    if server.harmony is not None:
+        return ChoiceOutputParser(tool_mode=plan.mode, is_parallel=plan.is_parallel,
+                                  include_reasoning=include_reasoning, harmony=True,
+                                  harmony_prefix=_harmony_prefix(server, processed))
     if starts_in_reasoning is None:
         starts_in_reasoning = output_starts_in_reasoning(
             server.reasoning_parser, processed.prompt_token_ids, server.engine.tokenizer,
@@ -152,8 +192,20 @@ def choice_parser(server: ServerState, processed: ProcessedRequest, plan: ToolPl
         reasoning_parser=server.reasoning_parser, tool_parser=server.tool_call_parser,
         tool_mode=plan.mode, named_function=plan.named, is_parallel=plan.is_parallel,
         tools=list(request.tools or []) if request is not None else [],
-        starts_in_reasoning=starts_in_reasoning,
-        include_reasoning=request.include_reasoning if request is not None else True)
+        starts_in_reasoning=starts_in_reasoning, include_reasoning=include_reasoning)
+
+
+def _harmony_prefix(server: ServerState, processed: ProcessedRequest) -> str:
+    """The prompt's last message, from its <|start|>: the output continues it."""
+    if processed.prompt is not None:
+        text = processed.prompt
+        return text[text.rfind(START):] if START in text else ""
+    ids = processed.prompt_token_ids  # truncated: only the ids are left
+    start = server.harmony.ids[START]
+    last = max((i for i, t in enumerate(ids) if t == start), default=-1)
+    if last < 0:
+        return ""
+    return server.engine.tokenizer.decode(ids[last:], skip_special_tokens=False)
 
 
 async def create_chat_completion(server: ServerState, request: ChatCompletionRequest,
@@ -178,8 +230,9 @@ class _Writer:
         self.engine = server.engine
         self.server = server
         self.plan = plan
-        # Plain text unless a reasoning parser or tool calls are in play.
-        self.is_parsed = server.reasoning_parser is not None or plan.mode != "none"
+        # Plain text unless a reasoning parser, tool calls or harmony are in play.
+        self.is_parsed = (server.reasoning_parser is not None or plan.mode != "none"
+                          or server.harmony is not None)
         self.request = request
         self.processed = processed
         self.request_id = request_id

@@ -34,6 +34,7 @@ from ladle.entrypoints.common import (
     log_request_fields,
     until_disconnect,
 )
+from ladle.entrypoints.serving_chat import harmony_prompt
 from ladle.entrypoints.serving_responses import (
     STORE_MAX_BYTES,
     STORE_MAX_RESPONSES,
@@ -528,6 +529,8 @@ async def count_tokens(server: ServerState, raw: Request) -> Response:
         def render_and_count() -> int:  # in the preprocessing threads, off the event loop
             try:
                 chat = chat_request(fields, "messages")
+                if server.harmony is not None:  # gpt-oss: harmony, not a template
+                    return len(harmony_prompt(server, chat).token_ids)
                 prompt = processor.render_chat(chat.template_messages(), tools=chat.tools,
                                                chat_template_kwargs=chat.template_kwargs())
             except RequestError as e:

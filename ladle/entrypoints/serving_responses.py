@@ -535,7 +535,8 @@ async def create_response(server: ServerState, request: ResponsesRequest,
         logger.info("%s: accepted without effect: stream_options.include_obfuscation (nothing "
                     "is padded)", response_id)
     effort = request.reasoning.effort if request.reasoning is not None else None
-    if effort is not None and effort_thinks(effort) and server.reasoning_parser is None:
+    if (effort is not None and effort_thinks(effort) and server.reasoning_parser is None
+            and server.harmony is None):
         logger.info("%s: reasoning.effort %r turns thinking on, but without --reasoning-parser "
                     "the reasoning stays in the output text", response_id, effort)
     history: list[dict[str, Any]] = []

@@ -36,8 +36,11 @@ class ToolPlan:
 
 
 def plan_tools(request: ChatCompletionRequest, *, enable_auto_tool_choice: bool,
-               tool_call_parser: str | None, backend: str = "auto") -> ToolPlan:
-    """Check the request's tool fields (RequestError naming the field) and plan the calls."""
+               tool_call_parser: str | None, backend: str = "auto",
+               harmony: bool = False) -> ToolPlan:
+    """Check the request's tool fields (RequestError naming the field) and plan the calls.
+    harmony: the model speaks harmony (gpt-oss), whose calls need no tool parser flags; its
+    constraints are entrypoints/harmony.harmony_constraint's (this plan's are replaced)."""
     choice = request.tool_choice
     if not request.tools:
         if choice not in (None, "none", "auto"):
@@ -50,6 +53,8 @@ def plan_tools(request: ChatCompletionRequest, *, enable_auto_tool_choice: bool,
     if choice == "none":
         return ToolPlan("none", parameters)
     has_format = _has_constraint(request)
+    if choice == "auto" and harmony:  # strict tools and formats: harmony_constraint
+        return ToolPlan("auto", parameters, is_parallel=is_parallel)
     if choice == "auto":
         if not (enable_auto_tool_choice and tool_call_parser):
             param = "tool_choice" if "tool_choice" in request.model_fields_set else "tools"

@@ -1,5 +1,6 @@
 """Output text parsers: reasoning/ (<think> blocks) and tool/ (function calls), each a base with a
-registry and one file per format; choice.py is the one per-choice parser that chains them;
+registry and one file per format; harmony.py splits gpt-oss's channels (reasoning, content and
+calls at once); choice.py is the one per-choice parser that chains them or runs harmony;
 types.py holds the plain results. `load_plugins` imports user parser files (vLLM's
 --tool-parser-plugin / --reasoning-parser-plugin)."""
 

@@ -12,6 +12,10 @@ The reasoning parser runs first; only its content goes on to the tool stage. The
 one of: "none" (content is content), "auto" (the tool parser finds calls in free text),
 "required" (the output is a JSON array of {"name", "parameters"} objects that a constraint made
 the model write) or "named" (the output is the arguments object of one named function).
+
+A model that speaks harmony (gpt-oss, `harmony=True`) has neither stage: its channels say what
+is reasoning, content and a call (parsers/harmony.py), whatever the tool mode; "none" drops the
+calls, and the constraint of "required" / named made the model write one on its channel.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ladle.parsers.harmony import ASSISTANT_START, HarmonyParser
 from ladle.parsers.reasoning import ReasoningParser, get_reasoning_parser
 from ladle.parsers.tool import ToolParser, get_tool_parser, random_tool_call_id
 from ladle.parsers.types import DeltaMessage, DeltaToolCall, ExtractedMessage, merge_deltas
@@ -76,10 +81,18 @@ class ChoiceOutputParser:
     starts_in_reasoning: bool = False  # see output_starts_in_reasoning
     include_reasoning: bool = True  # False: reasoning is parsed out and dropped
     id_factory: Callable[[], str] | None = None  # tool-call ids (tests pass a counter)
+    harmony: bool = False  # the output is harmony (gpt-oss): parsers/harmony.py splits it
+    harmony_prefix: str = ASSISTANT_START  # harmony: the prompt's unfinished last message
 
     def __post_init__(self):
         if self.tool_mode not in TOOL_MODES:
             raise ValueError(f"tool_mode: {self.tool_mode!r}; accepted: {', '.join(TOOL_MODES)}")
+        self.num_calls = 0  # calls announced so far (after the parallel_tool_calls cut)
+        self._harmony: HarmonyParser | None = None
+        if self.harmony:
+            self._harmony = HarmonyParser(self.id_factory or random_tool_call_id,
+                                          self.harmony_prefix)
+            return
         self._reasoning: ReasoningParser | None = None
         if self.reasoning_parser is not None:
             cls = get_reasoning_parser(self.reasoning_parser)
@@ -90,17 +103,20 @@ class ChoiceOutputParser:
         self._constrained = (_ConstrainedCalls(self.tool_mode, self.named_function,
                                                self.id_factory or random_tool_call_id)
                              if self.tool_mode in ("required", "named") else None)
-        self.num_calls = 0  # calls announced so far (after the parallel_tool_calls cut)
 
     @property
     def is_reasoning_end(self) -> bool:
         """True once the output is past the reasoning (always, without a reasoning parser)."""
+        if self._harmony is not None:
+            return self._harmony.is_in_answer
         return self._reasoning is None or self._reasoning.is_reasoning_end
 
     def feed(self, delta_text: str) -> DeltaMessage:
         """The next detokenized delta of this choice's output."""
         if not delta_text:
             return DeltaMessage()
+        if self._harmony is not None:
+            return self._calls_cut(self._harmony.feed(delta_text))
         if self._reasoning is None:
             delta = DeltaMessage(content=delta_text)
         else:
@@ -109,6 +125,8 @@ class ChoiceOutputParser:
 
     def finish(self) -> DeltaMessage:
         """End of output: whatever either stage held back."""
+        if self._harmony is not None:
+            return self._calls_cut(self._harmony.finish())
         delta = self._reasoning.finish() if self._reasoning is not None else DeltaMessage()
         return self._tool_stage(delta, is_final=True)
 
@@ -123,7 +141,6 @@ class ChoiceOutputParser:
         return merge_deltas([fresh.feed(text), fresh.finish()])
 
     def _tool_stage(self, delta: DeltaMessage, is_final: bool) -> DeltaMessage:
-        reasoning = delta.reasoning if self.include_reasoning else None
         content = delta.content or ""
         if self._tools is not None:
             out = self._tools.feed(content) if content else DeltaMessage()
@@ -135,11 +152,19 @@ class ChoiceOutputParser:
             out = self._constrained.feed(content, is_final)
         else:
             out = DeltaMessage(content=content or None)
+        out.reasoning = delta.reasoning
+        return self._calls_cut(out)
+
+    def _calls_cut(self, out: DeltaMessage) -> DeltaMessage:
+        """The calls the request allows, one piece per call; the reasoning if it is wanted."""
+        if not self.include_reasoning:
+            out.reasoning = None
+        if self.tool_mode == "none":  # harmony: a call the model made anyway is not returned
+            out.tool_calls = []
         if not self.is_parallel:  # parallel_tool_calls false: the first call only
             out.tool_calls = [c for c in out.tool_calls if c.index == 0]
         self.num_calls += sum(1 for c in out.tool_calls if c.id is not None)
         out.tool_calls = _one_piece_per_call(out.tool_calls)
-        out.reasoning = reasoning
         return out
 
 

@@ -3,6 +3,7 @@ Importing this package registers the built-in ones with ReasoningParserManager."
 
 from ladle.parsers.reasoning.base import ReasoningParser, ReasoningParserManager
 from ladle.parsers.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
+from ladle.parsers.reasoning.gptoss import GptOssReasoningParser
 from ladle.parsers.reasoning.qwen3 import Qwen3ReasoningParser
 
 
@@ -13,6 +14,7 @@ def get_reasoning_parser(name: str) -> type[ReasoningParser]:
 
 __all__ = [
     "DeepSeekR1ReasoningParser",
+    "GptOssReasoningParser",
     "Qwen3ReasoningParser",
     "ReasoningParser",
     "ReasoningParserManager",

@@ -5,6 +5,7 @@ from ladle.parsers.tool.base import ToolParser, ToolParserManager, random_tool_c
 from ladle.parsers.tool.hermes import HermesToolParser
 from ladle.parsers.tool.llama3_json import Llama3JsonToolParser
 from ladle.parsers.tool.mistral import MistralToolParser
+from ladle.parsers.tool.openai import OpenAIToolParser
 from ladle.parsers.tool.pythonic import PythonicToolParser
 from ladle.parsers.tool.qwen3_coder import Qwen3CoderToolParser
 
@@ -18,6 +19,7 @@ __all__ = [
     "HermesToolParser",
     "Llama3JsonToolParser",
     "MistralToolParser",
+    "OpenAIToolParser",
     "PythonicToolParser",
     "Qwen3CoderToolParser",
     "ToolParser",
