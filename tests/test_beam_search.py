@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 import torch
@@ -155,6 +156,43 @@ def test_hostile_beam_values_are_400s(server, body, param):
     ok = httpx.post(server.url + "/v1/completions", headers=headers, timeout=60,
                     json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_clients_that_leave_a_search_free_every_beam(server):
+    """A beam search whose client goes away (a streamed search closed early, a non-streamed
+    one timed out) is aborted in the engine: every beam's rows and KV blocks are freed and the
+    server goes on serving."""
+    import httpx
+    from test_server import API_KEY, MODEL
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": MODEL, "prompt": "A long story:", "max_tokens": 900, "ignore_eos": True,
+            "use_beam_search": True, "n": 2, "best_of": 4}
+    aborted = 'ladle:request_success_total{finished_reason="abort"}'
+    server.wait_idle()
+    before = server.metrics()
+
+    # Streamed: a beam search streams its beams' text when the search ends, so this client
+    # sees the response start and gives up waiting for the rest.
+    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            deadline = time.monotonic() + 60  # a loaded machine may take seconds to start
+            while server.metrics()["ladle:num_requests_running"] < 4:  # the four beams run
+                assert time.monotonic() < deadline, "the search never started its beams"
+                time.sleep(0.05)
+    # Not streamed: a client that times out.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", headers=headers, timeout=1.5, json=body)
+    server.wait_idle()
+    after = server.metrics()
+    # Per returned choice (n = 2 each), as for any n > 1 request; not per beam (4 each).
+    assert after[aborted] - before[aborted] == 2 * body["n"]
+    generated = after["ladle:generation_tokens_total"] - before["ladle:generation_tokens_total"]
+    assert generated < 2 * 4 * body["max_tokens"] / 2, generated
+    ok = httpx.post(server.url + "/v1/completions", headers=headers, timeout=60,
+                    json={**body, "max_tokens": 4})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
 
 
 # ---- inside the engine ----------------------------------------------------------------------

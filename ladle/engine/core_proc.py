@@ -39,6 +39,7 @@ logger = logging.getLogger("ladle.engine.core_proc")
 
 # How often an idle engine wakes up to check its tensor-parallel workers.
 _IDLE_POLL_MS = 1000
+_STATS_EVERY_S = 0.25  # the longest the API's gauges lag a busy engine that emits nothing
 # A send blocks only when the API process stops reading (its socket queue is full), and then for
 # at most this long: an API process that takes nothing for a minute is hung, and the engine
 # ends rather than wait with it.
@@ -126,6 +127,7 @@ class EngineCoreLoop:
         self.abort_decoder = msgspec.msgpack.Decoder(list[str])
         self.errors: list[EngineCoreOutput] = []  # requests rejected since the last send
         self.is_dirty = False  # the engine's state changed since the last stats were sent
+        self.sent_at = time.monotonic()  # when outputs or stats last went out
 
     def run(self) -> None:
         engine = self.engine
@@ -137,7 +139,9 @@ class EngineCoreLoop:
                     engine.check_health()  # a dead TP worker ends the engine even when idle
             self._drain_input()
             outputs = engine.step() if engine.has_unfinished_requests() else []
-            if outputs or self.errors:
+            # Steps without outputs (a beam search's steps, long prefill chunks) still refresh
+            # the API's gauges (/metrics) every _STATS_EVERY_S.
+            if outputs or self.errors or time.monotonic() - self.sent_at > _STATS_EVERY_S:
                 self._send(outputs)
 
     def _drain_input(self) -> None:
@@ -172,6 +176,7 @@ class EngineCoreLoop:
         msg = EngineCoreOutputs(outputs=outputs, stats=self.engine.stats())
         _send(self.out_sock, self.encoder.encode(msg))
         self.is_dirty = False
+        self.sent_at = time.monotonic()
 
 
 def _send(sock: zmq.Socket, data: bytes) -> None:
