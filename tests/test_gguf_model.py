@@ -31,12 +31,28 @@ def gemma_gguf() -> Path:
 
 @pytest.fixture(scope="module")
 def reference(gemma_gguf):
-    """transformers' load of the GGUF (its dequantization, its Gemma 3), float32."""
+    """transformers' load of the GGUF (its dequantization, its Gemma 3), float32. transformers
+    opens the file with gguf-py's reader for the tokenizer, the config and the weights, and each
+    open parses the 262k-token vocabulary field by field (about a minute here): the reader is
+    made once and shared (it is only read)."""
+    import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    readers: dict = {}
+    make = gguf.GGUFReader
+
+    def shared(path, mode="r"):
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = make(path, mode)
+        return readers[key]
+
     kw = dict(gguf_file=gemma_gguf.name)
-    tok = AutoTokenizer.from_pretrained(gemma_gguf.parent, **kw)
-    model = AutoModelForCausalLM.from_pretrained(gemma_gguf.parent, dtype=torch.float32, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", shared)
+        tok = AutoTokenizer.from_pretrained(gemma_gguf.parent, **kw)
+        model = AutoModelForCausalLM.from_pretrained(gemma_gguf.parent, dtype=torch.float32,
+                                                     **kw)
     return tok, model.eval()
 
 

@@ -75,6 +75,12 @@ class RemoteServer:
         # LADLE_TEST_SERVE_ARGS (e.g. "-tp 2") runs every server test module against another
         # engine layout: the same matrix, another configuration.
         extra = shlex.split(os.environ.get("LADLE_TEST_SERVE_ARGS", ""))
+        # LADLE_TEST_MODEL=moe: the same matrix against another family, ladle-demo as a
+        # mixture of experts (tests/demo_moe.py), served under ladle-demo's name.
+        if model == MODEL and os.environ.get("LADLE_TEST_MODEL") == "moe":
+            from demo_moe import ensure_demo_moe
+
+            model, extra = ensure_demo_moe(), [*extra, "--served-model-name", MODEL]
         cmd = [sys.executable, "-m", "ladle.entrypoints.cli", "serve",
                *([model] if model else []), "--port", str(self.port), *args, *extra]
         self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT,
