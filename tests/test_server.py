@@ -75,12 +75,13 @@ class RemoteServer:
         # LADLE_TEST_SERVE_ARGS (e.g. "-tp 2") runs every server test module against another
         # engine layout: the same matrix, another configuration.
         extra = shlex.split(os.environ.get("LADLE_TEST_SERVE_ARGS", ""))
-        # LADLE_TEST_MODEL=moe: the same matrix against another family, ladle-demo as a
-        # mixture of experts (tests/demo_moe.py), served under ladle-demo's name.
-        if model == MODEL and os.environ.get("LADLE_TEST_MODEL") == "moe":
-            from demo_moe import ensure_demo_moe
+        # LADLE_TEST_MODEL=moe or mistral: the same matrix against another family, ladle-demo
+        # as that family (tests/demo_variants.py), served under ladle-demo's name.
+        if model == MODEL and os.environ.get("LADLE_TEST_MODEL"):
+            from demo_variants import ensure_demo_variant
 
-            model, extra = ensure_demo_moe(), [*extra, "--served-model-name", MODEL]
+            model = ensure_demo_variant(os.environ["LADLE_TEST_MODEL"])
+            extra = [*extra, "--served-model-name", MODEL]
         cmd = [sys.executable, "-m", "ladle.entrypoints.cli", "serve",
                *([model] if model else []), "--port", str(self.port), *args, *extra]
         self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT,
