@@ -18,6 +18,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 from harmony_reference import build_reference, run_reference
 
 from ladle.entrypoints.harmony import (
@@ -587,14 +588,26 @@ def test_nothing_to_constrain_is_no_constraint():
 
 # ---- a server ------------------------------------------------------------------------------------
 def harmony_checkpoint(out: Path) -> dict[str, int]:
-    """ladle-demo (a tiny random Qwen3) with the harmony markers in its tokenizer and its
-    generation_config's stop ids those of gpt-oss (<|return|>, <|call|>, <|endoftext|>)."""
-    from ladle.models.demo import ensure_demo_model
+    """A tiny random gpt-oss (GptOssForCausalLM, model_type gpt_oss: the server speaks harmony
+    without being told) with ladle-demo's tokenizer plus the harmony markers, and gpt-oss's stop
+    ids (<|return|>, <|call|>, <|endoftext|>) in its generation_config."""
+    import transformers as tf
+
+    from ladle.models.demo import demo_config, ensure_demo_model
 
     demo = Path(ensure_demo_model())
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "model.safetensors"):
-        (out / name).symlink_to(demo / name)
+    torch.manual_seed(0)
+    model = tf.GptOssForCausalLM(tf.GptOssConfig(
+        vocab_size=demo_config()["vocab_size"], hidden_size=64, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+        max_position_embeddings=4096))
+    with torch.no_grad():  # a spread that makes the random model's choices vary
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 1.0 if "embed" in name else 0.3)
+    model.save_pretrained(out)
     tj = json.loads((demo / "tokenizer.json").read_text())
     tc = json.loads((demo / "tokenizer_config.json").read_text())
     ids = add_harmony_tokens(tj, tc)
@@ -613,8 +626,7 @@ def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("harmony-model") / "model"
     ids = harmony_checkpoint(path)
     s = RemoteServer("--max-model-len", "2048", "--dtype", "float32", "--disable-access-log",
-                     "--api-key", "test-key", "--reasoning-parser", "openai_gptoss",
-                     "--tool-call-parser", "openai", "--served-model-name", "gpt-oss-test",
+                     "--api-key", "test-key", "--served-model-name", "gpt-oss-test",
                      model=str(path))
     s.ids = ids
     yield s

@@ -58,7 +58,7 @@ class GemmaRMSNorm(nn.Module):
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies for rotary embedding, with HF's `rope_scaling` types applied.
 
-    Returns (inv_freq, attention_factor). Supported types: default, linear, llama3."""
+    Returns (inv_freq, attention_factor). Supported types: default, linear, llama3, yarn."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
@@ -77,9 +77,42 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[to
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(is_medium, blended, scaled).float(), 1.0
+    if kind == "yarn":
+        return _yarn(inv_freq, head_dim, theta, scaling)
     raise ValueError(
-        f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3"
+        f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3, yarn"
     )
+
+
+def _yarn(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict
+          ) -> tuple[torch.Tensor, float]:
+    """YaRN (transformers' `_compute_yarn_parameters`): frequencies that turn fewer than
+    beta_slow times over the original context are interpolated by `factor`, those that turn more
+    than beta_fast times are kept, a linear ramp between; cos/sin scaled by the attention factor
+    (0.1 ln(factor) + 1, or mscale / mscale_all_dim's ratio)."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the original frequency, 0: interpolated
+    return (inv_freq / factor * (1 - keep) + inv_freq * keep).float(), float(attention)
 
 
 class RotaryEmbedding(nn.Module):

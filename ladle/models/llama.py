@@ -137,6 +137,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
         self.window = cfg.sliding_window
+        self.register_parameter("sinks", None)  # gpt-oss's per-head sink logits (gpt_oss.py)
 
     def forward(self, x, positions, rotary, meta: AttentionMetadata, kv_cache):
         T = x.shape[0]
@@ -149,7 +150,8 @@ class Attention(nn.Module):
             q, k = rotary.with_qk_norm(positions, q, k, self.q_norm, self.k_norm)
         else:
             q, k = rotary(positions, q, k)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.window)  # (T, H, D)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.window,
+                              sinks=self.sinks)  # (T, H, D)
         if self.tp is None:
             return linear(out.reshape(T, self.q_size), self.o_proj.weight, self.o_proj.bias)
         # Row-parallel: each rank's heads give a partial sum; the bias is added once, after it.

@@ -223,10 +223,14 @@ def _checkpoint_tensors(path: Path, model=None):
     returns the tensor, or only the part (dim, start, length) of it that this tensor-parallel
     rank holds (part None: all of it). Nothing is read until `read` is called. A tensor that
     holds several of the model's (a layer's experts stacked in one, which a family's
-    `unfused(name, shape)` lists as (name, shape, index) triples) comes as those tensors."""
+    `unfused(name, shape)` lists as (name, shape, index) triples; index: an index into the
+    stored tensor, or a function of it) comes as those tensors."""
     unfused = getattr(model, "unfused", None)
     for file, name, shape, read in _stored_tensors(path):
-        parts = None if unfused is None else unfused(name, shape)
+        try:
+            parts = None if unfused is None else unfused(name, shape)
+        except ValueError as e:  # a stored layout the family does not read
+            raise ModelLoadError(f"{file}: {e}") from e
         if parts is None:
             yield file, name, shape, read
             continue
@@ -235,7 +239,7 @@ def _checkpoint_tensors(path: Path, model=None):
         def piece(part, index, sub, read=read, whole=whole):
             if not whole:
                 whole.append(read(None))
-            t = whole[0][index]
+            t = index(whole[0]) if callable(index) else whole[0][index]
             return t if part is None else _read_slice(t, sub, part)
 
         for sub, sub_shape, index in parts:

@@ -48,31 +48,18 @@ class MoeConfig:
                              f"to the number of experts ({self.num_experts})")
 
 
-class SparseMoeBlock(nn.Module):
-    """The router (`gate`, as checkpoints name it) and the experts, each a GatedMLP of this
-    rank's slice of the expert's intermediate dimension."""
+class RoutedExperts(nn.Module):
+    """What every MoE block shares: `route` (a family's) picks each token's experts and weights;
+    `experts` (an nn.ModuleList, each called on its rows) run one GEMM per expert that received
+    rows; the weighted outputs are added into their tokens' rows; one all-reduce under TP."""
 
-    def __init__(self, hidden: int, moe: MoeConfig, intermediate: int, tp: TPGroup | None):
-        super().__init__()
-        self.moe, self.tp = moe, tp
-        self.gate = nn.Linear(hidden, moe.num_experts, bias=False)
-        # --quantization int8 leaves the router dense (as quantized MoE checkpoints do): it is
-        # tiny, and int8 logits would move tokens between experts at near-ties.
-        self.gate.keep_dense = True
-        # tp=None: no all-reduce per expert; the block reduces once, after the weighted sum.
-        self.experts = nn.ModuleList(GatedMLP(hidden, intermediate)
-                                     for _ in range(moe.num_experts))
+    moe: MoeConfig
+    tp: TPGroup | None
+    experts: nn.ModuleList
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, expert ids), each (T, top_k), best expert first."""
-        logits = linear(x, self.gate.weight)  # (T, E) in the model dtype
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.moe.top_k, dim=-1)
-        if self.moe.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if not self.moe.float32_weights:
-            weights = weights.to(x.dtype)
-        return weights, ids
+        """(weights, expert ids), each (T, top_k)."""
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T, hidden = x.shape
@@ -93,6 +80,33 @@ class SparseMoeBlock(nn.Module):
         # Added in expert order per token, as transformers' index_add_ over experts does.
         y = x.new_zeros(T, hidden).index_add_(0, token, scaled)
         return y if self.tp is None else self.tp.all_reduce(y)
+
+
+class SparseMoeBlock(RoutedExperts):
+    """Qwen3-MoE's and Mixtral's: the router (`gate`, as checkpoints name it) and the experts,
+    each a GatedMLP of this rank's slice of the expert's intermediate dimension."""
+
+    def __init__(self, hidden: int, moe: MoeConfig, intermediate: int, tp: TPGroup | None):
+        super().__init__()
+        self.moe, self.tp = moe, tp
+        self.gate = nn.Linear(hidden, moe.num_experts, bias=False)
+        # --quantization int8 leaves the router dense (as quantized MoE checkpoints do): it is
+        # tiny, and int8 logits would move tokens between experts at near-ties.
+        self.gate.keep_dense = True
+        # tp=None: no all-reduce per expert; the block reduces once, after the weighted sum.
+        self.experts = nn.ModuleList(GatedMLP(hidden, intermediate)
+                                     for _ in range(moe.num_experts))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The softmax over all experts in float32, then the top k (best first)."""
+        logits = linear(x, self.gate.weight)  # (T, E) in the model dtype
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.moe.top_k, dim=-1)
+        if self.moe.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not self.moe.float32_weights:
+            weights = weights.to(x.dtype)
+        return weights, ids
 
 
 class MoeForCausalLM(LlamaForCausalLM):

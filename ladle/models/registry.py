@@ -21,6 +21,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("moe", "MixtralForCausalLM"),
+    "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
 }
 
 # The engine adds this key to the config dict it builds a model from: its max_model_len (None:

@@ -93,19 +93,23 @@ def build_prefill(q_start: int, q_len: int, ctx_len: int, blocks: torch.Tensor,
 
 
 def paged_attention(q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
-                    window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                    window: int | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: (T, H, D); k, v: (T, KVH, D); kv_cache: (k_cache, v_cache) each
     (num_blocks, KVH, block_size, D). Returns (T, H, D). `window`: this layer's sliding window
-    (None: full attention); `softcap`: cap of cap * tanh(scores / cap) (None: off)."""
+    (None: full attention); `softcap`: cap of cap * tanh(scores / cap) (None: off); `sinks`:
+    gpt-oss's learned per-head logit (H,) that joins every softmax's denominator and adds no
+    value (None: off)."""
     k_cache, v_cache = kv_cache
     cpu_kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
     d = meta.decode
     if d is not None and not meta.prefills and d.rows.shape[0] == q.shape[0]:
         # every row decodes, in order
-        return decode_attention(q, k_cache, v_cache, d, scale, window, softcap)
+        return decode_attention(q, k_cache, v_cache, d, scale, window, softcap, sinks)
     out = torch.empty_like(q)
     if d is not None:
-        out[d.rows] = decode_attention(q[d.rows], k_cache, v_cache, d, scale, window, softcap)
+        out[d.rows] = decode_attention(q[d.rows], k_cache, v_cache, d, scale, window, softcap,
+                                       sinks)
     for c in meta.prefills:
         rows = slice(c.q_start, c.q_start + c.q_len)
         blocks, mask = c.keys_for(window, q.device)
@@ -113,18 +117,20 @@ def paged_attention(q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
             kk, vv = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
         else:
             kk, vv = _gather(k_cache, blocks[None]), _gather(v_cache, blocks[None])
-        if softcap is None:
+        if softcap is None and sinks is None:
             out[rows] = _sdpa(q[rows][None], kk, vv, mask, scale, causal=mask is None)[0]
         else:
-            out[rows] = _softcapped(q[rows][None], kk, vv, mask, scale, softcap)[0]
+            out[rows] = _eager(q[rows][None], kk, vv, mask, scale, softcap, sinks)[0]
     return out
 
 
 def decode_attention(q, k_cache, v_cache, d: DecodeBatch, scale: float,
-                     window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                     window: int | None = None, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: (B, H, D), one query per sequence, attending to its cached tokens: all ctx_lens[i],
-    or the last `window` of them."""
-    kernels = cpu_kernels.load_cpu_kernels() if cpu_kernels.supports(q) else None
+    or the last `window` of them. The kernel has no sinks: a layer with sinks takes the twin."""
+    kernels = cpu_kernels.load_cpu_kernels() if cpu_kernels.supports(q) and sinks is None \
+        else None
     if kernels is not None:
         return kernels.paged_decode_attention(q.contiguous(), k_cache, v_cache, d.block_table,
                                               d.ctx_lens, scale, window or 0, softcap or 0.0)
@@ -134,8 +140,8 @@ def decode_attention(q, k_cache, v_cache, d: DecodeBatch, scale: float,
     mask = pos < d.ctx_lens[:, None]  # (B, L)
     if window is not None:
         mask &= pos >= d.ctx_lens[:, None] - window
-    if softcap is not None:
-        return _softcapped(q[:, None], kk, vv, mask[:, None, None, :], scale, softcap)[:, 0]
+    if softcap is not None or sinks is not None:
+        return _eager(q[:, None], kk, vv, mask[:, None, None, :], scale, softcap, sinks)[:, 0]
     return _sdpa(q[:, None], kk, vv, mask[:, None, None, :], scale, causal=False)[:, 0]
 
 
@@ -156,13 +162,14 @@ def _sdpa(q, k, v, mask, scale, causal):
     return o.transpose(1, 2)
 
 
-# Scores per block of query rows in the soft-capped path, which materialises (B, H, rows, L).
+# Scores per block of query rows in the eager path, which materialises (B, H, rows, L).
 _SOFTCAP_SCORES = 1 << 24
 
 
-def _softcapped(q, k, v, mask, scale, softcap):
-    """Attention with soft-capped scores, in HF's eager order: (q . k) * scale, then
-    cap * tanh(s / cap), the mask, softmax, times v; all in float32 as the kernel computes it
+def _eager(q, k, v, mask, scale, softcap=None, sinks=None):
+    """Attention in HF's eager order: (q . k) * scale, then (with `softcap`)
+    cap * tanh(s / cap), the mask, softmax (with `sinks` (H,): over the scores and the head's
+    sink logit, whose share is then dropped), times v; all in float32 as the kernel computes it
     (HF's bfloat16 eager rounds the scores to bfloat16), cast at the end. q (B, Q, H, D) with
     k, v (B, KVH, L, D) -> (B, Q, H, D); mask (B or 1, 1, Q, L) bool, or None for bottom-right
     causal. Query rows go in blocks so the scores stay bounded."""
@@ -177,12 +184,18 @@ def _softcapped(q, k, v, mask, scale, softcap):
     for i in range(0, Q, step):
         rows = slice(i, min(Q, i + step))
         s = torch.matmul(qg[:, :, :, rows], kt) * scale  # (B, KVH, G, rows, L)
-        s = torch.tanh(s / softcap) * softcap
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
         if mask is None:
             q_pos = L - Q + torch.arange(rows.start, rows.stop, device=q.device)
             allowed = torch.arange(L, device=q.device)[None, :] <= q_pos[:, None]  # (rows, L)
         else:
             allowed = mask[:, :, None, rows]  # (B or 1, 1, 1, rows, L)
         s = s.masked_fill(~allowed, float("-inf"))
-        out[:, :, :, rows] = torch.matmul(torch.softmax(s, dim=-1), v)
+        if sinks is None:
+            p = torch.softmax(s, dim=-1)
+        else:
+            sink = sinks.float().view(1, KVH, G, 1, 1).expand(*s.shape[:-1], 1)
+            p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+        out[:, :, :, rows] = torch.matmul(p, v)
     return out.reshape(B, H, Q, D).transpose(1, 2)

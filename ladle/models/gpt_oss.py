@@ -1,0 +1,152 @@
+"""gpt-oss (GptOssForCausalLM): the Llama decoder with q/k/v/o biases, a learned sink logit per
+head that joins every attention softmax (paged_attention's `sinks`), sliding (128) and full
+layers as `layer_types` alternates them, YaRN rope, and on every layer a mixture of experts:
+
+- the router (with a bias) picks the top k experts by logit, then softmaxes those k logits;
+- an expert's gate and up rows are interleaved (gate, up, gate, up, ...); the gate is clamped
+  from above and the up from both sides at `swiglu_limit`, the output is
+  (up + 1) * gate * sigmoid(alpha * gate), and both projections have biases.
+
+Checkpoints stack each layer's experts in one tensor, stored transposed (`experts.gate_up_proj`
+(E, hidden, 2I), `experts.down_proj` (E, I, hidden), and their biases); `unfused` serves them as
+per-expert nn.Linear weights. MXFP4 checkpoints (`*_blocks` / `*_scales`, the published
+gpt-oss-20b/120b files) are not read yet: bfloat16 ones are. Harmony, the format gpt-oss
+speaks, is the output side's (entrypoints/harmony.py, parsers/harmony.py)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ladle.models.moe import MoeConfig, MoeForCausalLM, RoutedExperts
+from ladle.runner.cpu_kernels import linear
+
+if TYPE_CHECKING:
+    from ladle.distributed.group import TPGroup
+
+# transformers' GptOssConfig defaults, for fields a config.json leaves out.
+DEFAULTS = {"attention_bias": True, "sliding_window": 128, "rms_norm_eps": 1e-5,
+            "num_local_experts": 128, "num_experts_per_tok": 4, "swiglu_alpha": 1.702,
+            "swiglu_limit": 7.0, "head_dim": 64, "max_position_embeddings": 131072}
+DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 4096}
+
+
+class GptOssExpert(nn.Module):
+    """One expert: `gate_up` (rows interleaved gate, up) and `down`, both with biases. Under
+    tensor parallelism only rank 0 adds the down bias, so the all-reduce counts it once."""
+
+    def __init__(self, hidden: int, inter: int, alpha: float, limit: float, down_bias: bool):
+        super().__init__()
+        self.gate_up = nn.Linear(hidden, 2 * inter)
+        self.down = nn.Linear(inter, hidden)
+        self.alpha, self.limit, self.down_bias = alpha, limit, down_bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = linear(x, self.gate_up.weight, self.gate_up.bias)
+        gate = gate_up[:, ::2].clamp(max=self.limit)
+        up = gate_up[:, 1::2].clamp(-self.limit, self.limit)
+        h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return linear(h, self.down.weight, self.down.bias if self.down_bias else None)
+
+
+class GptOssMoe(RoutedExperts):
+    def __init__(self, hidden: int, moe: MoeConfig, inter: int, alpha: float, limit: float,
+                 tp: TPGroup | None):
+        super().__init__()
+        self.moe, self.tp = moe, tp
+        self.router = nn.Linear(hidden, moe.num_experts)
+        self.router.keep_dense = True  # as SparseMoeBlock's gate: never int8
+        first = tp is None or tp.rank == 0
+        self.experts = nn.ModuleList(GptOssExpert(hidden, inter, alpha, limit, first)
+                                     for _ in range(moe.num_experts))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top k logits, softmaxed among themselves (in the model dtype, as transformers)."""
+        logits = linear(x, self.router.weight, self.router.bias)
+        top, ids = torch.topk(logits, self.moe.top_k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
+
+
+class GptOssForCausalLM(MoeForCausalLM):
+    def __init__(self, hf_config: dict, tp: TPGroup | None = None):
+        hf = {**DEFAULTS, **hf_config}
+        if not (hf.get("rope_scaling") or hf.get("rope_parameters")):
+            hf["rope_scaling"] = DEFAULT_ROPE
+        self.swiglu = (float(hf["swiglu_alpha"]), float(hf["swiglu_limit"]))
+        super().__init__(hf, tp)
+        n = hf["num_hidden_layers"]
+        types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else
+                                          "full_attention" for i in range(n)]
+        if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
+            raise ValueError(f"config.json: layer_types must list {n} of sliding_attention / "
+                             f"full_attention; got {types}")
+        heads = self.config.num_heads if self.layout is None else self.layout.num_heads
+        for layer, kind in zip(self.layers, types, strict=True):
+            attn = layer.self_attn
+            attn.window = hf["sliding_window"] if kind == "sliding_attention" else None
+            attn.sinks = nn.Parameter(torch.empty(heads))
+
+    @classmethod
+    def read_config(cls, hf_config, switches):
+        from ladle.models.llama import DecoderConfig
+
+        # Sliding windows are per layer here (set above), not one for every layer.
+        return DecoderConfig.from_hf(hf_config, **switches)
+
+    @classmethod
+    def read_moe(cls, hf: dict) -> MoeConfig:
+        n = hf["num_hidden_layers"]
+        return MoeConfig(num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
+                         intermediate_size=hf["intermediate_size"], norm_topk_prob=False,
+                         float32_weights=False, sparse_layers=frozenset(range(n)))
+
+    def make_mlp(self, index: int, hf_config: dict) -> nn.Module:
+        inter = self.moe.intermediate_size
+        if self.tp is not None:
+            if inter % self.tp.world_size:
+                raise ValueError(f"tensor_parallel_size: {self.tp.world_size} does not divide "
+                                 f"the experts' intermediate size ({inter}); use a divisor")
+            inter //= self.tp.world_size
+        return GptOssMoe(self.config.hidden_size, self.moe, inter, *self.swiglu, self.tp)
+
+    # Stacked checkpoint tensor -> (per-expert parameter, stored transposed).
+    _STACKED = {"gate_up_proj": ("gate_up.weight", True),
+                "gate_up_proj_bias": ("gate_up.bias", False),
+                "down_proj": ("down.weight", True), "down_proj_bias": ("down.bias", False)}
+
+    def unfused(self, name: str, shape: tuple | None) -> list | None:
+        """A layer's stacked experts (E, ...) as per-expert tensors: weights transposed to
+        nn.Linear's (out, in), biases as they are."""
+        stem, _, kind = name.rpartition(".")
+        if not stem.endswith(".experts") or kind not in self._STACKED:
+            if name.endswith(("_blocks", "_scales")) and ".experts." in name:
+                raise ValueError(f"tensor {name}: MXFP4 expert weights are not supported yet; "
+                                 "accepted: a bfloat16 gpt-oss checkpoint")
+            return None
+        target, transposed = self._STACKED[kind]
+        num = self.moe.num_experts if shape is None else shape[0]
+        parts = []
+        for e in range(num):
+            sub_shape = None if shape is None else (
+                (shape[2], shape[1]) if transposed else tuple(shape[1:]))
+            index = (lambda t, e=e: t[e].t()) if transposed else e
+            parts.append((f"{stem}.{e}.{target}", sub_shape, index))
+        return parts
+
+    def checkpoint_slice(self, pname: str, shard: int | None):
+        if self.layout is None:
+            return None
+        r, n = self.tp.rank, self.moe.intermediate_size // self.tp.world_size
+        if pname.endswith(("gate_up.weight", "gate_up.bias")):  # interleaved: a contiguous 2n
+            return 0, 2 * r * n, 2 * n
+        if pname.endswith("down.weight"):
+            return 1, r * n, n
+        if pname.endswith("down.bias"):
+            return None
+        if pname.endswith("self_attn.sinks"):
+            h = self.layout.num_heads
+            return 0, r * h, h
+        return super(MoeForCausalLM, self).checkpoint_slice(pname, shard)
