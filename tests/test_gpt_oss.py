@@ -101,3 +101,48 @@ def test_sinks_matter(checkpoint):
     prompt, tokens = PROMPTS[0], [5, 6, 7]
     diff = (reference_logits(ref, prompt, tokens) - reference_logits(plain, prompt, tokens))
     assert diff.abs().max().item() > 100 * FP32_TOL
+
+
+def to_mxfp4(w: torch.Tensor):
+    """Round w (E, out, in) to MXFP4 as the published files hold it: per 32 inputs a power-of-two
+    scale 2^(s - 127) that brings the block within +-6, each value to the nearest e2m1 value.
+    Returns (blocks (E, out, in / 32, 16) uint8, low nibble first; scales (E, out, in / 32)
+    uint8; the float values those encode)."""
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    E, R, C = w.shape
+    g = w.float().reshape(E, R, C // 32, 32)
+    exp = torch.ceil(torch.log2(g.abs().amax(-1).clamp(min=2.0**-100) / 6.0))
+    scaled = g / torch.exp2(exp)[..., None]
+    idx = (scaled.abs()[..., None] - grid).abs().argmin(-1)
+    negative = scaled < 0
+    code = (idx + 8 * negative).to(torch.uint8)
+    blocks = code[..., 0::2] | (code[..., 1::2] << 4)
+    values = torch.where(negative, -grid[idx], grid[idx]) * torch.exp2(exp)[..., None]
+    return blocks, (exp + 127).to(torch.uint8), values.reshape(E, R, C)
+
+
+def test_mxfp4_experts_load_as_the_values_they_encode(checkpoint, tmp_path):
+    """The published files' MXFP4 experts: a checkpoint holding them as blocks and scales runs
+    exactly (bit for bit) as one holding the float values those blocks encode."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path, _ = checkpoint
+    flat = load_file(path / "model.safetensors")
+    mxfp4, dense = dict(flat), dict(flat)
+    for name, t in flat.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales, values = to_mxfp4(t.transpose(1, 2))  # stored (E, in, out)
+            del mxfp4[name]
+            mxfp4[name + "_blocks"], mxfp4[name + "_scales"] = blocks, scales
+            dense[name] = values.transpose(1, 2).contiguous()
+    runs = []
+    for kind, tensors in (("mxfp4", mxfp4), ("dense", dense)):
+        (tmp_path / kind).mkdir()
+        save_file(tensors, tmp_path / kind / "model.safetensors")
+        shutil.copy(path / "config.json", tmp_path / kind / "config.json")
+        runs.append(run(engine(tmp_path / kind), PROMPTS[:2], max_tokens=16))
+    (tok_q, log_q), (tok_d, log_d) = runs
+    assert tok_q == tok_d
+    assert all(torch.equal(a, b) for a, b in zip(log_q, log_d, strict=True))

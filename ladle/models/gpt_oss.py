@@ -9,9 +9,11 @@ layers as `layer_types` alternates them, YaRN rope, and on every layer a mixture
 
 Checkpoints stack each layer's experts in one tensor, stored transposed (`experts.gate_up_proj`
 (E, hidden, 2I), `experts.down_proj` (E, I, hidden), and their biases); `unfused` serves them as
-per-expert nn.Linear weights. MXFP4 checkpoints (`*_blocks` / `*_scales`, the published
-gpt-oss-20b/120b files) are not read yet: bfloat16 ones are. Harmony, the format gpt-oss
-speaks, is the output side's (entrypoints/harmony.py, parsers/harmony.py)."""
+per-expert nn.Linear weights. The published gpt-oss-20b/120b files hold the expert weights in
+MXFP4 instead (`*_blocks` (E, out, in / 32, 16): 32 four-bit e2m1 values per block, low nibble
+first; `*_scales` (E, out, in / 32): a power of two, 2^(s - 127), per block), dequantized at
+load. Harmony, the format gpt-oss speaks, is the output side's (entrypoints/harmony.py,
+parsers/harmony.py)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,25 @@ DEFAULTS = {"attention_bias": True, "sliding_window": 128, "rms_norm_eps": 1e-5,
             "swiglu_limit": 7.0, "head_dim": 64, "max_position_embeddings": 131072}
 DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                 "truncate": False, "original_max_position_embeddings": 4096}
+
+
+# The 16 values of an e2m1 (FP4) nibble.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0,
+              -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> torch.Tensor:
+    """(..., G, 16) uint8 blocks with (..., G) uint8 scales -> (..., G * 32) float32."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 \
+            or tuple(scales.shape) != tuple(blocks.shape[:-1]) or blocks.shape[-1] != 16:
+        raise ValueError(f"tensor {name}: MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} "
+                         f"with scales {tuple(scales.shape)} {scales.dtype}; accepted: uint8 "
+                         "blocks (..., G, 16) and uint8 scales (..., G)")
+    lut = torch.tensor(FP4_VALUES)
+    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)
+    values = torch.ldexp(values.reshape(*blocks.shape[:-1], 32),
+                         (scales.to(torch.int32) - 127)[..., None])
+    return values.reshape(*blocks.shape[:-2], -1)
 
 
 class GptOssExpert(nn.Module):
@@ -117,14 +138,18 @@ class GptOssForCausalLM(MoeForCausalLM):
                 "gate_up_proj_bias": ("gate_up.bias", False),
                 "down_proj": ("down.weight", True), "down_proj_bias": ("down.bias", False)}
 
-    def unfused(self, name: str, shape: tuple | None) -> list | None:
+    def unfused(self, name: str, shape: tuple | None, sibling=None) -> list | None:
         """A layer's stacked experts (E, ...) as per-expert tensors: weights transposed to
-        nn.Linear's (out, in), biases as they are."""
+        nn.Linear's (out, in), biases as they are, MXFP4 blocks dequantized with their scales
+        (read beside them through `sibling`)."""
         stem, _, kind = name.rpartition(".")
-        if not stem.endswith(".experts") or kind not in self._STACKED:
-            if name.endswith(("_blocks", "_scales")) and ".experts." in name:
-                raise ValueError(f"tensor {name}: MXFP4 expert weights are not supported yet; "
-                                 "accepted: a bfloat16 gpt-oss checkpoint")
+        if not stem.endswith(".experts"):
+            return None
+        if kind in ("gate_up_proj_scales", "down_proj_scales"):
+            return []  # read with their blocks
+        if kind in ("gate_up_proj_blocks", "down_proj_blocks"):
+            return self._mxfp4_parts(stem, kind.removesuffix("_blocks"), shape, sibling)
+        if kind not in self._STACKED:
             return None
         target, transposed = self._STACKED[kind]
         num = self.moe.num_experts if shape is None else shape[0]
@@ -135,6 +160,20 @@ class GptOssForCausalLM(MoeForCausalLM):
             index = (lambda t, e=e: t[e].t()) if transposed else e
             parts.append((f"{stem}.{e}.{target}", sub_shape, index))
         return parts
+
+    def _mxfp4_parts(self, stem: str, base: str, shape: tuple | None, sibling) -> list:
+        target = self._STACKED[base][0]
+        scales: list[torch.Tensor] = []  # read once, for all experts
+
+        def expert(blocks: torch.Tensor, e: int) -> torch.Tensor:
+            if not scales:
+                scales.append(sibling(f"{stem}.{base}_scales"))
+            return dequantize_mxfp4(blocks[e], scales[0][e], f"{stem}.{base}_blocks")
+
+        num = self.moe.num_experts if shape is None else shape[0]
+        sub_shape = None if shape is None or len(shape) != 4 else (shape[1], shape[2] * 32)
+        return [(f"{stem}.{e}.{target}", sub_shape, lambda t, e=e: expert(t, e))
+                for e in range(num)]
 
     def checkpoint_slice(self, pname: str, shard: int | None):
         if self.layout is None:

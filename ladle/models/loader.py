@@ -223,12 +223,22 @@ def _checkpoint_tensors(path: Path, model=None):
     returns the tensor, or only the part (dim, start, length) of it that this tensor-parallel
     rank holds (part None: all of it). Nothing is read until `read` is called. A tensor that
     holds several of the model's (a layer's experts stacked in one, which a family's
-    `unfused(name, shape)` lists as (name, shape, index) triples; index: an index into the
-    stored tensor, or a function of it) comes as those tensors."""
+    `unfused(name, shape, sibling)` lists as (name, shape, index) triples; index: an index into
+    the stored tensor, or a function of it; sibling(name) reads another stored tensor, such as
+    the scales of quantized blocks) comes as those tensors."""
     unfused = getattr(model, "unfused", None)
+
+    def sibling(other: str) -> torch.Tensor:
+        for file in ([] if is_gguf(path) else _weight_files(path)):
+            with _open_safetensors(file) as f:
+                if other in f.keys():
+                    return f.get_tensor(other)
+        raise ModelLoadError(f"{path}: tensor {other} is missing; accepted: a checkpoint with "
+                             "every tensor of the model")
+
     for file, name, shape, read in _stored_tensors(path):
         try:
-            parts = None if unfused is None else unfused(name, shape)
+            parts = None if unfused is None else unfused(name, shape, sibling)
         except ValueError as e:  # a stored layout the family does not read
             raise ModelLoadError(f"{file}: {e}") from e
         if parts is None:

@@ -132,7 +132,7 @@ class MoeForCausalLM(LlamaForCausalLM):
             inter //= self.tp.world_size
         return SparseMoeBlock(self.config.hidden_size, self.moe, inter, self.tp)
 
-    def unfused(self, name: str, shape: tuple | None) -> list | None:
+    def unfused(self, name: str, shape: tuple | None, sibling=None) -> list | None:
         """A layer's experts stacked in one tensor, as transformers 5 holds them in memory
         (`mlp.experts.gate_up_proj` (E, 2I, H), `mlp.experts.down_proj` (E, H, I)): the
         per-expert checkpoint tensors it holds, as (name, shape, index into it)."""
