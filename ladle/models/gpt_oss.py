@@ -125,13 +125,8 @@ class GptOssForCausalLM(MoeForCausalLM):
                          float32_weights=False, sparse_layers=frozenset(range(n)))
 
     def make_mlp(self, index: int, hf_config: dict) -> nn.Module:
-        inter = self.moe.intermediate_size
-        if self.tp is not None:
-            if inter % self.tp.world_size:
-                raise ValueError(f"tensor_parallel_size: {self.tp.world_size} does not divide "
-                                 f"the experts' intermediate size ({inter}); use a divisor")
-            inter //= self.tp.world_size
-        return GptOssMoe(self.config.hidden_size, self.moe, inter, *self.swiglu, self.tp)
+        return GptOssMoe(self.config.hidden_size, self.moe, self.expert_slice(), *self.swiglu,
+                         self.tp)
 
     # Stacked checkpoint tensor -> (per-expert parameter, stored transposed).
     _STACKED = {"gate_up_proj": ("gate_up.weight", True),

@@ -131,13 +131,17 @@ class MoeForCausalLM(LlamaForCausalLM):
     def make_mlp(self, index: int, hf_config: dict) -> nn.Module | None:
         if index not in self.moe.sparse_layers:
             return None
+        return SparseMoeBlock(self.config.hidden_size, self.moe, self.expert_slice(), self.tp)
+
+    def expert_slice(self) -> int:
+        """This rank's share of each expert's intermediate dimension."""
         inter = self.moe.intermediate_size
         if self.tp is not None:
             if inter % self.tp.world_size:
                 raise ValueError(f"tensor_parallel_size: {self.tp.world_size} does not divide "
                                  f"the experts' intermediate size ({inter}); use a divisor")
             inter //= self.tp.world_size
-        return SparseMoeBlock(self.config.hidden_size, self.moe, inter, self.tp)
+        return inter
 
     def unfused(self, name: str, shape: tuple | None, sibling=None) -> list | None:
         """A layer's experts stacked in one tensor, as transformers 5 holds them in memory
