@@ -53,10 +53,20 @@ def test_linear_matches_torch(kernels, dtype, rows, k_dim, n_dim):
 
 
 def test_linear_dispatch_uses_torch_for_many_rows(kernels):
-    """Above MAX_LINEAR_ROWS the model's linear is torch's GEMM, exactly."""
+    """Above MAX_LINEAR_ROWS the model's float32 linear is torch's GEMM, exactly. In bfloat16
+    an AVX2 build (no bfloat16 GEMM in torch worth the name) keeps the kernel for every row
+    count; other builds switch to torch there too."""
     x = torch.randn(cpu_kernels.MAX_LINEAR_ROWS + 1, 64)
     w = torch.randn(32, 64)
     assert torch.equal(cpu_kernels.linear(x, w), F.linear(x, w))
+    xb, wb = torch.randn(300, 64).bfloat16(), torch.randn(32, 64).bfloat16()
+    got = cpu_kernels.linear(xb, wb)
+    if kernels.isa() == "avx2":
+        assert cpu_kernels.max_linear_rows(torch.bfloat16) > 300
+        assert torch.equal(got, kernels.linear(xb, wb, None, False))
+    else:
+        assert cpu_kernels.max_linear_rows(torch.bfloat16) == cpu_kernels.MAX_LINEAR_ROWS
+        assert torch.equal(got, F.linear(xb, wb))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -180,6 +180,10 @@ def load_model(path: Path, hf_config: dict, dtype: torch.dtype, device: torch.de
         int8.install_checkpoint_int8(model, stored_int8, path)
     if quantization == "int8":
         int8.quantize_model_int8(model)
+    for module in model.modules():  # layouts a module builds from its loaded weights
+        hook = getattr(module, "after_load", None)
+        if hook is not None:
+            hook()
     return model.eval()
 
 

@@ -8,8 +8,9 @@ MLP (SwiGLU):
 
 The step's T tokens are routed at once: the T * k (token, expert) pairs are sorted by expert,
 every expert's rows are gathered into one small GEMM (gate/up, fused SiLU, down), and each
-token's weighted outputs are summed in expert order. The Python loop runs
-over the experts that received rows (at most num_experts per layer), never over tokens.
+token's weighted outputs are summed in expert order. On the CPU that is one kernel call per
+layer (runner/csrc/moe.cpp) over the layer's stacked weights; its twin, and the path of
+quantized experts, is a Python loop over the experts that received rows, never over tokens.
 
 Tensor parallelism splits every expert's intermediate dimension across ranks (gate/up
 column-parallel, down row-parallel) and replicates the router: one all-reduce per MoE block, as
@@ -25,7 +26,7 @@ from torch import nn
 
 from ladle.models.layers import GatedMLP
 from ladle.models.llama import DecoderConfig, LlamaForCausalLM
-from ladle.runner.cpu_kernels import linear
+from ladle.runner.cpu_kernels import linear, moe_swiglu
 
 if TYPE_CHECKING:
     from ladle.distributed.group import TPGroup
@@ -62,8 +63,21 @@ class RoutedExperts(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        T = x.shape[0]
         weights, ids = self.route(x)
+        y = self.fused(x, weights, ids)
+        if y is None:
+            y = self.expert_loop(x, weights, ids)
+        return y if self.tp is None else self.tp.all_reduce(y)
+
+    def fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+        """The weighted sum from one kernel call, or None (then `expert_loop`)."""
+        return None
+
+    def expert_loop(self, x: torch.Tensor, weights: torch.Tensor,
+                    ids: torch.Tensor) -> torch.Tensor:
+        """The weighted sum, one module call per expert that received rows: the fused
+        kernel's twin, and the path of quantized or non-SwiGLU experts."""
+        T = x.shape[0]
         k = self.moe.top_k
         flat = ids.reshape(-1)  # (T * k,): pair p is token p // k's choice p % k
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order
@@ -86,7 +100,7 @@ class RoutedExperts(nn.Module):
         y = parts[:, 0].clone()
         for j in range(1, k):
             y += parts[:, j]
-        return y if self.tp is None else self.tp.all_reduce(y)
+        return y
 
 
 class SparseMoeBlock(RoutedExperts):
@@ -103,6 +117,29 @@ class SparseMoeBlock(RoutedExperts):
         # tp=None: no all-reduce per expert; the block reduces once, after the weighted sum.
         self.experts = nn.ModuleList(GatedMLP(hidden, intermediate)
                                      for _ in range(moe.num_experts))
+        # (gate_up (E, 2I, H), down (E, H, I)) once loaded dense: see after_load.
+        self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def after_load(self) -> None:
+        """Stacks the layer's expert weights for the fused kernel (runner/csrc/moe.cpp); each
+        expert's parameters become views of the stack, so no second copy is kept. The load's
+        peak grows by one layer's experts. Quantized experts (int8, GGUF blocks) keep the loop,
+        their linears running the quantized kernels."""
+        pairs = [(m.gate_up_proj.weight, m.down_proj.weight) for m in self.experts]
+        if not all(isinstance(w, nn.Parameter) and w.device.type == "cpu"
+                   for pair in pairs for w in pair):
+            return
+        gate_up = torch.stack([g.data for g, _ in pairs])
+        down = torch.stack([d.data for _, d in pairs])
+        for e, m in enumerate(self.experts):
+            m.gate_up_proj.weight.data = gate_up[e]
+            m.down_proj.weight.data = down[e]
+        self.stacked = (gate_up, down)
+
+    def fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+        if self.stacked is None:
+            return None
+        return moe_swiglu(x, ids, weights, *self.stacked)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The softmax over all experts in float32, then the top k (best first)."""

@@ -51,6 +51,25 @@ _LDFLAGS = ["-fopenmp"]
 # the Qwen3-0.6B shapes: the kernel is 1.0-1.9x torch's bf16 GEMM from 9 to 32 rows and about
 # even at 64.
 MAX_LINEAR_ROWS = 32
+# Except in bfloat16 on an AVX2 build (no AVX512-BF16, no AMX): torch's bfloat16 GEMM has no
+# fast path there (9 GFLOP/s on one core of this AVX2 EPYC, 3072 x 1024 weights), and the
+# kernel's widen-and-FMA blocks ran 33-48 GFLOP/s from 16 to 512 rows (3.7-5.4x), so every row
+# count takes the kernel. float32 keeps the limit (torch's GEMM wins from ~64 rows).
+_ALL_ROWS_ISAS = ("avx2",)
+
+
+_row_limits: dict[torch.dtype, int] = {}
+
+
+def max_linear_rows(dtype: torch.dtype) -> int:
+    """The most rows of x for which `linear` (and the MoE kernel) run the kernel, not torch."""
+    limit = _row_limits.get(dtype)
+    if limit is None:
+        module = load_cpu_kernels()
+        all_rows = dtype == torch.bfloat16 and module is not None and \
+            module.isa() in _ALL_ROWS_ISAS
+        limit = _row_limits[dtype] = (1 << 62) if all_rows else MAX_LINEAR_ROWS
+    return limit
 # A private build directory older than this belongs to a build that died.
 _STALE_BUILD_S = 3600
 
@@ -231,21 +250,34 @@ def supports(q: torch.Tensor) -> bool:
 # --- The kernels as the model calls them; each falls back to its twin. -------------------------
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """x (..., K) @ weight (N, K)^T + bias; the kernel for a few rows (decode), torch otherwise;
-    the kernel for every row count in batch-invariant mode. A QuantWeight (runner/quant.py) runs
+    """x (..., K) @ weight (N, K)^T + bias; the kernel for a few rows (decode), torch otherwise
+    (see max_linear_rows); the kernel for every row count in batch-invariant mode. A QuantWeight (runner/quant.py) runs
     its quantized kernels for any number of rows."""
     if isinstance(weight, QuantWeight):
         return quant_linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     invariant = _mode["batch_invariant"]
-    if 0 < rows and (rows <= MAX_LINEAR_ROWS or invariant) and weight.is_contiguous():
+    if 0 < rows and weight.is_contiguous():
         k = kernels_for(x, weight) if bias is None else kernels_for(x, weight, bias)
-        if k is not None:
+        if k is not None and (invariant or rows <= max_linear_rows(x.dtype)):
             x2 = x.reshape(rows, x.shape[-1])
             if x2.stride(-1) != 1:
                 x2 = x2.contiguous()
             return k.linear(x2, weight, bias, invariant).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+def moe_swiglu(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+               gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor | None:
+    """A mixture-of-experts block's SwiGLU experts in one call (csrc/moe.cpp): x (T, H), ids
+    and float32 weights (T, k), the stacked gate_up (E, 2I, H) and down (E, H, I). The weighted
+    sum (T, H), or None where the kernels cannot run (then RoutedExperts' loop, its twin, does).
+    Experts with more than max_linear_rows rows use torch's GEMM, as `linear` does."""
+    k = kernels_for(x, gate_up, down)
+    if k is None:
+        return None
+    return k.moe_swiglu(x.contiguous(), ids.contiguous(), weights.float().contiguous(), gate_up,
+                        down, max_linear_rows(x.dtype), _mode["batch_invariant"])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -11,6 +11,8 @@ std::string isa() {
   return "avx512-bf16";
 #elif defined(__AVX512F__)
   return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2";
 #else
   return "portable";
 #endif
@@ -28,6 +30,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qk_norm_rotary", &qk_norm_rotary, "per-head q/k RMSNorm then rotary");
   m.def("write_kv_cache", &write_kv_cache, "k and v into their cache slots");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("moe_swiglu", &moe_swiglu,
+        "a mixture-of-experts block's SwiGLU experts (stacked weights) and the weighted sum",
+        py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("gate_up"), py::arg("down"),
+        py::arg("max_kernel_rows"), py::arg("invariant"));
   m.def("gelu_mul", &gelu_mul, "gelu(gate) * up (tanh approximation or exact erf)");
   m.def("apply_penalties", &apply_penalties, "repetition/frequency/presence in one pass");
   m.def("logprob_stats", &logprob_stats, "logsumexp, chosen value and rank per row");

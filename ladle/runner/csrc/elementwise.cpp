@@ -261,7 +261,7 @@ void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, tor
 
 
 template <typename T>
-static void silu_mul_kernel(const T* x, T* out, int64_t R, int64_t I, int64_t ldx) {
+void silu_mul_kernel(const T* x, T* out, int64_t R, int64_t I, int64_t ldx) {
   at::parallel_for(0, R, grain_for(kElementWork * I), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = x + r * ldx;
@@ -285,6 +285,10 @@ static void silu_mul_kernel(const T* x, T* out, int64_t R, int64_t I, int64_t ld
     }
   });
 }
+
+template void silu_mul_kernel<float>(const float*, float*, int64_t, int64_t, int64_t);
+template void silu_mul_kernel<at::BFloat16>(const at::BFloat16*, at::BFloat16*, int64_t, int64_t,
+                                            int64_t);
 
 torch::Tensor silu_mul(torch::Tensor x) {
   // x: (R, 2I) = [gate | up] per row, unit stride; returns silu(gate) * up, (R, I).

@@ -5,7 +5,8 @@
 // macros of the CPU the build is for; every function also has a portable scalar loop.
 //
 // The kernels by file: attention.cpp (paged decode attention), linear.cpp (small-M linear),
-// elementwise.cpp (RMSNorm, rotary, q/k norm + rotary, KV-cache write, silu * up), sampler.cpp
+// elementwise.cpp (RMSNorm, rotary, q/k norm + rotary, KV-cache write, silu * up), moe.cpp
+// (the experts of a mixture-of-experts block), sampler.cpp
 // (the sampler's passes); vec.h holds the helpers they share, bindings.cpp the module, and
 // quant.h / quant.cpp the quantized linears. These are the functions bindings.cpp exposes.
 #pragma once
@@ -18,6 +19,11 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      double scale, int64_t window, double softcap);
 
 // linear.cpp
+// Output columns [n_begin, n_end) of y (M, N) = x (M, K) @ w (N, K)^T + b on the calling thread
+// (n_begin a multiple of 4); `linear` shares N among threads, moe.cpp shares the experts'.
+template <typename T>
+void linear_cols(const T* x, const T* w, const T* b, T* y, int64_t M, int64_t N, int64_t K,
+                 int64_t ldx, bool invariant, int64_t n_begin, int64_t n_end);
 torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> b,
                      bool invariant);
 
@@ -32,7 +38,15 @@ std::vector<torch::Tensor> qk_norm_rotary(torch::Tensor q, torch::Tensor k, torc
 void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                     torch::Tensor slot_blocks, torch::Tensor slot_offsets);
 torch::Tensor silu_mul(torch::Tensor x);
+// out (R, I) = silu(x[:, :I]) * x[:, I:2I] for R rows of stride ldx (threads split the rows).
+template <typename T>
+void silu_mul_kernel(const T* x, T* out, int64_t R, int64_t I, int64_t ldx);
 torch::Tensor gelu_mul(torch::Tensor x, bool tanh_approx);
+
+// moe.cpp
+torch::Tensor moe_swiglu(torch::Tensor x, torch::Tensor ids, torch::Tensor weights,
+                         torch::Tensor gate_up, torch::Tensor down, int64_t max_kernel_rows,
+                         bool invariant);
 
 // sampler.cpp
 void apply_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask);

@@ -106,8 +106,12 @@ static inline void dot4(const at::BFloat16* x, const at::BFloat16* w, int64_t K,
 #endif
 
 // Rows of x per register block: 6 x 4 accumulators + 4 weight vectors + one x vector = 29 of
-// the 32 vector registers.
+// the 32 vector registers (AVX-512); 3 in AVX2 builds (dot4 there: 12 + 3 + 1 of 16).
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kRowBlock = 3;
+#else
 constexpr int64_t kRowBlock = 6;
+#endif
 
 // Up to this many rows of x, weight rows are read one after another instead of four at a time.
 // Each thread then reads its share of the weights as one sequential stream; the four-row blocks
@@ -158,13 +162,100 @@ static inline void dot_row(const T* x, const T* w, int64_t K, int64_t ldx, float
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// AVX2 + FMA (8 float lanes, 16 vector registers), for CPUs without AVX-512 (Zen 2/3, most
+// client Intel parts): the same two shapes as above. bfloat16 is widened to float on load.
+#define LADLE_LINEAR_AVX2 1
+#include <immintrin.h>
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// out[m * 4 + j] = x[m] . w[j] for MB (up to 3) rows of x and 4 rows of w: 12 accumulators, 3
+// x vectors and one weight vector fill the 16 registers.
+template <int MB, typename T>
+static inline void dot4(const T* x, const T* w, int64_t K, int64_t ldx, float* out) {
+  __m256 acc[MB][4];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 xv[MB];
+    for (int m = 0; m < MB; ++m) xv[m] = load8(x + m * ldx + k);
+    for (int j = 0; j < 4; ++j) {
+      const __m256 wv = load8(w + j * K + k);
+      for (int m = 0; m < MB; ++m) acc[m][j] = _mm256_fmadd_ps(xv[m], wv, acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < 4; ++j) {
+      float v = hsum8(acc[m][j]);
+      for (int64_t kk = k; kk < K; ++kk) v += to_f(x[m * ldx + kk]) * to_f(w[j * K + kk]);
+      out[m * 4 + j] = v;
+    }
+}
+
+// out[m] = x[m] . w for MB rows of x and one weight row, U vectors of each row in flight.
+template <int MB, int U, typename T>
+static inline void dot_row(const T* x, const T* w, int64_t K, int64_t ldx, float* out) {
+  __m256 acc[U][MB];
+  for (int u = 0; u < U; ++u)
+    for (int m = 0; m < MB; ++m) acc[u][m] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 * U <= K; k += 8 * U)
+    for (int u = 0; u < U; ++u) {
+      const __m256 wv = load8(w + k + 8 * u);
+      for (int m = 0; m < MB; ++m)
+        acc[u][m] = _mm256_fmadd_ps(load8(x + m * ldx + k + 8 * u), wv, acc[u][m]);
+    }
+  for (; k + 8 <= K; k += 8) {
+    const __m256 wv = load8(w + k);
+    for (int m = 0; m < MB; ++m) acc[0][m] = _mm256_fmadd_ps(load8(x + m * ldx + k), wv, acc[0][m]);
+  }
+  for (int m = 0; m < MB; ++m) {
+    __m256 s = acc[0][m];
+    for (int u = 1; u < U; ++u) s = _mm256_add_ps(s, acc[u][m]);
+    float v = hsum8(s);
+    for (int64_t kk = k; kk < K; ++kk) v += to_f(x[m * ldx + kk]) * to_f(w[kk]);
+    out[m] = v;
+  }
+}
+#endif
+
+// invariant: a row's result is the same bits whatever M. Each (row, weight row) pair
+// accumulates over K in one fixed order in the four-row blocks (one accumulator per pair, chunk
+// after chunk, the same horizontal sum), and which weight rows form a block depends on N only.
+// The vector sequential paths (AVX-512, AVX2) sum interleaved accumulators instead, so those
+// builds send every M through the blocks in this mode; the portable build computes both paths
+// with the same dot_block_scalar loop, so it keeps the sequential path.
+#if defined(__AVX512F__) || defined(LADLE_LINEAR_AVX2)
+constexpr bool kSequentialOrderDiffers = true;
+#else
+constexpr bool kSequentialOrderDiffers = false;
+#endif
+
+// Output columns [n_begin, n_end) of y (M, N) on the calling thread; n_begin is a multiple of 4.
+// Which path and which register blocks a column gets depend on M, N and `invariant` only, so a
+// column's bits do not depend on how the columns are shared between threads (or with the other
+// experts' columns in moe.cpp).
+// Out of line (noinline), so that linear and moe.cpp run the very same compiled loops: inlined
+// copies may be vectorised differently, and float32 sums would then differ in the last bit.
 template <typename T>
-static void linear_sequential(const T* x, const T* w, const T* b, T* y, int64_t M, int64_t N,
-                              int64_t K, int64_t ldx) {
-  at::parallel_for(0, N, grain_for(K * M), [&](int64_t begin, int64_t end) {
+__attribute__((noinline)) void linear_cols(const T* x, const T* w, const T* b, T* y, int64_t M,
+                                           int64_t N, int64_t K, int64_t ldx, bool invariant,
+                                           int64_t n_begin, int64_t n_end) {
+  if (M <= kSequentialRows && !(invariant && kSequentialOrderDiffers)) {
     float out[kSequentialRows];
-    for (int64_t n = begin; n < end; ++n) {
-#if defined(__AVX512F__)
+    for (int64_t n = n_begin; n < n_end; ++n) {
+#if defined(__AVX512F__) || defined(LADLE_LINEAR_AVX2)
       if (M == 1) dot_row<1, 4>(x, w + n * K, K, ldx, out);
       else dot_row<2, 2>(x, w + n * K, K, ldx, out);
 #else
@@ -176,66 +267,73 @@ static void linear_sequential(const T* x, const T* w, const T* b, T* y, int64_t 
         y[m * N + n] = static_cast<T>(v);
       }
     }
-  });
-}
-
-// invariant: a row's result is the same bits whatever M. Each (row, weight row) pair
-// accumulates over K in one fixed order in the four-row blocks (one accumulator per pair, chunk
-// after chunk, the same horizontal sum), and which weight rows form a block depends on N only.
-// The AVX-512 sequential path sums four interleaved accumulators instead, so in AVX-512 builds
-// the mode sends every M through the blocks; the portable build computes both paths with the
-// same dot_block_scalar loop, so it keeps the sequential path (12% faster at one row here).
-#if defined(__AVX512F__)
-constexpr bool kSequentialOrderDiffers = true;
-#else
-constexpr bool kSequentialOrderDiffers = false;
-#endif
-template <typename T>
-static void linear_kernel(const T* x, const T* w, const T* b, T* y, int64_t M, int64_t N,
-                          int64_t K, int64_t ldx, bool invariant) {
-  if (M <= kSequentialRows && !(invariant && kSequentialOrderDiffers))
-    return linear_sequential(x, w, b, y, M, N, K, ldx);
+    return;
+  }
   // Each block of 4 weight rows is read once from memory and then used from L1 for every row
   // of x, in register blocks of up to kRowBlock rows (sizes balanced: 8 rows = 4 + 4).
   const int64_t row_blocks = (M + kRowBlock - 1) / kRowBlock;
-  at::parallel_for(0, (N + 3) / 4, grain_for(4 * K * M), [&](int64_t begin, int64_t end) {
-    float out[kRowBlock * 4];
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t n0 = blk * 4, nb = std::min<int64_t>(4, N - n0);
-      for (int64_t rb = 0, m0 = 0; m0 < M; ++rb) {
-        const int64_t mb = (M - m0 + (row_blocks - rb) - 1) / (row_blocks - rb);
-        const T* xm = x + m0 * ldx;
+  float out[kRowBlock * 4];
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += 4) {
+    const int64_t nb = std::min<int64_t>(4, N - n0);
+    for (int64_t rb = 0, m0 = 0; m0 < M; ++rb) {
+      const int64_t mb = (M - m0 + (row_blocks - rb) - 1) / (row_blocks - rb);
+      const T* xm = x + m0 * ldx;
 #if defined(__AVX512F__)
-        if (nb == 4) {
-          switch (mb) {
-            case 1: dot4<1>(xm, w + n0 * K, K, ldx, out); break;
-            case 2: dot4<2>(xm, w + n0 * K, K, ldx, out); break;
-            case 3: dot4<3>(xm, w + n0 * K, K, ldx, out); break;
-            case 4: dot4<4>(xm, w + n0 * K, K, ldx, out); break;
-            case 5: dot4<5>(xm, w + n0 * K, K, ldx, out); break;
-            default: dot4<6>(xm, w + n0 * K, K, ldx, out); break;
-          }
-        } else {
-          dot_block_scalar(xm, w + n0 * K, mb, K, ldx, nb, out);
-          // dot_block_scalar writes (mb, nb); spread to the (mb, 4) layout used below.
-          for (int64_t m = mb - 1; m >= 0; --m)
-            for (int64_t j = nb - 1; j >= 0; --j) out[m * 4 + j] = out[m * nb + j];
+      if (nb == 4) {
+        switch (mb) {
+          case 1: dot4<1>(xm, w + n0 * K, K, ldx, out); break;
+          case 2: dot4<2>(xm, w + n0 * K, K, ldx, out); break;
+          case 3: dot4<3>(xm, w + n0 * K, K, ldx, out); break;
+          case 4: dot4<4>(xm, w + n0 * K, K, ldx, out); break;
+          case 5: dot4<5>(xm, w + n0 * K, K, ldx, out); break;
+          default: dot4<6>(xm, w + n0 * K, K, ldx, out); break;
         }
-#else
-        float tmp[kRowBlock * 4];
-        dot_block_scalar(xm, w + n0 * K, mb, K, ldx, nb, tmp);
-        for (int64_t m = 0; m < mb; ++m)
-          for (int64_t j = 0; j < nb; ++j) out[m * 4 + j] = tmp[m * nb + j];
-#endif
-        for (int64_t m = 0; m < mb; ++m)
-          for (int64_t j = 0; j < nb; ++j) {
-            float v = out[m * 4 + j];
-            if (b != nullptr) v += to_f(b[n0 + j]);  // in float32, one rounding to T
-            y[(m0 + m) * N + n0 + j] = static_cast<T>(v);
-          }
-        m0 += mb;
+      } else {
+        dot_block_scalar(xm, w + n0 * K, mb, K, ldx, nb, out);
+        // dot_block_scalar writes (mb, nb); spread to the (mb, 4) layout used below.
+        for (int64_t m = mb - 1; m >= 0; --m)
+          for (int64_t j = nb - 1; j >= 0; --j) out[m * 4 + j] = out[m * nb + j];
       }
+#elif defined(LADLE_LINEAR_AVX2)
+      if (nb == 4) {
+        switch (mb) {
+          case 1: dot4<1>(xm, w + n0 * K, K, ldx, out); break;
+          case 2: dot4<2>(xm, w + n0 * K, K, ldx, out); break;
+          default: dot4<3>(xm, w + n0 * K, K, ldx, out); break;
+        }
+      } else {
+        dot_block_scalar(xm, w + n0 * K, mb, K, ldx, nb, out);
+        for (int64_t m = mb - 1; m >= 0; --m)
+          for (int64_t j = nb - 1; j >= 0; --j) out[m * 4 + j] = out[m * nb + j];
+      }
+#else
+      float tmp[kRowBlock * 4];
+      dot_block_scalar(xm, w + n0 * K, mb, K, ldx, nb, tmp);
+      for (int64_t m = 0; m < mb; ++m)
+        for (int64_t j = 0; j < nb; ++j) out[m * 4 + j] = tmp[m * nb + j];
+#endif
+      for (int64_t m = 0; m < mb; ++m)
+        for (int64_t j = 0; j < nb; ++j) {
+          float v = out[m * 4 + j];
+          if (b != nullptr) v += to_f(b[n0 + j]);  // in float32, one rounding to T
+          y[(m0 + m) * N + n0 + j] = static_cast<T>(v);
+        }
+      m0 += mb;
     }
+  }
+}
+template void linear_cols<float>(const float*, const float*, const float*, float*, int64_t,
+                                 int64_t, int64_t, int64_t, bool, int64_t, int64_t);
+template void linear_cols<at::BFloat16>(const at::BFloat16*, const at::BFloat16*,
+                                        const at::BFloat16*, at::BFloat16*, int64_t, int64_t,
+                                        int64_t, int64_t, bool, int64_t, int64_t);
+
+// Threads split N in blocks of 4 columns.
+template <typename T>
+static void linear_kernel(const T* x, const T* w, const T* b, T* y, int64_t M, int64_t N,
+                          int64_t K, int64_t ldx, bool invariant) {
+  at::parallel_for(0, (N + 3) / 4, grain_for(4 * K * M), [&](int64_t begin, int64_t end) {
+    linear_cols(x, w, b, y, M, N, K, ldx, invariant, 4 * begin, std::min(N, 4 * end));
   });
 }
 

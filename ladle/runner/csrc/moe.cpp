@@ -1,0 +1,159 @@
+// A mixture-of-experts block's experts in one call: SwiGLU experts (Qwen3-MoE, Mixtral) whose
+// weights are stacked per layer, gate_up (E, 2I, H) and down (E, H, I). The Python twin is
+// RoutedExperts' loop in ladle/models/moe.py (one GatedMLP call per expert), and this computes
+// the same bits:
+//
+// - the T * k (token, choice) pairs are sorted by expert, stably (tokens in order), and each
+//   token's row is copied once per choice, so an expert's rows are one contiguous matrix;
+// - gate_up, silu * up and down run per expert with linear.cpp's column routine, the threads
+//   sharing every expert's columns at once (one parallel region per projection, not one per
+//   expert). An expert with more rows than max_kernel_rows (prefill) runs torch's GEMM instead,
+//   as cpu_kernels.linear does;
+// - each output row is scaled by its routing weight (in float32, rounded to T), and a token's k
+//   rows are added in the order of their expert ids, rounding to T after each add, which is
+//   transformers' sum over experts in order.
+#include "kernels.h"
+#include "vec.h"
+
+template <typename T>
+static void gather_rows(const T* x, const int64_t* src, T* out, int64_t P, int64_t H) {
+  at::parallel_for(0, P, grain_for(kElementWork * H), [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      std::memcpy(out + p * H, x + src[p] * H, H * sizeof(T));
+  });
+}
+
+// y (P, N) rows of expert e at [start[e], start[e] + count[e]) = x rows @ w[e]^T, for the
+// experts in `small` together (threads split the concatenation of their column blocks).
+template <typename T>
+static void experts_linear(const T* x, const T* w, T* y, const std::vector<int64_t>& small,
+                           const std::vector<int64_t>& start, const std::vector<int64_t>& count,
+                           int64_t N, int64_t K, bool invariant) {
+  if (small.empty()) return;
+  const int64_t blocks = (N + 3) / 4;
+  const int64_t units = blocks * static_cast<int64_t>(small.size());
+  int64_t rows = 0;
+  for (int64_t e : small) rows += count[e];
+  const int64_t avg_rows = std::max<int64_t>(1, rows / static_cast<int64_t>(small.size()));
+  at::parallel_for(0, units, grain_for(4 * K * avg_rows), [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end;) {
+      const int64_t i = u / blocks, b0 = u % blocks;
+      const int64_t b1 = std::min(blocks, b0 + (end - u));
+      const int64_t e = small[i];
+      linear_cols(x + start[e] * K, w + e * N * K, static_cast<const T*>(nullptr),
+                  y + start[e] * N, count[e], N, K, K, invariant, 4 * b0, std::min(N, 4 * b1));
+      u += b1 - b0;
+    }
+  });
+}
+
+template <typename T>
+static void combine(const T* out, const int64_t* ids, const float* wts, const int64_t* slot,
+                    T* y, int64_t Tn, int64_t k, int64_t H) {
+  at::parallel_for(0, Tn, grain_for(kElementWork * H * k), [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> order(k);
+    std::vector<T> scaled(H);
+    for (int64_t t = begin; t < end; ++t) {
+      // This token's choices by expert id (stable: k is small, insertion sort).
+      for (int64_t j = 0; j < k; ++j) {
+        int64_t i = j;
+        while (i > 0 && ids[t * k + order[i - 1]] > ids[t * k + j]) {
+          order[i] = order[i - 1];
+          --i;
+        }
+        order[i] = j;
+      }
+      T* yt = y + t * H;
+      for (int64_t n = 0; n < k; ++n) {
+        const int64_t p = t * k + order[n];
+        const T* o = out + slot[p] * H;
+        const float w = wts[p];
+        T* dst = n == 0 ? yt : scaled.data();
+        for (int64_t h = 0; h < H; ++h) dst[h] = static_cast<T>(to_f(o[h]) * w);
+        // The product is stored, then added in a separate loop: the compiler cannot contract
+        // the two into one fused multiply-add, which would skip the product's rounding (torch
+        // multiplies, rounds, then adds).
+        if (n > 0)
+          for (int64_t h = 0; h < H; ++h) yt[h] = static_cast<T>(to_f(yt[h]) + to_f(scaled[h]));
+      }
+    }
+  });
+}
+
+template <typename T>
+static void moe_kernel(torch::Tensor x, torch::Tensor ids, torch::Tensor weights,
+                       torch::Tensor gate_up, torch::Tensor down, torch::Tensor y,
+                       int64_t max_kernel_rows, bool invariant) {
+  const int64_t Tn = x.size(0), H = x.size(1), k = ids.size(1), E = gate_up.size(0);
+  const int64_t I2 = gate_up.size(1), I = I2 / 2, P = Tn * k;
+  const int64_t* id = ids.data_ptr<int64_t>();
+  // Counting sort of the pairs by expert; slot[p] is pair p's row in the sorted matrices.
+  std::vector<int64_t> count(E, 0), start(E, 0), slot(P), src(P);
+  for (int64_t p = 0; p < P; ++p) {
+    TORCH_CHECK(id[p] >= 0 && id[p] < E, "moe_swiglu: expert id out of range");
+    ++count[id[p]];
+  }
+  for (int64_t e = 1; e < E; ++e) start[e] = start[e - 1] + count[e - 1];
+  {
+    std::vector<int64_t> next(start);
+    for (int64_t p = 0; p < P; ++p) {
+      slot[p] = next[id[p]]++;
+      src[slot[p]] = p / k;
+    }
+  }
+  auto opts = x.options();
+  auto rows = torch::empty({P, H}, opts), gu = torch::empty({P, I2}, opts);
+  auto act = torch::empty({P, I}, opts), out = torch::empty({P, H}, opts);
+  const T* xp = x.data_ptr<T>();
+  T* rp = rows.data_ptr<T>();
+  gather_rows(xp, src.data(), rp, P, H);
+  std::vector<int64_t> small;
+  std::vector<int64_t> big;
+  for (int64_t e = 0; e < E; ++e) {
+    if (count[e] == 0) continue;
+    (count[e] <= max_kernel_rows || invariant ? small : big).push_back(e);
+  }
+  for (int64_t e : big) {
+    auto o = gu.narrow(0, start[e], count[e]);
+    at::mm_out(o, rows.narrow(0, start[e], count[e]), gate_up[e].t());
+  }
+  experts_linear(static_cast<const T*>(rp), gate_up.data_ptr<T>(), gu.data_ptr<T>(), small,
+                 start, count, I2, H, invariant);
+  silu_mul_kernel(static_cast<const T*>(gu.data_ptr<T>()), act.data_ptr<T>(), P, I, I2);
+  for (int64_t e : big) {
+    auto o = out.narrow(0, start[e], count[e]);
+    at::mm_out(o, act.narrow(0, start[e], count[e]), down[e].t());
+  }
+  experts_linear(static_cast<const T*>(act.data_ptr<T>()), down.data_ptr<T>(), out.data_ptr<T>(),
+                 small, start, count, H, I, invariant);
+  combine(static_cast<const T*>(out.data_ptr<T>()), id, weights.data_ptr<float>(), slot.data(),
+          y.data_ptr<T>(), Tn, k, H);
+}
+
+torch::Tensor moe_swiglu(torch::Tensor x, torch::Tensor ids, torch::Tensor weights,
+                         torch::Tensor gate_up, torch::Tensor down, int64_t max_kernel_rows,
+                         bool invariant) {
+  // x (T, H); ids (T, k) int64 expert ids; weights (T, k) float32 routing weights; gate_up
+  // (E, 2I, H) and down (E, H, I) in x's dtype, contiguous. Returns (T, H).
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "moe_swiglu: x must be (T, H) contiguous");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == at::kLong &&
+                  ids.is_contiguous(), "moe_swiglu: ids must be (T, k) int64");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat &&
+                  weights.is_contiguous(), "moe_swiglu: weights must be (T, k) float32");
+  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && gate_up.is_contiguous() &&
+                  down.is_contiguous() && gate_up.size(0) == down.size(0) &&
+                  gate_up.size(2) == x.size(1) && down.size(1) == x.size(1) &&
+                  gate_up.size(1) == 2 * down.size(2),
+              "moe_swiglu: gate_up must be (E, 2I, H) and down (E, H, I)");
+  TORCH_CHECK(gate_up.scalar_type() == x.scalar_type() && down.scalar_type() == x.scalar_type(),
+              "moe_swiglu: dtypes");
+  auto y = torch::empty_like(x);
+  if (x.size(0) == 0) return y;
+  if (x.scalar_type() == at::kBFloat16) {
+    moe_kernel<at::BFloat16>(x, ids, weights, gate_up, down, y, max_kernel_rows, invariant);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "moe_swiglu: bfloat16 or float32");
+    moe_kernel<float>(x, ids, weights, gate_up, down, y, max_kernel_rows, invariant);
+  }
+  return y;
+}
