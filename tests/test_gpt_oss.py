@@ -13,6 +13,7 @@ from test_moe import FP32_TOL, NUM_DECODE, PROMPTS, assert_matches, engine, gene
 
 from ladle.config import EngineConfig
 from ladle.engine.core import EngineCore
+from ladle.models.loader import ModelLoadError
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +147,13 @@ def test_mxfp4_experts_load_as_the_values_they_encode(checkpoint, tmp_path):
     (tok_q, log_q), (tok_d, log_d) = runs
     assert tok_q == tok_d
     assert all(torch.equal(a, b) for a, b in zip(log_q, log_d, strict=True))
+    # Scales that do not match their blocks: a startup error naming the file and the tensor.
+    name = next(n for n in mxfp4 if n.endswith("down_proj_scales"))
+    mxfp4[name] = mxfp4[name][..., :-1].contiguous()
+    (tmp_path / "broken").mkdir()
+    save_file(mxfp4, tmp_path / "broken" / "model.safetensors")
+    shutil.copy(path / "config.json", tmp_path / "broken" / "config.json")
+    with pytest.raises(ModelLoadError) as err:
+        engine(tmp_path / "broken")
+    assert str(tmp_path / "broken" / "model.safetensors") in str(err.value)
+    assert name.removesuffix("_scales") in str(err.value) and "accepted" in str(err.value)

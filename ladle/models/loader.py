@@ -250,10 +250,13 @@ def _checkpoint_tensors(path: Path, model=None):
             continue
         whole: list[torch.Tensor] = []  # the stored tensor, read once for all its parts
 
-        def piece(part, index, sub, read=read, whole=whole):
+        def piece(part, index, sub, read=read, whole=whole, file=file):
             if not whole:
                 whole.append(read(None))
-            t = index(whole[0]) if callable(index) else whole[0][index]
+            try:
+                t = index(whole[0]) if callable(index) else whole[0][index]
+            except ValueError as e:  # a family's decoding (MXFP4 blocks and scales) refused it
+                raise ModelLoadError(f"{file}: {e}") from e
             return t if part is None else _read_slice(t, sub, part)
 
         for sub, sub_shape, index in parts:
