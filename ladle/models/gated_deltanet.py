@@ -1,0 +1,364 @@
+"""Gated DeltaNet linear attention, the recurrent layer of the Qwen3-Next and Qwen3.5 hybrid
+models, over the engine's flat token stream: each sequence keeps a fixed-size state (a short
+convolution window and a (head_k_dim, head_v_dim) matrix per value head) in a slot instead of
+a KV cache that grows with its length.
+
+Per token t of a sequence, for each value head (transformers' semantics, float32):
+
+    q, k, v   = SiLU(causal depthwise conv1d over the last conv_kernel projected inputs)
+    q, k      = l2-normalised per head; q *= head_k_dim ** -0.5
+    beta      = sigmoid(b)                                 how much of the error is written
+    g         = -exp(A_log) * softplus(a + dt_bias)        log of the state's decay, <= 0
+    S         = exp(g) * S
+    S         = S + k (beta * (v - S^T k))^T              the delta rule: write the error
+    o         = S^T q
+    out       = out_proj(RMSNorm(o) * norm.weight * SiLU(z))
+
+With num_v_heads = r * num_k_heads, value head h reads query/key head h // r.
+
+The two families share that arithmetic and differ in the input projection only:
+
+- Qwen3-Next (`in_proj_qkvz`, `in_proj_ba`): two fused matrices whose output rows are grouped
+  by key head. Row block j of in_proj_qkvz holds [q_j (head_k_dim) | k_j (head_k_dim) |
+  v of value heads j*r .. j*r+r-1 (r*head_v_dim) | z of the same heads (r*head_v_dim)], and
+  block j of in_proj_ba holds [b of those r heads | a of those r heads].
+- Qwen3.5 and Qwen3.5-MoE (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`): four
+  matrices, each in plain order; in_proj_qkv's rows are [all q | all k | all v], the channel
+  order of the conv, so no regrouping is needed.
+
+Everything else is the same in transformers 5: conv1d.weight (conv_dim, 1, conv_kernel) without
+bias, dt_bias and A_log (num_v_heads,), the gated norm's weight of head_v_dim initialised to
+ones and used as is (not the (1 + w) of the models' other RMSNorms), out_proj, and the
+activation from `hidden_act` (SiLU). transformers' cache keeps the last conv_kernel projected
+inputs (one more than the next step reads) in the model's dtype, and the recurrent state in
+float32 whatever the model's dtype. Here both live in float32, and the conv window keeps the
+conv_kernel - 1 inputs the next step reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ladle.runner.cpu_kernels import linear
+
+# The prefill form's chunk length (transformers' default): long enough for matmuls to pay,
+# short enough that the (chunk, chunk) triangular solve stays cheap.
+CHUNK_SIZE = 64
+
+# config.json model_type -> projection layout; a multimodal Qwen3.5 file carries its text
+# model's fields under text_config.
+LAYOUTS = {
+    "qwen3_next": "qwen3_next",
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5",
+    "qwen3_5_moe_text": "qwen3_5",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GatedDeltaNetConfig:
+    hidden_size: int
+    num_k_heads: int  # query/key heads (linear_num_key_heads)
+    num_v_heads: int  # value heads, a multiple of num_k_heads (linear_num_value_heads)
+    head_k_dim: int  # linear_key_head_dim
+    head_v_dim: int  # linear_value_head_dim
+    conv_kernel: int  # taps of the causal conv (linear_conv_kernel_dim)
+    eps: float  # the gated RMSNorm's epsilon (rms_norm_eps)
+    layout: Literal["qwen3_next", "qwen3_5"]  # fused qkvz/ba, or split qkv/z/b/a projections
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> GatedDeltaNetConfig:
+        """Read a published config.json of Qwen3-Next, Qwen3.5 or Qwen3.5-MoE (the text model's
+        fields, or a multimodal file's text_config). Missing keys take transformers' defaults."""
+        model_type = hf.get("model_type")
+        if model_type not in LAYOUTS:
+            raise ValueError(f"config.json: model_type {model_type!r} has no Gated DeltaNet "
+                             f"layers; accepted: {', '.join(LAYOUTS)}")
+        text = hf.get("text_config") or hf
+        activation = text.get("hidden_act", "silu")
+        if activation != "silu":
+            raise ValueError(f"config.json: hidden_act {activation!r} is not supported by the "
+                             "Gated DeltaNet layers; accepted: 'silu'")
+        cfg = cls(
+            hidden_size=text["hidden_size"],
+            num_k_heads=text.get("linear_num_key_heads", 16),
+            num_v_heads=text.get("linear_num_value_heads", 32),
+            head_k_dim=text.get("linear_key_head_dim", 128),
+            head_v_dim=text.get("linear_value_head_dim", 128),
+            conv_kernel=text.get("linear_conv_kernel_dim", 4),
+            eps=text.get("rms_norm_eps", 1e-6),
+            layout=LAYOUTS[model_type],
+        )
+        if cfg.num_k_heads < 1 or cfg.num_v_heads % cfg.num_k_heads:
+            raise ValueError(f"config.json: linear_num_value_heads ({cfg.num_v_heads}) must be "
+                             "a multiple of linear_num_key_heads "
+                             f"({cfg.num_k_heads}), which must be at least 1")
+        if cfg.conv_kernel < 2:
+            raise ValueError(f"config.json: linear_conv_kernel_dim ({cfg.conv_kernel}) must be "
+                             "at least 2")
+        return cfg
+
+
+def state_bytes_per_slot(cfg: GatedDeltaNetConfig) -> int:
+    """Bytes one sequence's state takes in one layer (conv window and recurrent matrix, float32)."""
+    conv = cfg.conv_dim * (cfg.conv_kernel - 1)
+    recurrent = cfg.num_v_heads * cfg.head_k_dim * cfg.head_v_dim
+    return 4 * (conv + recurrent)
+
+
+@dataclass(slots=True)
+class GatedDeltaNetState:
+    """One layer's state for `num_slots` sequences; a sequence owns one slot index while it
+    runs, and the forward reads and overwrites that row of both tensors."""
+
+    # (S, conv_dim, conv_kernel - 1) float32: the last projected q|k|v inputs, oldest first
+    conv: torch.Tensor
+    recurrent: torch.Tensor  # (S, num_v_heads, head_k_dim, head_v_dim) float32: S in o = S^T q
+
+    @classmethod
+    def allocate(cls, cfg: GatedDeltaNetConfig, num_slots: int,
+                 device: torch.device | str | None = None) -> GatedDeltaNetState:
+        conv = torch.zeros(num_slots, cfg.conv_dim, cfg.conv_kernel - 1,
+                           dtype=torch.float32, device=device)
+        recurrent = torch.zeros(num_slots, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim,
+                                dtype=torch.float32, device=device)
+        return cls(conv, recurrent)
+
+    @property
+    def num_slots(self) -> int:
+        return self.conv.shape[0]
+
+
+class Segment(NamedTuple):
+    """One sequence's contiguous run of tokens in a step's flat stream."""
+
+    start: int  # index of its first token in the stream
+    length: int  # number of tokens, at least 1
+    slot: int  # the state slot it reads and updates
+    fresh: bool  # True: the state starts from zero (its prompt's first chunk), not from the slot
+
+
+def check_segments(segments: list[Segment], num_tokens: int, num_slots: int) -> None:
+    """The segments must tile the stream [0, num_tokens) and name distinct slots in range."""
+    end = 0
+    for seg in sorted(segments, key=lambda s: s.start):
+        if seg.start != end or seg.length < 1:
+            raise ValueError(f"segments: {seg} does not continue the stream at token {end} with "
+                             "at least one token; the segments must tile the step's tokens")
+        if not 0 <= seg.slot < num_slots:
+            raise ValueError(f"segments: {seg} names slot {seg.slot}; slots are 0..{num_slots - 1}")
+        end += seg.length
+    if end != num_tokens:
+        raise ValueError(f"segments: cover {end} tokens of the step's {num_tokens}")
+    if len({seg.slot for seg in segments}) != len(segments):
+        raise ValueError("segments: two sequences share a slot; each needs its own")
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (flash-linear-attention's form)."""
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
+
+
+def recurrent_gated_delta_step(q, k, v, g, beta, state):
+    """One token of D sequences at once: q, k (D, H, dk), v (D, H, dv), g, beta (D, H),
+    state (D, H, dk, dv), all float32. Returns (o (D, H, dv), the new state)."""
+    state = state * g.exp()[..., None, None]
+    predicted = (k.unsqueeze(-2) @ state).squeeze(-2)  # (D, H, dv): what the state recalls for k
+    delta = beta.unsqueeze(-1) * (v - predicted)
+    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    return (q.unsqueeze(-2) @ state).squeeze(-2), state
+
+
+def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = CHUNK_SIZE):
+    """The same rule over L tokens of one sequence, a chunk at a time: q, k (L, H, dk),
+    v (L, H, dv), g, beta (L, H), state (H, dk, dv), all float32. Returns (o (L, H, dv), the
+    state after the last token). Equal to L recurrent steps up to float32 rounding.
+
+    Within a chunk whose tokens start from state S0, with G_t the cumulative sum of g from the
+    chunk's start through t, the state after t is
+
+        S_t = e^G_t S0 + sum_{s<=t} e^(G_t - G_s) k_s u_s^T
+
+    where u_s (the delta of token s) solves the unit lower-triangular system
+    (I + A) U = beta V - beta e^G K S0, A[t, s] = beta_t e^(G_t - G_s) k_t.k_s for s < t.
+    So U = W_v - W_k S0 with W_v, W_k solved once for all chunks; only the hand-over of S
+    from chunk to chunk is sequential."""
+    num_tokens, num_heads, dv = v.shape
+    dk = k.shape[-1]
+    size = min(chunk_size, num_tokens)
+    pad = -num_tokens % size  # zero-padded tokens (k = v = beta = g = 0) leave S unchanged
+    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1) for x in (q, k, v))  # (H, L', d)
+    g, beta = (F.pad(x, (0, 0, 0, pad)).transpose(0, 1) for x in (g, beta))  # (H, L')
+    q, k, v = (x.reshape(num_heads, -1, size, x.shape[-1]) for x in (q, k, v))  # (H, N, c, d)
+    g, beta = (x.reshape(num_heads, -1, size) for x in (g, beta))  # (H, N, c)
+
+    decay = g.cumsum(-1)  # (H, N, c): G_t
+    causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+    # e^(G_t - G_s) for s <= t, else 0 (masked before exp: the exponent is > 0 there)
+    pair_decay = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(~causal, -torch.inf).exp()
+    a = (beta.unsqueeze(-1) * (k @ k.transpose(-1, -2)) * pair_decay).tril(-1)  # (H, N, c, c)
+    rhs = torch.cat([beta.unsqueeze(-1) * v, (beta * decay.exp()).unsqueeze(-1) * k], dim=-1)
+    # unitriangular: the solver takes the diagonal as ones and reads only A's lower part
+    w = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)
+    w_v, w_k = w.split([dv, dk], dim=-1)  # (H, N, c, dv), (H, N, c, dk)
+    scores = (q @ k.transpose(-1, -2)) * pair_decay  # (H, N, c, c): within-chunk q.k, causal
+    q_from_start = q * decay.exp().unsqueeze(-1)  # reads S0 decayed to t
+    k_to_end = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)  # writes decayed to chunk end
+    chunk_decay = decay[..., -1].exp()[..., None, None]  # (H, N, 1, 1)
+
+    out = torch.empty_like(v)
+    for n in range(v.shape[1]):
+        u = w_v[:, n] - w_k[:, n] @ state  # (H, c, dv)
+        out[:, n] = q_from_start[:, n] @ state + scores[:, n] @ u
+        state = state * chunk_decay[:, n] + k_to_end[:, n].transpose(-1, -2) @ u
+    out = out.reshape(num_heads, -1, dv)[:, :num_tokens].transpose(0, 1)  # (L, H, dv)
+    return out, state
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each head's output, scaled by `weight` and gated by SiLU(z). The norm and
+    gate run in float32; the normalised value is cast back to the input's dtype before the
+    weight multiplies it (transformers' order)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x, gate (..., dim) -> (..., dim) in x's dtype."""
+        h = x.float()
+        h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(x.dtype)
+        return (h * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """One Gated DeltaNet layer with the checkpoint's parameter names and shapes (the `layout`
+    of the config picks the projections), run over a flat stream of many sequences."""
+
+    def __init__(self, cfg: GatedDeltaNetConfig):
+        super().__init__()
+        self.cfg = cfg
+        hidden, nv = cfg.hidden_size, cfg.num_v_heads
+        if cfg.layout == "qwen3_next":
+            self.in_proj_qkvz = nn.Linear(hidden, cfg.conv_dim + cfg.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(hidden, 2 * nv, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(hidden, cfg.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(hidden, cfg.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(hidden, nv, bias=False)
+            self.in_proj_a = nn.Linear(hidden, nv, bias=False)
+        self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.conv_kernel,
+                                groups=cfg.conv_dim, bias=False)  # only its weight is used
+        self.dt_bias = nn.Parameter(torch.ones(nv))
+        self.A_log = nn.Parameter(torch.zeros(nv))
+        self.norm = GatedRMSNorm(cfg.head_v_dim, cfg.eps)
+        self.out_proj = nn.Linear(cfg.value_dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, segments: list[Segment],
+                state: GatedDeltaNetState) -> torch.Tensor:
+        """x (T, hidden) -> (T, hidden). Each segment's tokens continue its slot's state (or
+        start from zero when fresh), and the slot holds the state after its last token on
+        return. One-token segments (decode) run as one batched recurrent step; longer ones
+        run the chunked form, one sequence at a time."""
+        cfg = self.cfg
+        num_tokens = x.shape[0]
+        check_segments(segments, num_tokens, state.num_slots)
+        qkv, z, b, a = self._project(x)
+        beta = b.sigmoid()  # (T, nv), in x's dtype as in transformers
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # (T, nv)
+        core = torch.empty(num_tokens, cfg.num_v_heads, cfg.head_v_dim,
+                           dtype=torch.float32, device=x.device)
+        decodes = [seg for seg in segments if seg.length == 1]
+        if decodes:
+            self._decode(qkv, g, beta, decodes, state, core)
+        for seg in segments:
+            if seg.length > 1:
+                self._prefill(qkv, g, beta, seg, state, core)
+        out = self.norm(core.to(x.dtype), z)  # (T, nv, dv)
+        return linear(out.reshape(num_tokens, cfg.value_dim), self.out_proj.weight)
+
+    def _project(self, x: torch.Tensor):
+        """x (T, hidden) -> q|k|v (T, conv_dim) in the conv's channel order, z (T, nv, dv),
+        b and a (T, nv)."""
+        cfg = self.cfg
+        num_tokens = x.shape[0]
+        if cfg.layout == "qwen3_5":
+            qkv = linear(x, self.in_proj_qkv.weight)
+            z = linear(x, self.in_proj_z.weight)
+            b, a = linear(x, self.in_proj_b.weight), linear(x, self.in_proj_a.weight)
+        else:  # rows grouped by key head: regroup into [all q | all k | all v], z, b, a
+            nk, r = cfg.num_k_heads, cfg.num_v_heads // cfg.num_k_heads
+            dk, dv = cfg.head_k_dim, cfg.head_v_dim
+            qkvz = linear(x, self.in_proj_qkvz.weight).view(num_tokens, nk, 2 * dk + 2 * r * dv)
+            q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
+            qkv = torch.cat([t.reshape(num_tokens, -1) for t in (q, k, v)], dim=-1)
+            ba = linear(x, self.in_proj_ba.weight).view(num_tokens, nk, 2 * r)
+            b, a = (t.reshape(num_tokens, -1) for t in ba.split([r, r], dim=-1))
+        return qkv, z.reshape(num_tokens, cfg.num_v_heads, cfg.head_v_dim), b, a
+
+    def _heads(self, mixed: torch.Tensor, dtype: torch.dtype):
+        """Conv output (..., conv_dim) float32 -> q, k (..., nv, dk) normalised, q scaled, each
+        key head repeated for its value heads; v (..., nv, dv); all float32 after a round trip
+        through the model's dtype (transformers' conv returns that dtype)."""
+        cfg = self.cfg
+        mixed = mixed.to(dtype).float()
+        q, k, v = mixed.split([cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+        lead = mixed.shape[:-1]
+        r = cfg.num_v_heads // cfg.num_k_heads
+        q = l2_normalize(q.reshape(*lead, cfg.num_k_heads, cfg.head_k_dim)) * cfg.head_k_dim**-0.5
+        k = l2_normalize(k.reshape(*lead, cfg.num_k_heads, cfg.head_k_dim))
+        q, k = q.repeat_interleave(r, dim=-2), k.repeat_interleave(r, dim=-2)
+        return q, k, v.reshape(*lead, cfg.num_v_heads, cfg.head_v_dim)
+
+    def _decode(self, qkv, g, beta, segments: list[Segment], state: GatedDeltaNetState, core):
+        """One token for each of D sequences, gathered from and scattered back to their slots."""
+        device = qkv.device
+        rows = torch.tensor([seg.start for seg in segments], device=device)
+        slots = torch.tensor([seg.slot for seg in segments], device=device)
+        keep = torch.tensor([not seg.fresh for seg in segments], device=device)  # (D,)
+        weight = self.conv1d.weight.squeeze(1).float()  # (C, K)
+        conv_state = torch.where(keep[:, None, None], state.conv[slots], 0)  # (D, C, K - 1)
+        window = torch.cat([conv_state, qkv[rows].float().unsqueeze(-1)], dim=-1)  # (D, C, K)
+        mixed = F.silu((window * weight).sum(-1))  # (D, C): the conv's output for the new token
+        q, k, v = self._heads(mixed, qkv.dtype)
+        recurrent = torch.where(keep[:, None, None, None], state.recurrent[slots], 0)
+        out, recurrent = recurrent_gated_delta_step(q, k, v, g[rows], beta[rows].float(), recurrent)
+        core[rows] = out
+        state.recurrent[slots] = recurrent
+        state.conv[slots] = window[..., 1:]
+
+    def _prefill(self, qkv, g, beta, seg: Segment, state: GatedDeltaNetState, core):
+        """A run of seg.length > 1 tokens of one sequence."""
+        rows = slice(seg.start, seg.start + seg.length)
+        conv_state, recurrent = state.conv[seg.slot], state.recurrent[seg.slot]
+        if seg.fresh:
+            conv_state, recurrent = torch.zeros_like(conv_state), torch.zeros_like(recurrent)
+        window = torch.cat([conv_state, qkv[rows].float().T], dim=-1)  # (C, K - 1 + L)
+        mixed = F.conv1d(window.unsqueeze(0), self.conv1d.weight.float(),
+                         groups=self.cfg.conv_dim)  # (1, C, L): one output per new token
+        q, k, v = self._heads(F.silu(mixed[0].T), qkv.dtype)  # (L, nv, d)
+        out, recurrent = chunked_gated_delta_rule(q, k, v, g[rows], beta[rows].float(), recurrent)
+        core[rows] = out
+        state.recurrent[seg.slot] = recurrent
+        state.conv[seg.slot] = window[:, -(self.cfg.conv_kernel - 1):]

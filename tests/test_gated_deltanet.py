@@ -1,0 +1,224 @@
+"""Gated DeltaNet (ladle/models/gated_deltanet.py) against transformers' Qwen3-Next and Qwen3.5
+layers with random weights, in float32: whole prompts, prompts fed in chunks and then decoded a
+token at a time through the slot state, several sequences in one flat stream, and the states
+themselves against transformers' cache."""
+
+import pytest
+import torch
+from transformers import Qwen3_5Config, Qwen3NextConfig
+from transformers.cache_utils import DynamicCache
+from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+from ladle.models.gated_deltanet import (
+    GatedDeltaNet,
+    GatedDeltaNetConfig,
+    GatedDeltaNetState,
+    Segment,
+    chunked_gated_delta_rule,
+    l2_normalize,
+    recurrent_gated_delta_step,
+    state_bytes_per_slot,
+)
+
+# Tiny, with grouped heads (2 key heads, 4 value heads) so the per-key-head regrouping of
+# Qwen3-Next's fused projections and the head repetition are both exercised.
+SIZES = dict(hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4,
+             linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+             vocab_size=100, intermediate_size=32)
+HF_LAYERS = {
+    "qwen3_next": (lambda: Qwen3NextConfig(**SIZES, moe_intermediate_size=32, num_experts=2,
+                                           num_experts_per_tok=1), Qwen3NextGatedDeltaNet),
+    "qwen3_5": (lambda: Qwen3_5TextConfig(**SIZES), Qwen3_5GatedDeltaNet),
+}
+NUM_SLOTS = 6
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module", params=sorted(HF_LAYERS))
+def layers(request):
+    """(transformers' config, its layer, ours with the same weights loaded by name)."""
+    make_config, hf_class = HF_LAYERS[request.param]
+    torch.manual_seed(0)
+    hf_config = make_config()
+    ref = hf_class(hf_config, layer_idx=0).eval()
+    # decays slow enough that the carried state matters; a norm weight that is not all ones
+    with torch.no_grad():
+        ref.A_log.copy_(torch.empty(4).uniform_(0.01, 1.0).log())
+        ref.dt_bias.copy_(torch.randn(4) * 0.5)
+        ref.norm.weight.copy_(1 + 0.2 * torch.randn(16))
+    ours = GatedDeltaNet(GatedDeltaNetConfig.from_hf(hf_config.to_dict())).eval()
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    return hf_config, ref, ours
+
+
+def new_state(ours: GatedDeltaNet) -> GatedDeltaNetState:
+    return GatedDeltaNetState.allocate(ours.cfg, NUM_SLOTS)
+
+
+def hf_full(ref, x: torch.Tensor) -> torch.Tensor:
+    """transformers' output for one whole sequence x (L, hidden), no cache."""
+    with torch.no_grad():
+        return ref(x.unsqueeze(0))[0]
+
+
+def run_chunks(ours, state, x, chunk_lens, slot) -> torch.Tensor:
+    """Feed x to our layer as consecutive runs of one sequence, the first one fresh."""
+    outs, start = [], 0
+    with torch.no_grad():
+        for n in chunk_lens:
+            outs.append(ours(x[start:start + n], [Segment(0, n, slot, start == 0)], state))
+            start += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("length", [1, 5, 63, 64, 65, 130])
+def test_whole_prompt_matches_transformers(layers, length):
+    _, ref, ours = layers
+    torch.manual_seed(length)
+    x = torch.randn(length, 64)
+    state = new_state(ours)
+    state.recurrent.normal_()  # a fresh segment must ignore whatever its slot held before
+    state.conv.normal_()
+    with torch.no_grad():
+        out = ours(x, [Segment(0, length, 2, True)], state)
+    torch.testing.assert_close(out, hf_full(ref, x), atol=ATOL, rtol=1e-4)
+
+
+def test_chunked_prompt_then_decode_matches_full_sequence(layers):
+    _, ref, ours = layers
+    torch.manual_seed(1)
+    x = torch.randn(102, 64)
+    chunks = [32, 32, 32] + [1] * 6  # three prefill chunks (the first one fresh), six decodes
+    out = run_chunks(ours, new_state(ours), x, chunks, slot=4)
+    torch.testing.assert_close(out, hf_full(ref, x), atol=ATOL, rtol=1e-4)
+
+
+def test_states_match_transformers_cache(layers):
+    """After a prefill, a continuing chunk and decode steps, our slot holds what transformers'
+    cache holds: the conv window (transformers keeps one older input than the next step reads)
+    and the float32 recurrent state."""
+    hf_config, ref, ours = layers
+    torch.manual_seed(2)
+    x = torch.randn(45, 64)
+    chunks = [37, 5, 1, 1, 1]
+    cache = DynamicCache(config=hf_config)
+    state = new_state(ours)
+    start = 0
+    for n in chunks:
+        with torch.no_grad():
+            expected = ref(x[None, start:start + n], cache=cache)[0]
+            out = ours(x[start:start + n], [Segment(0, n, 3, start == 0)], state)
+        start += n
+        torch.testing.assert_close(out, expected, atol=ATOL, rtol=1e-4)
+        hf_layer = cache.layers[0]
+        assert hf_layer.recurrent_states[0].dtype == torch.float32
+        torch.testing.assert_close(state.conv[3], hf_layer.conv_states[0][0, :, 1:],
+                                   atol=ATOL, rtol=1e-4)
+        torch.testing.assert_close(state.recurrent[3], hf_layer.recurrent_states[0][0],
+                                   atol=ATOL, rtol=1e-4)
+
+
+def test_mixed_stream_matches_each_sequence_alone(layers):
+    """One step holding a fresh prefill, a continuing chunk, three decodes and a fresh
+    one-token prompt, in slots holding stale or earlier state, equals each sequence run alone."""
+    _, _, ours = layers
+    torch.manual_seed(3)
+    # slot: (tokens before this step, tokens in this step); 0 before = fresh in this step
+    plan = {0: (0, 20), 3: (10, 7), 1: (6, 1), 4: (9, 1), 5: (1, 1), 2: (0, 1)}
+    xs = {slot: torch.randn(before + now, 64) for slot, (before, now) in plan.items()}
+
+    alone_out, alone_state = {}, {}
+    for slot, (before, now) in plan.items():
+        state = new_state(ours)
+        out = run_chunks(ours, state, xs[slot], [n for n in (before, now) if n], slot)
+        alone_out[slot], alone_state[slot] = out[before:], state
+
+    shared = new_state(ours)
+    shared.recurrent.normal_()  # stale state of finished sequences in the fresh ones' slots
+    shared.conv.normal_()
+    for slot, (before, _) in plan.items():
+        if before:
+            run_chunks(ours, shared, xs[slot][:before], [before], slot)
+    order = [1, 0, 4, 3, 2, 5]  # decodes and prefills interleaved in the stream
+    segments, rows, start = [], [], 0
+    for slot in order:
+        before, now = plan[slot]
+        segments.append(Segment(start, now, slot, before == 0))
+        rows.append(xs[slot][before:])
+        start += now
+    with torch.no_grad():
+        out = ours(torch.cat(rows), segments, shared)
+
+    for seg in segments:
+        torch.testing.assert_close(out[seg.start:seg.start + seg.length], alone_out[seg.slot],
+                                   atol=ATOL, rtol=1e-4)
+        torch.testing.assert_close(shared.conv[seg.slot], alone_state[seg.slot].conv[seg.slot])
+        torch.testing.assert_close(shared.recurrent[seg.slot],
+                                   alone_state[seg.slot].recurrent[seg.slot],
+                                   atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("length", [1, 7, 64, 100])
+def test_chunked_rule_with_initial_state_equals_recurrent(length):
+    torch.manual_seed(4)
+    heads, dk, dv = 3, 8, 4
+    q = l2_normalize(torch.randn(length, heads, dk)) * dk**-0.5
+    k = l2_normalize(torch.randn(length, heads, dk))
+    v = torch.randn(length, heads, dv)
+    g = -torch.rand(length, heads) * 0.2
+    beta = torch.rand(length, heads)
+    initial = torch.randn(heads, dk, dv)
+
+    out, final = chunked_gated_delta_rule(q, k, v, g, beta, initial, chunk_size=32)
+    state, steps = initial.unsqueeze(0), []
+    for t in range(length):
+        o, state = recurrent_gated_delta_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1],
+                                              beta[t:t + 1], state)
+        steps.append(o)
+    torch.testing.assert_close(out, torch.cat(steps), atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(final, state[0], atol=ATOL, rtol=1e-4)
+
+
+def test_config_from_hf_both_families():
+    nxt = GatedDeltaNetConfig.from_hf(HF_LAYERS["qwen3_next"][0]().to_dict())
+    assert (nxt.layout, nxt.num_k_heads, nxt.num_v_heads, nxt.head_k_dim, nxt.head_v_dim,
+            nxt.conv_kernel, nxt.conv_dim) == ("qwen3_next", 2, 4, 16, 16, 4, 128)
+    # a multimodal Qwen3.5 config.json keeps the text model's fields under text_config
+    text = {k: v for k, v in SIZES.items() if k != "linear_conv_kernel_dim"}
+    multimodal = Qwen3_5Config(text_config=dict(text, linear_conv_kernel_dim=3)).to_dict()
+    q35 = GatedDeltaNetConfig.from_hf(multimodal)
+    assert (q35.layout, q35.conv_kernel, q35.eps) == ("qwen3_5", 3, 1e-6)
+
+    state = GatedDeltaNetState.allocate(q35, num_slots=3)
+    assert state.conv.shape == (3, q35.conv_dim, 2)
+    assert state.recurrent.shape == (3, 4, 16, 16)
+    assert state_bytes_per_slot(q35) * 3 == state.conv.nbytes + state.recurrent.nbytes
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"model_type": "llama"}, "model_type"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"linear_num_value_heads": 3}, "linear_num_value_heads"),
+    ({"linear_conv_kernel_dim": 1}, "linear_conv_kernel_dim"),
+])
+def test_config_errors_name_the_field(change, field):
+    hf = {**SIZES, "model_type": "qwen3_next", **change}
+    with pytest.raises(ValueError, match=field):
+        GatedDeltaNetConfig.from_hf(hf)
+
+
+@pytest.mark.parametrize("segments, message", [
+    ([Segment(0, 3, 0, True), Segment(4, 2, 1, True)], "continue the stream at token 3"),
+    ([Segment(0, 3, 0, True), Segment(2, 4, 1, True)], "continue the stream at token 3"),
+    ([Segment(0, 0, 0, True), Segment(0, 6, 1, True)], "at least one token"),
+    ([Segment(0, 6, NUM_SLOTS, True)], "slots are 0"),
+    ([Segment(0, 5, 0, True)], "cover 5 tokens of the step's 6"),
+    ([Segment(0, 5, 1, True), Segment(5, 1, 1, False)], "share a slot"),
+])
+def test_segments_are_checked(layers, segments, message):
+    _, _, ours = layers
+    with pytest.raises(ValueError, match=message):
+        ours(torch.zeros(6, 64), segments, new_state(ours))
