@@ -23,7 +23,7 @@ from ladle.runner import cpu_kernels
 
 
 def _finished_builds(root: Path) -> list[Path]:
-    return [p for p in root.glob("ladle_cpu_kernels-*") if (p / "ladle_cpu_kernels.so").exists()]
+    return [p for p in root.glob("ladle_cpu_kernels-*") if cpu_kernels._library(p) is not None]
 
 
 def build_processes(root: Path) -> list[int]:
@@ -156,3 +156,16 @@ def _restore_loaded_kernels():
     yield
     cpu_kernels._loaded.clear()
     cpu_kernels._loaded.update(saved)
+
+
+def test_a_versioned_build_is_found(tmp_path):
+    """A process that builds the module a second time (another cache directory) gets torch's
+    versioned name, ladle_cpu_kernels_v1.so with PyInit_ladle_cpu_kernels_v1: the loader looks
+    for either name and imports it under the name its init symbol has."""
+    assert cpu_kernels._library(tmp_path) is None
+    (tmp_path / "ladle_cpu_kernels_v1.so").write_bytes(b"")
+    (tmp_path / "other.so").write_bytes(b"")
+    assert cpu_kernels._library(tmp_path) == tmp_path / "ladle_cpu_kernels_v1.so"
+    module = cpu_kernels.load_cpu_kernels()
+    if module is not None:  # the real module imports under its file's name
+        assert module.__name__ == Path(module.__file__).name.removesuffix(".so")

@@ -160,8 +160,8 @@ def load_cpu_kernels():
 def _load_or_build(root: Path):
     key = build_key()
     final = root / f"{_NAME}-{key}"
-    so = final / f"{_NAME}.so"
-    if so.exists():
+    so = _library(final)
+    if so is not None:
         module = _import(so)
         logger.info("CPU kernels (%s) loaded from %s", module.isa(), final)
         return module
@@ -184,6 +184,9 @@ def _load_or_build(root: Path):
             pass
     finally:
         shutil.rmtree(private, ignore_errors=True)
+    so = _library(final)
+    if so is None:
+        raise ImportError(f"{final}: the build left no {_NAME}*.so")
     module = _import(so)
     logger.info("CPU kernels (%s) built in %.0f s", module.isa(), time.perf_counter() - t)
     return module
@@ -214,9 +217,18 @@ def _ninja_dies_with_us():
             os.environ["PATH"] = path
 
 
+def _library(build: Path) -> Path | None:
+    """The module a build directory holds: ladle_cpu_kernels.so, or ladle_cpu_kernels_vN.so
+    when the process that built it had built the module before (torch's cpp_extension then
+    versions the name, and with it the module's init symbol)."""
+    found = sorted(build.glob(f"{_NAME}*.so")) if build.is_dir() else []
+    return found[0] if found else None
+
+
 def _import(so: Path):
-    loader = importlib.machinery.ExtensionFileLoader(_NAME, str(so))
-    spec = importlib.util.spec_from_file_location(_NAME, str(so), loader=loader)
+    name = so.name.removesuffix(".so")  # the init symbol's name: PyInit_<name>
+    loader = importlib.machinery.ExtensionFileLoader(name, str(so))
+    spec = importlib.util.spec_from_file_location(name, str(so), loader=loader)
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     return module
