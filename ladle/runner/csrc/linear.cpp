@@ -203,26 +203,53 @@ static inline void dot4(const T* x, const T* w, int64_t K, int64_t ldx, float* o
     }
 }
 
-// out[m] = x[m] . w for MB rows of x and one weight row, U vectors of each row in flight.
+// 16 values as two vectors of 8 floats. bfloat16 is widened by interleaving with zeros, which
+// puts values 0-3, 8-11 in the first vector and 4-7, 12-15 in the second: x and w are widened
+// alike, so the products pair up, and one load and two unpacks serve 16 values (the per-8
+// widening costs two loads and four shuffles, and the single-row dot is bound by them).
+static inline void widen16(const float* p, __m256& a, __m256& b) {
+  a = _mm256_loadu_ps(p);
+  b = _mm256_loadu_ps(p + 8);
+}
+static inline void widen16(const at::BFloat16* p, __m256& a, __m256& b) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i zero = _mm256_setzero_si256();
+  a = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, raw));
+  b = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, raw));
+}
+
+// out[m] = x[m] . w for MB rows of x and one weight row: U chunks of 16 values in flight, each
+// half with its own accumulator (2U independent FMA chains per row).
 template <int MB, int U, typename T>
 static inline void dot_row(const T* x, const T* w, int64_t K, int64_t ldx, float* out) {
-  __m256 acc[U][MB];
-  for (int u = 0; u < U; ++u)
+  __m256 acc[2 * U][MB];
+  for (int u = 0; u < 2 * U; ++u)
     for (int m = 0; m < MB; ++m) acc[u][m] = _mm256_setzero_ps();
   int64_t k = 0;
-  for (; k + 8 * U <= K; k += 8 * U)
+  for (; k + 16 * U <= K; k += 16 * U)
     for (int u = 0; u < U; ++u) {
-      const __m256 wv = load8(w + k + 8 * u);
-      for (int m = 0; m < MB; ++m)
-        acc[u][m] = _mm256_fmadd_ps(load8(x + m * ldx + k + 8 * u), wv, acc[u][m]);
+      __m256 wa, wb;
+      widen16(w + k + 16 * u, wa, wb);
+      for (int m = 0; m < MB; ++m) {
+        __m256 xa, xb;
+        widen16(x + m * ldx + k + 16 * u, xa, xb);
+        acc[2 * u][m] = _mm256_fmadd_ps(xa, wa, acc[2 * u][m]);
+        acc[2 * u + 1][m] = _mm256_fmadd_ps(xb, wb, acc[2 * u + 1][m]);
+      }
     }
-  for (; k + 8 <= K; k += 8) {
-    const __m256 wv = load8(w + k);
-    for (int m = 0; m < MB; ++m) acc[0][m] = _mm256_fmadd_ps(load8(x + m * ldx + k), wv, acc[0][m]);
+  for (; k + 16 <= K; k += 16) {
+    __m256 wa, wb;
+    widen16(w + k, wa, wb);
+    for (int m = 0; m < MB; ++m) {
+      __m256 xa, xb;
+      widen16(x + m * ldx + k, xa, xb);
+      acc[0][m] = _mm256_fmadd_ps(xa, wa, acc[0][m]);
+      acc[1][m] = _mm256_fmadd_ps(xb, wb, acc[1][m]);
+    }
   }
   for (int m = 0; m < MB; ++m) {
     __m256 s = acc[0][m];
-    for (int u = 1; u < U; ++u) s = _mm256_add_ps(s, acc[u][m]);
+    for (int u = 1; u < 2 * U; ++u) s = _mm256_add_ps(s, acc[u][m]);
     float v = hsum8(s);
     for (int64_t kk = k; kk < K; ++kk) v += to_f(x[m * ldx + kk]) * to_f(w[kk]);
     out[m] = v;
