@@ -167,40 +167,11 @@ static inline void dot_row(const T* x, const T* w, int64_t K, int64_t ldx, float
 // client Intel parts): the same two shapes as above. bfloat16 is widened to float on load.
 #define LADLE_LINEAR_AVX2 1
 #include <immintrin.h>
-static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8(const at::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
 static inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
-}
-
-// out[m * 4 + j] = x[m] . w[j] for MB (up to 3) rows of x and 4 rows of w: 12 accumulators, 3
-// x vectors and one weight vector fill the 16 registers.
-template <int MB, typename T>
-static inline void dot4(const T* x, const T* w, int64_t K, int64_t ldx, float* out) {
-  __m256 acc[MB][4];
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    __m256 xv[MB];
-    for (int m = 0; m < MB; ++m) xv[m] = load8(x + m * ldx + k);
-    for (int j = 0; j < 4; ++j) {
-      const __m256 wv = load8(w + j * K + k);
-      for (int m = 0; m < MB; ++m) acc[m][j] = _mm256_fmadd_ps(xv[m], wv, acc[m][j]);
-    }
-  }
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < 4; ++j) {
-      float v = hsum8(acc[m][j]);
-      for (int64_t kk = k; kk < K; ++kk) v += to_f(x[m * ldx + kk]) * to_f(w[j * K + kk]);
-      out[m * 4 + j] = v;
-    }
 }
 
 // 16 values as two vectors of 8 floats. bfloat16 is widened by interleaving with zeros, which
@@ -216,6 +187,60 @@ static inline void widen16(const at::BFloat16* p, __m256& a, __m256& b) {
   const __m256i zero = _mm256_setzero_si256();
   a = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, raw));
   b = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, raw));
+}
+
+// out[m * 4 + j] = x[m] . w[j] for MB (up to 3) rows of x and 4 rows of w, bfloat16: 16 values
+// of K per step (widen16), each x and w half widened once for its 4 (or MB) products. Measured
+// in cache on one core of this AVX2 EPYC: 1.08-1.27x the per-8 widening from 1 to 32 rows.
+template <int MB>
+static inline void dot4(const at::BFloat16* x, const at::BFloat16* w, int64_t K, int64_t ldx,
+                        float* out) {
+  __m256 acc[MB][4];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m256 xa[MB], xb[MB];
+    for (int m = 0; m < MB; ++m) widen16(x + m * ldx + k, xa[m], xb[m]);
+    for (int j = 0; j < 4; ++j) {
+      __m256 wa, wb;
+      widen16(w + j * K + k, wa, wb);
+      for (int m = 0; m < MB; ++m) {
+        acc[m][j] = _mm256_fmadd_ps(xa[m], wa, acc[m][j]);
+        acc[m][j] = _mm256_fmadd_ps(xb[m], wb, acc[m][j]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < 4; ++j) {
+      float v = hsum8(acc[m][j]);
+      for (int64_t kk = k; kk < K; ++kk) v += to_f(x[m * ldx + kk]) * to_f(w[j * K + kk]);
+      out[m * 4 + j] = v;
+    }
+}
+
+// The same for float32, 8 values per step: 12 accumulators, 3 x vectors and one weight vector
+// fill the 16 registers (the 16-value step spills there and ran 0.7-0.8x as fast).
+template <int MB>
+static inline void dot4(const float* x, const float* w, int64_t K, int64_t ldx, float* out) {
+  __m256 acc[MB][4];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 xv[MB];
+    for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x + m * ldx + k);
+    for (int j = 0; j < 4; ++j) {
+      const __m256 wv = _mm256_loadu_ps(w + j * K + k);
+      for (int m = 0; m < MB; ++m) acc[m][j] = _mm256_fmadd_ps(xv[m], wv, acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < 4; ++j) {
+      float v = hsum8(acc[m][j]);
+      for (int64_t kk = k; kk < K; ++kk) v += x[m * ldx + kk] * w[j * K + kk];
+      out[m * 4 + j] = v;
+    }
 }
 
 // out[m] = x[m] . w for MB rows of x and one weight row: U chunks of 16 values in flight, each
