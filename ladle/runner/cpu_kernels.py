@@ -70,6 +70,8 @@ def max_linear_rows(dtype: torch.dtype) -> int:
             module.isa() in _ALL_ROWS_ISAS
         limit = _row_limits[dtype] = (1 << 62) if all_rows else MAX_LINEAR_ROWS
     return limit
+
+
 # A private build directory older than this belongs to a build that died.
 _STALE_BUILD_S = 3600
 
@@ -263,8 +265,8 @@ def supports(q: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """x (..., K) @ weight (N, K)^T + bias; the kernel for a few rows (decode), torch otherwise
-    (see max_linear_rows); the kernel for every row count in batch-invariant mode. A QuantWeight (runner/quant.py) runs
-    its quantized kernels for any number of rows."""
+    (see max_linear_rows); the kernel for every row count in batch-invariant mode. A
+    QuantWeight (runner/quant.py) runs its quantized kernels for any number of rows."""
     if isinstance(weight, QuantWeight):
         return quant_linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
