@@ -32,6 +32,7 @@ class RequestLimits:
     vocab_size: int
     max_logprobs: int = 20
     max_n: int = DEFAULT_MAX_N
+    beam_search: bool = True  # False: the model's requests cannot fork (hybrid models)
 
 
 class SamplingType(IntEnum):
@@ -212,6 +213,10 @@ class SamplingParams:
         to the vocabulary, n and logprobs under the server's caps. A top_k at or above the
         vocabulary size means no top-k (as vLLM)."""
         vocab_size, max_logprobs, max_n = limits.vocab_size, limits.max_logprobs, limits.max_n
+        if self.beam_width and not limits.beam_search:
+            raise ValueError("use_beam_search: this model (hybrid linear attention) keeps "
+                             "one recurrent state per request, which beams cannot fork yet; "
+                             "accepted: use_beam_search false")
         for name in ("n", "best_of", "beam_width"):  # best_of >= n is checked in verify()
             v = getattr(self, name)
             _check(v is None or v <= max_n, name, v,

@@ -26,6 +26,7 @@ from ladle.messages import EngineCoreOutput, EngineCoreRequest, Logprobs
 from ladle.models.loader import (
     check_quantization,
     load_model,
+    model_class,
     read_hf_config,
     resolve_dtype,
     resolve_model_path,
@@ -54,6 +55,11 @@ class EngineCore:
         check_quantization(self.model_path, config.quantization, hf_config,
                            config.tensor_parallel_size)
         self.dtype = resolve_dtype(config.dtype, hf_config, device)
+        # Hybrid models (linear-attention layers with per-request state slots): what their
+        # state cannot do yet is refused here, by the option that asks for it.
+        self.hybrid = bool(getattr(model_class(hf_config, self.model_path), "hybrid", False))
+        if self.hybrid:
+            check_hybrid(config)
         torch.manual_seed(config.seed)
         self.model_group = None  # rank 0's driver of the TP workers when tensor_parallel_size > 1
         if config.tensor_parallel_size > 1:
@@ -79,7 +85,8 @@ class EngineCore:
         self.weight_bytes = weight_bytes(model if self.model_group is None else model.model)
         logger.info("weights: %s", describe_bytes(self.weight_bytes))
         self.vocab_size = mcfg.vocab_size
-        self.limits = RequestLimits(self.vocab_size, config.max_logprobs, config.max_n)
+        self.limits = RequestLimits(self.vocab_size, config.max_logprobs, config.max_n,
+                                    beam_search=not self.hybrid)
         is_auto_len = config.max_model_len == -1  # "auto": shrunk below to what the KV holds
         self.max_model_len = (None if is_auto_len else config.max_model_len) or \
             mcfg.max_position_embeddings
@@ -98,17 +105,26 @@ class EngineCore:
             # The draft's cache has the same blocks (see spec_decode/draft_model.py): the KV
             # memory is shared between the two caches, block for block.
             per_block += ModelRunner.kv_bytes_per_block(draft.config, self.dtype, bs)
-        needed = per_block * -(-self.max_model_len // bs) * config.max_num_seqs
+        # A hybrid's state slots (one per running request, every linear layer) come out of the
+        # same memory as the KV blocks.
+        state_bytes = mcfg.state_bytes_per_slot() * config.max_num_seqs if self.hybrid else 0
+        needed = per_block * -(-self.max_model_len // bs) * config.max_num_seqs + state_bytes
         if config.num_kv_blocks is None and config.kv_cache_memory is None and \
                 config.gpu_memory_utilization is not None:
             held = sum(self.weight_bytes.values()) + (
                 0 if draft is None else sum(weight_bytes(draft).values()))
-            num_blocks = kv_cache_bytes_from_utilization(
-                config.gpu_memory_utilization, device, held, needed) // per_block
+            budget = kv_cache_bytes_from_utilization(
+                config.gpu_memory_utilization, device, held, needed)
         else:
-            num_blocks = config.num_kv_blocks or (
-                kv_cache_bytes(config.kv_cache_memory, device, needed) // per_block
-            )
+            budget = None if config.num_kv_blocks else \
+                kv_cache_bytes(config.kv_cache_memory, device, needed)
+        if budget is not None and budget < state_bytes:
+            raise ValueError(
+                f"kv_cache_memory: {budget / 2**20:.1f} MiB, but the state slots of "
+                f"max_num_seqs={config.max_num_seqs} requests take {state_bytes / 2**20:.1f} "
+                f"MiB ({mcfg.state_bytes_per_slot() / 2**20:.2f} MiB each) before any KV block; "
+                "give more memory or lower max_num_seqs")
+        num_blocks = config.num_kv_blocks or (budget - state_bytes) // per_block
         if is_auto_len and num_blocks * bs < self.max_model_len:
             logger.info("max_model_len auto: %d tokens (what %d KV blocks hold)",
                         num_blocks * bs, num_blocks)
@@ -120,7 +136,13 @@ class EngineCore:
                 f"of max_model_len={self.max_model_len} needs {min_blocks}; give more memory or "
                 "lower max_model_len"
             )
-        self.kv_cache = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        prefix_caching = config.enable_prefix_caching and not self.hybrid
+        if self.hybrid:
+            logger.info("state slots: %d (max_num_seqs) of %.2f MiB, %.1f MiB; prefix caching "
+                        "is off for hybrid models", config.max_num_seqs,
+                        mcfg.state_bytes_per_slot() / 2**20, state_bytes / 2**20)
+        self.kv_cache = KVCacheManager(num_blocks, bs, prefix_caching,
+                                       config.max_num_seqs if self.hybrid else 0)
         if self.model_group is not None:
             self.model_group.init_kv_cache(num_blocks, bs)  # every rank: the same blocks
         proposer = drafter = None
@@ -300,7 +322,9 @@ class EngineCore:
         fault (state unknown) is re-raised and ends the engine."""
         try:
             blocks = {r.req_id: self.kv_cache.get_blocks(r.req_id) for r in sched.scheduled}
-            out = self.runner.execute(sched, blocks, self.structured)
+            slots = {r.req_id: self.kv_cache.get_slot(r.req_id) for r in sched.scheduled} \
+                if self.hybrid else None
+            out = self.runner.execute(sched, blocks, self.structured, slots)
         except Exception as e:
             if is_device_fault(e):
                 raise
@@ -689,6 +713,19 @@ def _prompt_logprobs(req: Request) -> Logprobs | None:
         sampled_values=[float(v) for p in parts for v in p.target_values],
         sampled_ranks=[int(r) for p in parts for r in p.target_ranks],
     )
+
+
+def check_hybrid(config: EngineConfig) -> None:
+    """A hybrid model's linear-attention state is one slot per request, overwritten as it
+    runs: there is no earlier state to roll back to (rejected drafts) and none to split across
+    ranks yet. Those options are errors naming themselves."""
+    if config.speculative_config is not None:
+        raise ValueError("speculative_config: speculative decoding does not run on hybrid "
+                         "(linear-attention) models yet, whose state cannot roll back rejected "
+                         "drafts; accepted: no speculative_config")
+    if config.tensor_parallel_size > 1:
+        raise ValueError(f"tensor_parallel_size: {config.tensor_parallel_size}, but hybrid "
+                         "(linear-attention) models run on one rank; accepted: 1")
 
 
 def _load_draft_model(path: str, vocab_size: int, max_model_len: int, dtype: torch.dtype,

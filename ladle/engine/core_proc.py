@@ -69,6 +69,7 @@ class EngineReady(msgspec.Struct, omit_defaults=True):
     # Bytes of the model's weights by storage type ("bfloat16", "int8", "Q4_K"), sent once
     # here rather than with every step's stats: /metrics' ladle:model_weight_bytes.
     weight_bytes: dict[str, int] = msgspec.field(default_factory=dict)
+    beam_search: bool = True  # False: requests cannot fork (a hybrid model's state slots)
     error: str | None = None  # set when the engine failed to start; it then exits non-zero
 
 
@@ -105,6 +106,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
         vocab_size=engine.vocab_size, max_model_len=engine.max_model_len,
         model_path=str(engine.model_path), num_kv_blocks=engine.kv_cache.num_blocks,
         block_size=config.block_size, pid=os.getpid(), weight_bytes=engine.weight_bytes,
+        beam_search=engine.limits.beam_search,
     )))
     try:
         EngineCoreLoop(engine, in_sock, out_sock).run()

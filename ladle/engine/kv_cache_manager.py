@@ -2,7 +2,11 @@
 
 Blocks are fixed-size (block_size tokens). A full block is named by a hash chained over every
 token before it (plus the request's cache_salt in the first block), so equal prefixes share
-blocks. Blocks whose last owner finished stay cached in an LRU free queue until reused."""
+blocks. Blocks whose last owner finished stay cached in an LRU free queue until reused.
+
+A hybrid model (linear-attention layers) also needs one state slot per running request: a
+fixed pool of `num_state_slots`, handed out with a request's first blocks and returned with
+them (finish or preemption), so a request that holds blocks always holds a slot."""
 
 from __future__ import annotations
 
@@ -12,7 +16,8 @@ from ladle.engine.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_state_slots: int = 0):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -23,6 +28,9 @@ class KVCacheManager:
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.req_blocks: dict[str, list[int]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # blocks of a request already hashed
+        self.num_state_slots = num_state_slots
+        self.free_slots = list(range(num_state_slots - 1, -1, -1))  # popped from the end
+        self.req_slot: dict[str, int] = {}
         # Prefix-cache statistics, in tokens of prompts looked up.
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
@@ -42,6 +50,10 @@ class KVCacheManager:
 
     def get_blocks(self, req_id: str) -> list[int]:
         return self.req_blocks.get(req_id, [])
+
+    def get_slot(self, req_id: str) -> int:
+        """The request's state slot (hybrid models; it holds one while it holds blocks)."""
+        return self.req_slot[req_id]
 
     # ---- prefix cache -----------------------------------------------------------------------
     def _hash_blocks(self, request: Request) -> None:
@@ -86,6 +98,10 @@ class KVCacheManager:
         num_revived = sum(1 for b in computed_blocks if self.ref_cnt[b] == 0)
         if need + num_revived > len(self.free_queue):
             return False
+        if self.num_state_slots and request.req_id not in self.req_slot:
+            if not self.free_slots:
+                return False
+            self.req_slot[request.req_id] = self.free_slots.pop()
         blocks = self.req_blocks.setdefault(request.req_id, [])
         for b in computed_blocks:
             if self.ref_cnt[b] == 0:
@@ -104,6 +120,9 @@ class KVCacheManager:
         gets a private copy for the child. Returns (source, copy) blocks for the model runner
         to copy, None when there is no partial block; raises MemoryError (nothing changed)
         when no block is free for the copy."""
+        if self.num_state_slots:
+            raise ValueError("a hybrid model's requests cannot fork (their state is not in "
+                             "blocks)")
         blocks = self.req_blocks.get(parent.req_id, [])
         n = parent.num_computed_tokens
         full = n // self.block_size
@@ -166,6 +185,9 @@ class KVCacheManager:
         its head blocks, since a later request is likelier to share the head."""
         blocks = self.req_blocks.pop(request.req_id, [])
         self.num_cached_blocks.pop(request.req_id, None)
+        slot = self.req_slot.pop(request.req_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
         for b in reversed(blocks):
             self.ref_cnt[b] -= 1
             if self.ref_cnt[b] == 0:

@@ -92,7 +92,8 @@ class AsyncLLM:
                                  return_exceptions=True)
             await client.shutdown()
             raise
-        limits = RequestLimits(ready.vocab_size, config.max_logprobs, config.max_n)
+        limits = RequestLimits(ready.vocab_size, config.max_logprobs, config.max_n,
+                               beam_search=ready.beam_search)
         processor = InputProcessor(tokenizer, ready.model_path,
                                    max_model_len=ready.max_model_len, limits=limits,
                                    scheduling_policy=config.scheduling_policy)

@@ -128,24 +128,55 @@ def state_bytes_per_slot(cfg: GatedDeltaNetConfig) -> int:
 @dataclass(slots=True)
 class GatedDeltaNetState:
     """One layer's state for `num_slots` sequences; a sequence owns one slot index while it
-    runs, and the forward reads and overwrites that row of both tensors."""
+    runs, and the forward reads that row of both tensors and writes its new value.
+
+    With `pending` a list (the engine's states), the new values wait there until `commit()`:
+    a step that raises after some layers ran (a request's logits processor, say) leaves every
+    slot as it was, so the step can run again. With `pending` None they land at once."""
 
     # (S, conv_dim, conv_kernel - 1) float32: the last projected q|k|v inputs, oldest first
     conv: torch.Tensor
     recurrent: torch.Tensor  # (S, num_v_heads, head_k_dim, head_v_dim) float32: S in o = S^T q
+    pending: list | None = None  # (slots, conv, recurrent) writes not yet applied
 
     @classmethod
     def allocate(cls, cfg: GatedDeltaNetConfig, num_slots: int,
-                 device: torch.device | str | None = None) -> GatedDeltaNetState:
+                 device: torch.device | str | None = None,
+                 deferred: bool = False) -> GatedDeltaNetState:
         conv = torch.zeros(num_slots, cfg.conv_dim, cfg.conv_kernel - 1,
                            dtype=torch.float32, device=device)
         recurrent = torch.zeros(num_slots, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim,
                                 dtype=torch.float32, device=device)
-        return cls(conv, recurrent)
+        return cls(conv, recurrent, [] if deferred else None)
 
     @property
     def num_slots(self) -> int:
         return self.conv.shape[0]
+
+    def write(self, slots, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """The new state of `slots` (an index or a (D,) tensor of them)."""
+        if self.pending is None:
+            self.conv[slots] = conv
+            self.recurrent[slots] = recurrent
+        else:
+            self.pending.append((slots, conv, recurrent))
+
+    def commit(self) -> None:
+        """Apply the writes of the step that just succeeded."""
+        for slots, conv, recurrent in self.pending or ():
+            self.conv[slots] = conv
+            self.recurrent[slots] = recurrent
+        self.discard()
+
+    def discard(self) -> None:
+        """Drop the writes of a step that failed: every slot keeps its state from before it."""
+        if self.pending:
+            self.pending.clear()
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Slot `dst` takes slot `src`'s state (a request forked from another)."""
+        self.conv[dst] = self.conv[src]
+        self.recurrent[dst] = self.recurrent[src]
 
 
 class Segment(NamedTuple):
@@ -171,6 +202,46 @@ def check_segments(segments: list[Segment], num_tokens: int, num_slots: int) -> 
         raise ValueError(f"segments: cover {end} tokens of the step's {num_tokens}")
     if len({seg.slot for seg in segments}) != len(segments):
         raise ValueError("segments: two sequences share a slot; each needs its own")
+
+
+@dataclass(slots=True)
+class SegmentPlan:
+    """A step's segments, checked and turned into index tensors once, for every linear layer
+    of the step: the one-token segments (decode) as (D,) tensors, the longer ones as a list."""
+
+    num_tokens: int
+    decode_rows: torch.Tensor | None  # (D,) stream index of each one-token segment
+    decode_slots: torch.Tensor | None  # (D,) its slot
+    decode_keep: torch.Tensor | None  # (D,) bool: continues its slot (False: fresh)
+    prefills: list[Segment]  # segments of two or more tokens
+
+    @classmethod
+    def build(cls, segments: list[Segment], num_tokens: int, num_slots: int,
+              device: torch.device | str | None = None) -> SegmentPlan:
+        check_segments(segments, num_tokens, num_slots)
+        decodes = [seg for seg in segments if seg.length == 1]
+        rows = slots = keep = None
+        if decodes:
+            rows = torch.tensor([seg.start for seg in decodes], device=device)
+            slots = torch.tensor([seg.slot for seg in decodes], device=device)
+            keep = torch.tensor([not seg.fresh for seg in decodes], device=device)
+        return cls(num_tokens, rows, slots, keep, [seg for seg in segments if seg.length > 1])
+
+    @classmethod
+    def from_arrays(cls, starts, lengths, slots, fresh,
+                    device: torch.device | str | None = None) -> SegmentPlan:
+        """From numpy arrays (one entry per sequence, in stream order) that tile the stream by
+        construction, as the model runner builds them: no per-sequence loop for decodes."""
+        one = lengths == 1
+        rows = keep = decode_slots = None
+        if one.any():
+            rows = torch.from_numpy(starts[one]).to(device)
+            decode_slots = torch.from_numpy(slots[one]).to(device)
+            keep = torch.from_numpy(~fresh[one]).to(device)
+        prefills = [Segment(int(s), int(n), int(slot), bool(f))
+                    for s, n, slot, f in zip(starts[~one], lengths[~one], slots[~one],
+                                             fresh[~one], strict=True)]
+        return cls(int(lengths.sum()), rows, decode_slots, keep, prefills)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -275,26 +346,28 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(cfg.head_v_dim, cfg.eps)
         self.out_proj = nn.Linear(cfg.value_dim, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, segments: list[Segment],
+    def forward(self, x: torch.Tensor, segments: list[Segment] | SegmentPlan,
                 state: GatedDeltaNetState) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden). Each segment's tokens continue its slot's state (or
-        start from zero when fresh), and the slot holds the state after its last token on
-        return. One-token segments (decode) run as one batched recurrent step; longer ones
-        run the chunked form, one sequence at a time."""
+        start from zero when fresh), and the slot holds the state after its last token once
+        written (see GatedDeltaNetState.pending). One-token segments (decode) run as one
+        batched recurrent step; longer ones run the chunked form, one sequence at a time."""
         cfg = self.cfg
         num_tokens = x.shape[0]
-        check_segments(segments, num_tokens, state.num_slots)
+        plan = segments if isinstance(segments, SegmentPlan) else \
+            SegmentPlan.build(segments, num_tokens, state.num_slots, x.device)
+        if plan.num_tokens != num_tokens:
+            raise ValueError(f"segments: cover {plan.num_tokens} tokens of the step's "
+                             f"{num_tokens}")
         qkv, z, b, a = self._project(x)
         beta = b.sigmoid()  # (T, nv), in x's dtype as in transformers
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # (T, nv)
         core = torch.empty(num_tokens, cfg.num_v_heads, cfg.head_v_dim,
                            dtype=torch.float32, device=x.device)
-        decodes = [seg for seg in segments if seg.length == 1]
-        if decodes:
-            self._decode(qkv, g, beta, decodes, state, core)
-        for seg in segments:
-            if seg.length > 1:
-                self._prefill(qkv, g, beta, seg, state, core)
+        if plan.decode_rows is not None:
+            self._decode(qkv, g, beta, plan, state, core)
+        for seg in plan.prefills:
+            self._prefill(qkv, g, beta, seg, state, core)
         out = self.norm(core.to(x.dtype), z)  # (T, nv, dv)
         return linear(out.reshape(num_tokens, cfg.value_dim), self.out_proj.weight)
 
@@ -331,12 +404,9 @@ class GatedDeltaNet(nn.Module):
         q, k = q.repeat_interleave(r, dim=-2), k.repeat_interleave(r, dim=-2)
         return q, k, v.reshape(*lead, cfg.num_v_heads, cfg.head_v_dim)
 
-    def _decode(self, qkv, g, beta, segments: list[Segment], state: GatedDeltaNetState, core):
-        """One token for each of D sequences, gathered from and scattered back to their slots."""
-        device = qkv.device
-        rows = torch.tensor([seg.start for seg in segments], device=device)
-        slots = torch.tensor([seg.slot for seg in segments], device=device)
-        keep = torch.tensor([not seg.fresh for seg in segments], device=device)  # (D,)
+    def _decode(self, qkv, g, beta, plan: SegmentPlan, state: GatedDeltaNetState, core):
+        """One token for each of D sequences, gathered from their slots."""
+        rows, slots, keep = plan.decode_rows, plan.decode_slots, plan.decode_keep
         weight = self.conv1d.weight.squeeze(1).float()  # (C, K)
         conv_state = torch.where(keep[:, None, None], state.conv[slots], 0)  # (D, C, K - 1)
         window = torch.cat([conv_state, qkv[rows].float().unsqueeze(-1)], dim=-1)  # (D, C, K)
@@ -345,8 +415,7 @@ class GatedDeltaNet(nn.Module):
         recurrent = torch.where(keep[:, None, None, None], state.recurrent[slots], 0)
         out, recurrent = recurrent_gated_delta_step(q, k, v, g[rows], beta[rows].float(), recurrent)
         core[rows] = out
-        state.recurrent[slots] = recurrent
-        state.conv[slots] = window[..., 1:]
+        state.write(slots, window[..., 1:], recurrent)
 
     def _prefill(self, qkv, g, beta, seg: Segment, state: GatedDeltaNetState, core):
         """A run of seg.length > 1 tokens of one sequence."""
@@ -360,5 +429,4 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self._heads(F.silu(mixed[0].T), qkv.dtype)  # (L, nv, d)
         out, recurrent = chunked_gated_delta_rule(q, k, v, g[rows], beta[rows].float(), recurrent)
         core[rows] = out
-        state.recurrent[seg.slot] = recurrent
-        state.conv[seg.slot] = window[:, -(self.cfg.conv_kernel - 1):]
+        state.write(seg.slot, window[:, -(self.cfg.conv_kernel - 1):], recurrent)

@@ -22,6 +22,9 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("moe", "MixtralForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
+    "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5ForCausalLM": ("qwen3_next", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("qwen3_next", "Qwen3_5MoeForCausalLM"),
 }
 
 # The engine adds this key to the config dict it builds a model from: its max_model_len (None:

@@ -79,6 +79,9 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # (T,) offset inside that block
     decode: DecodeBatch | None
     prefills: list[PrefillChunk]
+    # Hybrid models: which tokens continue which state slot (models/gated_deltanet.py's
+    # SegmentPlan), for the linear-attention layers; None for other models.
+    states: object | None = None
 
 
 def build_prefill(q_start: int, q_len: int, ctx_len: int, blocks: torch.Tensor,

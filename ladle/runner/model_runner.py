@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ladle.engine.scheduler import SchedulerOutput
+from ladle.models.gated_deltanet import GatedDeltaNetState, SegmentPlan
 from ladle.reasoning import ReasoningConfig
 from ladle.runner import cpu_kernels
 from ladle.runner.attention import AttentionMetadata, DecodeBatch, build_prefill
@@ -84,8 +85,12 @@ class ModelRunner:
         self.max_model_len = max_model_len
         cfg = model.config
         self.vocab_size = cfg.vocab_size
+        # One cache per layer: paged (k, v) blocks, or a hybrid's linear-attention state slots,
+        # one slot per running request (the KV cache manager hands them out).
         self.kv_caches = allocate_kv_caches(cfg, model.num_local_kv_heads, num_blocks,
-                                            block_size, dtype, device)
+                                            block_size, dtype, device, num_slots=max_num_seqs)
+        self.states = [c for c in self.kv_caches if isinstance(c, GatedDeltaNetState)]
+        self.row_slots = np.zeros(max_num_seqs, dtype=np.int64)  # state slot of each batch row
         self.max_num_seqs = max_num_seqs
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
@@ -111,6 +116,8 @@ class ModelRunner:
         self.sampler = Sampler.build(vocab_size, self.device, self.max_num_seqs, self.generator,
                                      self.reasoning, self.custom_processors)
         self.sampling_metadata: SamplingMetadata | None = None
+        for state in getattr(self, "states", ()):  # writes of a step that raised
+            state.discard()
 
     @staticmethod
     def kv_bytes_per_block(model_config, dtype: torch.dtype, block_size: int,
@@ -120,11 +127,14 @@ class ModelRunner:
         c = model_config
         elem = torch.empty((), dtype=dtype).element_size()
         heads = c.num_kv_heads if num_kv_heads is None else num_kv_heads
-        return 2 * c.num_layers * block_size * heads * c.head_dim * elem
+        return 2 * _num_kv_layers(c) * block_size * heads * c.head_dim * elem
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv_blocks: dict[str, list[int]],
-                structured: StructuredOutputManager | None = None) -> RunnerOutput:
+                structured: StructuredOutputManager | None = None,
+                state_slots: dict[str, int] | None = None) -> RunnerOutput:
+        """One step. `state_slots`: each request's state slot (hybrid models); the slots'
+        new states are kept only when the whole step succeeds."""
         batch = self.input_batch
         update = batch.update(sched.scheduled, reset={r.req_id for r in sched.preempted})
         self.sampler.update_state(update)
@@ -139,6 +149,8 @@ class ModelRunner:
         num_drafts = np.zeros(R, dtype=np.int64)
         for row, req in enumerate(reqs):
             batch.set_blocks(row, kv_blocks[req.req_id])
+            if self.states:
+                self.row_slots[row] = state_slots[req.req_id]
             if req.req_id in drafts:
                 num_drafts[row] = len(drafts[req.req_id])
         num_sched = np.array([sched.num_scheduled_tokens[r.req_id] for r in reqs], dtype=np.int64)
@@ -187,6 +199,8 @@ class ModelRunner:
         if out.beam is not None:
             beam = (meta.beam_rows.cpu().numpy(), out.beam[0].cpu().numpy(),
                     out.beam[1].cpu().numpy())
+        for state in self.states:  # the step succeeded: its requests' states move on
+            state.commit()
         return RunnerOutput(
             req_ids=[r.req_id for r in reqs],
             sampled_token_ids=out.sampled_token_ids.cpu().numpy(),
@@ -288,6 +302,9 @@ class ModelRunner:
             slot_offsets=torch.from_numpy(pos % bs).to(self.device),
             **self._attention_layout(rows, num_new, start, starts),
         )
+        if self.states:  # a fresh state for a sequence's first tokens, else its slot's
+            attn.states = SegmentPlan.from_arrays(starts, num_new, self.row_slots[rows],
+                                                  start == 0, self.device)
         return (torch.from_numpy(batch.token_ids[row_of, pos]).to(self.device),
                 torch.from_numpy(pos).to(self.device), attn, starts, ends)
 
@@ -366,16 +383,29 @@ def check_batch_invariant(device: torch.device, dtype: torch.dtype) -> None:
                          "Accepted: a machine where they build, or leave --batch-invariant off")
 
 
-def copy_kv_blocks(kv_caches: list[tuple], src: torch.Tensor, dst: torch.Tensor) -> None:
-    for k, v in kv_caches:
-        k.index_copy_(0, dst, k.index_select(0, src))
-        v.index_copy_(0, dst, v.index_select(0, src))
+def copy_kv_blocks(kv_caches: list, src: torch.Tensor, dst: torch.Tensor) -> None:
+    for cache in kv_caches:
+        if isinstance(cache, tuple):  # (a hybrid's state slots are not blocks)
+            k, v = cache
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
+
+
+def _num_kv_layers(model_config) -> int:
+    """Layers with paged KV: all of them, but a hybrid's full-attention layers only."""
+    return getattr(model_config, "num_kv_layers", model_config.num_layers)
 
 
 def allocate_kv_caches(model_config, num_kv_heads: int, num_blocks: int, block_size: int,
-                       dtype: torch.dtype, device: torch.device) -> list[tuple]:
-    """One (k, v) pair per layer, each (num_blocks, num_kv_heads, block_size, D); zeros."""
+                       dtype: torch.dtype, device: torch.device, num_slots: int = 0) -> list:
+    """One cache per layer: a (k, v) pair, each (num_blocks, num_kv_heads, block_size, D), or
+    for a hybrid's linear-attention layer a GatedDeltaNetState of `num_slots` slots whose
+    writes wait for commit(); zeros."""
     shape = (num_blocks, num_kv_heads, block_size, model_config.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device),
+    kinds = getattr(model_config, "layer_types", None) or ("full_attention",) * \
+        model_config.num_layers
+    return [GatedDeltaNetState.allocate(model_config.linear, num_slots, device, deferred=True)
+            if kind == "linear_attention" else
+            (torch.zeros(shape, dtype=dtype, device=device),
              torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(model_config.num_layers)]
+            for kind in kinds]
