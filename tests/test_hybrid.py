@@ -2,7 +2,7 @@
 layers keep one state slot per request beside the paged KV cache of their full-attention
 layers. Random-weight float32 checkpoints built with transformers: greedy tokens equal to
 `generate` and logits within float32 rounding, prompts of 20-300 tokens prefilled in 32-token
-chunks, through preemption; bfloat16 within transformers' own bfloat16 error; a pool of 16 slots
+chunks, through preemption; ngram speculation token-identical to plain decoding; bfloat16 within transformers' own bfloat16 error; a pool of 16 slots
 serving 64 requests; a failed step leaving every state as it was; the options whose state
 handling is not built yet refused by name."""
 
@@ -13,10 +13,12 @@ import sys
 
 import pytest
 import torch
+from checkpoints import make_checkpoint
 from test_engine_faults import FAULTY
 from test_engine_faults import params as fault_params
 from test_engine_faults import run as run_faults
 from test_engine_numerics import reference_logits, run
+from test_speculative import run as run_spec
 
 from ladle.config import EngineConfig
 from ladle.engine.core import EngineCore
@@ -150,6 +152,53 @@ def test_bfloat16_within_transformers_own_error(arch, tmp_path):
         assert err <= BF16_SLACK * hf_err, (err, hf_err)
 
 
+def spec_requests(path) -> dict:
+    """8 greedy and 8 seeded requests whose prompt is P + the model's own greedy continuation
+    of P + P again: ngram drafts (copied from the first continuation) are then partly right,
+    accepted for some positions and rejected after them."""
+    gen = torch.Generator().manual_seed(9)
+    reqs = {}
+    for i in range(8):
+        size = int(torch.randint(2, 6, (1,), generator=gen))
+        base = torch.randint(3, 500, (size,), generator=gen).tolist() * 8
+        reqs[f"greedy{i}"] = (base, SamplingParams(temperature=0, max_tokens=40))
+        reqs[f"seeded{i}"] = (base, SamplingParams(temperature=0.8, top_p=0.95, seed=i,
+                                                   max_tokens=40))
+    first, _ = run_spec(engine(path, max_num_batched_tokens=64), reqs)
+    return {rid: (p + first[rid] + p, sp) for rid, (p, sp) in reqs.items()}
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_ngram_speculation_gives_the_same_tokens(checkpoint, k):
+    """Verification runs the drafted positions as decode steps and keeps the state after each;
+    the slot takes the one after the last accepted token."""
+    path, _ = checkpoint
+    reqs = spec_requests(path)
+    plain, _ = run_spec(engine(path, max_num_batched_tokens=64), reqs)
+    eng = engine(path, max_num_batched_tokens=64, speculative_config={
+        "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3})
+    toks, _ = run_spec(eng, reqs)
+    assert toks == plain
+    accepted = eng.accepted_per_position
+    # drafts accepted, and rejected after accepted positions (fewer accepted further on)
+    assert accepted[0] > 10 and accepted[-1] < accepted[0], accepted
+    assert eng.num_accepted_tokens < eng.num_draft_tokens
+
+
+def test_a_dense_draft_model_gives_the_same_greedy_tokens(checkpoint, tmp_path):
+    """The draft_model method on a hybrid target: a dense draft of the same vocabulary
+    proposes 3 tokens a step; greedy output equals plain decoding."""
+    path, _ = checkpoint
+    make_checkpoint("qwen3", tmp_path, torch.float32, vocab_size=512)
+    reqs = {rid: r for rid, r in spec_requests(path).items() if rid.startswith("greedy")}
+    plain, _ = run_spec(engine(path, max_num_batched_tokens=64), reqs)
+    eng = engine(path, max_num_batched_tokens=64, max_model_len=512, speculative_config={
+        "method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 3})
+    toks, _ = run_spec(eng, reqs)
+    assert toks == plain and eng.num_draft_tokens > 100
+
+
 def test_a_pool_of_16_slots_serves_64_requests(tmp_path):
     """64 requests at once against max_num_seqs 16 (16 state slots): they queue, are admitted as
     slots free up, and all finish with the tokens they get when all 64 run at once; the KV
@@ -220,9 +269,10 @@ def test_a_failed_step_leaves_every_state_as_it_was(tmp_path):
 def test_checkpoints_check_and_refused_options(tmp_path):
     make_hybrid_checkpoint("qwen3_next", tmp_path)
     check_checkpoint(tmp_path, read_hf_config(tmp_path))  # what `ladle serve` checks first
-    with pytest.raises(ValueError, match="speculative_config: speculative decoding does not "
-                                         "run on hybrid"):
-        engine(tmp_path, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="speculative_config.model: the draft model .* has "
+                                         "linear-attention layers"):
+        engine(tmp_path, speculative_config={"method": "draft_model", "model": str(tmp_path),
+                                             "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="tensor_parallel_size: 2, but hybrid"):
         engine(tmp_path, tensor_parallel_size=2)
     eng = engine(tmp_path, enable_prefix_caching=True)

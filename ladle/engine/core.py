@@ -472,6 +472,7 @@ class EngineCore:
         """After verification: KV counts only the accepted tokens, the slots of rejected drafts
         are given back, and full blocks of accepted tokens are published to the prefix cache
         (rejected drafts never are: hashes cover known tokens only)."""
+        kept: dict[int, int] = {}  # a hybrid's state slot -> its step's tokens kept
         for req in sched.scheduled:
             drafts = sched.draft_token_ids.get(req.req_id)
             if not drafts:
@@ -482,12 +483,17 @@ class EngineCore:
             if req.is_finished:
                 continue
             # Every token but the last sampled one has its KV computed now.
+            before = req.num_computed_tokens - sched.num_scheduled_tokens[req.req_id]
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+            if self.hybrid:
+                kept[self.kv_cache.get_slot(req.req_id)] = req.num_computed_tokens - before
             self.kv_cache.trim(req, req.num_tokens)
             row = self.runner.input_batch.req_id_to_row.get(req.req_id)
             if row is not None:  # (absent after a batch reset: rebuilt from the blocks then)
                 self.runner.input_batch.trim_blocks(row, len(self.kv_cache.get_blocks(req.req_id)))
             self.kv_cache.cache_full_blocks(req, req.num_computed_tokens)
+        if self.hybrid:
+            self.runner.settle_states(kept)
         self.num_accepted_tokens = sum(self.accepted_per_position)
 
     # ---- beam search ------------------------------------------------------------------------
@@ -716,13 +722,8 @@ def _prompt_logprobs(req: Request) -> Logprobs | None:
 
 
 def check_hybrid(config: EngineConfig) -> None:
-    """A hybrid model's linear-attention state is one slot per request, overwritten as it
-    runs: there is no earlier state to roll back to (rejected drafts) and none to split across
-    ranks yet. Those options are errors naming themselves."""
-    if config.speculative_config is not None:
-        raise ValueError("speculative_config: speculative decoding does not run on hybrid "
-                         "(linear-attention) models yet, whose state cannot roll back rejected "
-                         "drafts; accepted: no speculative_config")
+    """A hybrid model's linear-attention state is one slot per request; it is not split across
+    ranks yet, so that option is an error naming itself."""
     if config.tensor_parallel_size > 1:
         raise ValueError(f"tensor_parallel_size: {config.tensor_parallel_size}, but hybrid "
                          "(linear-attention) models run on one rank; accepted: 1")
@@ -745,6 +746,10 @@ def _load_draft_model(path: str, vocab_size: int, max_model_len: int, dtype: tor
                          f"max_position_embeddings {positions}, below max_model_len "
                          f"({max_model_len}); lower max_model_len or use a draft with longer "
                          "positions")
+    if getattr(model_class(hf_config, draft_path), "hybrid", False):
+        raise ValueError(f"speculative_config.model: the draft model {path!r} has "
+                         "linear-attention layers, whose state the draft cannot keep yet; "
+                         "accepted: a draft without them (a dense model of the same vocabulary)")
     return load_model(draft_path, hf_config, dtype, device)
 
 

@@ -37,7 +37,7 @@ conv_kernel - 1 inputs the next step reads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 import torch
@@ -138,6 +138,9 @@ class GatedDeltaNetState:
     conv: torch.Tensor
     recurrent: torch.Tensor  # (S, num_v_heads, head_k_dim, head_v_dim) float32: S in o = S^T q
     pending: list | None = None  # (slots, conv, recurrent) writes not yet applied
+    # Speculative rows' states after each of their positions, from committed steps:
+    # (slots (D,), conv (D, L, ...), recurrent (D, L, ...)); settle() keeps one per slot.
+    drafted: list = field(default_factory=list)
 
     @classmethod
     def allocate(cls, cfg: GatedDeltaNetConfig, num_slots: int,
@@ -161,15 +164,44 @@ class GatedDeltaNetState:
         else:
             self.pending.append((slots, conv, recurrent))
 
+    def write_positions(self, slots: torch.Tensor, conv: torch.Tensor,
+                        recurrent: torch.Tensor) -> None:
+        """The states of `slots` (D,) after each position of a speculative step (conv
+        (D, L, C, K - 1), recurrent (D, L, H, dk, dv)): which one holds is known only once the
+        drafts are verified (settle)."""
+        entry = (slots, conv, recurrent, True)
+        if self.pending is None:
+            self.drafted.append(entry[:3])
+        else:
+            self.pending.append(entry)
+
     def commit(self) -> None:
-        """Apply the writes of the step that just succeeded."""
-        for slots, conv, recurrent in self.pending or ():
-            self.conv[slots] = conv
-            self.recurrent[slots] = recurrent
+        """Apply the writes of the step that just succeeded (speculative rows' candidates wait
+        for settle)."""
+        for slots, conv, recurrent, *positions in self.pending or ():
+            if positions:
+                self.drafted.append((slots, conv, recurrent))
+            else:
+                self.conv[slots] = conv
+                self.recurrent[slots] = recurrent
         self.discard()
 
+    def settle(self, kept: dict[int, int]) -> None:
+        """Speculative rows: slot -> how many of its step's tokens were kept (its last token
+        and the accepted drafts); the slot takes its state after the last kept one. Slots not
+        named (finished requests) keep what they had."""
+        for slots, conv, recurrent in self.drafted:
+            pick = [(i, kept[s] - 1) for i, s in enumerate(slots.tolist()) if s in kept]
+            if pick:
+                rows = torch.tensor([i for i, _ in pick], device=conv.device)
+                at = torch.tensor([j for _, j in pick], device=conv.device)
+                self.conv[slots[rows]] = conv[rows, at]
+                self.recurrent[slots[rows]] = recurrent[rows, at]
+        self.drafted.clear()
+
     def discard(self) -> None:
-        """Drop the writes of a step that failed: every slot keeps its state from before it."""
+        """Drop the writes of a step that failed: every slot keeps its state from before it.
+        (Verified candidates, `drafted`, belong to a step that succeeded: settle takes them.)"""
         if self.pending:
             self.pending.clear()
 
@@ -214,6 +246,9 @@ class SegmentPlan:
     decode_slots: torch.Tensor | None  # (D,) its slot
     decode_keep: torch.Tensor | None  # (D,) bool: continues its slot (False: fresh)
     prefills: list[Segment]  # segments of two or more tokens
+    # Speculative rows (a last token and its drafts): run a token at a time as decodes, their
+    # state kept after every position until verification says which one holds.
+    drafted: list[Segment] = field(default_factory=list)
 
     @classmethod
     def build(cls, segments: list[Segment], num_tokens: int, num_slots: int,
@@ -228,20 +263,26 @@ class SegmentPlan:
         return cls(num_tokens, rows, slots, keep, [seg for seg in segments if seg.length > 1])
 
     @classmethod
-    def from_arrays(cls, starts, lengths, slots, fresh,
+    def from_arrays(cls, starts, lengths, slots, fresh, drafted=None,
                     device: torch.device | str | None = None) -> SegmentPlan:
         """From numpy arrays (one entry per sequence, in stream order) that tile the stream by
-        construction, as the model runner builds them: no per-sequence loop for decodes."""
+        construction, as the model runner builds them: no per-sequence loop for decodes.
+        `drafted` (bool, optional): the sequences verifying drafts this step."""
         one = lengths == 1
         rows = keep = decode_slots = None
         if one.any():
             rows = torch.from_numpy(starts[one]).to(device)
             decode_slots = torch.from_numpy(slots[one]).to(device)
             keep = torch.from_numpy(~fresh[one]).to(device)
-        prefills = [Segment(int(s), int(n), int(slot), bool(f))
-                    for s, n, slot, f in zip(starts[~one], lengths[~one], slots[~one],
-                                             fresh[~one], strict=True)]
-        return cls(int(lengths.sum()), rows, decode_slots, keep, prefills)
+
+        def segments(which):
+            return [Segment(int(s), int(n), int(slot), bool(f))
+                    for s, n, slot, f in zip(starts[which], lengths[which], slots[which],
+                                             fresh[which], strict=True)]
+
+        longer = ~one if drafted is None else ~one & ~drafted
+        spec = [] if drafted is None else segments(~one & drafted)
+        return cls(int(lengths.sum()), rows, decode_slots, keep, segments(longer), spec)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -368,6 +409,8 @@ class GatedDeltaNet(nn.Module):
             self._decode(qkv, g, beta, plan, state, core)
         for seg in plan.prefills:
             self._prefill(qkv, g, beta, seg, state, core)
+        if plan.drafted:
+            self._verify(qkv, g, beta, plan.drafted, state, core)
         out = self.norm(core.to(x.dtype), z)  # (T, nv, dv)
         return linear(out.reshape(num_tokens, cfg.value_dim), self.out_proj.weight)
 
@@ -404,18 +447,46 @@ class GatedDeltaNet(nn.Module):
         q, k = q.repeat_interleave(r, dim=-2), k.repeat_interleave(r, dim=-2)
         return q, k, v.reshape(*lead, cfg.num_v_heads, cfg.head_v_dim)
 
+    def _step(self, conv_state, recurrent, new, g, beta):
+        """One token of D sequences: conv window (D, C, K - 1) and recurrent state
+        (D, H, dk, dv) float32, the token's projected q|k|v (D, C), g and beta (D, H). Returns
+        (core output (D, H, dv), the new conv window, the new recurrent state)."""
+        weight = self.conv1d.weight.squeeze(1).float()  # (C, K)
+        window = torch.cat([conv_state, new.float().unsqueeze(-1)], dim=-1)  # (D, C, K)
+        mixed = F.silu((window * weight).sum(-1))  # (D, C): the conv's output for the new token
+        q, k, v = self._heads(mixed, new.dtype)
+        out, recurrent = recurrent_gated_delta_step(q, k, v, g, beta.float(), recurrent)
+        return out, window[..., 1:], recurrent
+
     def _decode(self, qkv, g, beta, plan: SegmentPlan, state: GatedDeltaNetState, core):
         """One token for each of D sequences, gathered from their slots."""
         rows, slots, keep = plan.decode_rows, plan.decode_slots, plan.decode_keep
-        weight = self.conv1d.weight.squeeze(1).float()  # (C, K)
         conv_state = torch.where(keep[:, None, None], state.conv[slots], 0)  # (D, C, K - 1)
-        window = torch.cat([conv_state, qkv[rows].float().unsqueeze(-1)], dim=-1)  # (D, C, K)
-        mixed = F.silu((window * weight).sum(-1))  # (D, C): the conv's output for the new token
-        q, k, v = self._heads(mixed, qkv.dtype)
         recurrent = torch.where(keep[:, None, None, None], state.recurrent[slots], 0)
-        out, recurrent = recurrent_gated_delta_step(q, k, v, g[rows], beta[rows].float(), recurrent)
-        core[rows] = out
-        state.write(slots, window[..., 1:], recurrent)
+        core[rows], conv, recurrent = self._step(conv_state, recurrent, qkv[rows], g[rows],
+                                                 beta[rows])
+        state.write(slots, conv, recurrent)
+
+    def _verify(self, qkv, g, beta, segments: list[Segment], state: GatedDeltaNetState, core):
+        """Speculative rows: position by position, each a decode step over the rows that reach
+        it (the same arithmetic as decoding those tokens one step at a time), keeping the
+        state after every position."""
+        device = qkv.device
+        slots = torch.tensor([seg.slot for seg in segments], device=device)
+        starts = torch.tensor([seg.start for seg in segments], device=device)
+        lengths = torch.tensor([seg.length for seg in segments], device=device)
+        conv_state, recurrent = state.conv[slots], state.recurrent[slots]
+        num = max(seg.length for seg in segments)
+        convs = conv_state.new_zeros(len(segments), num, *conv_state.shape[1:])
+        recurrents = recurrent.new_zeros(len(segments), num, *recurrent.shape[1:])
+        for i in range(num):
+            live = torch.nonzero(lengths > i).squeeze(1)  # rows with an i-th token
+            rows = starts[live] + i
+            core[rows], conv, rec = self._step(conv_state[live], recurrent[live], qkv[rows],
+                                               g[rows], beta[rows])
+            conv_state[live], recurrent[live] = conv, rec
+            convs[live, i], recurrents[live, i] = conv, rec
+        state.write_positions(slots, convs, recurrents)
 
     def _prefill(self, qkv, g, beta, seg: Segment, state: GatedDeltaNetState, core):
         """A run of seg.length > 1 tokens of one sequence."""

@@ -168,7 +168,7 @@ class ModelRunner:
 
         # Flat token layout: row r contributes num_sched[r] tokens starting at num_computed[r].
         input_ids, pos, attn, starts, ends = self.flat_inputs(np.arange(R), num_sched,
-                                                              num_computed)
+                                                              num_computed, num_drafts > 0)
         # Grammar bitmasks are filled in a worker thread while the forward runs.
         samples_output = (num_computed + num_sched >= batch.num_tokens[:R]).tolist()
         mask_job = structured.submit_bitmask(reqs, samples_output) if structured else None
@@ -284,11 +284,13 @@ class ModelRunner:
                                              target_vals.cpu().numpy(), ranks.cpu().numpy())
         return out
 
-    def flat_inputs(self, rows: np.ndarray, num_new: np.ndarray, start: np.ndarray):
+    def flat_inputs(self, rows: np.ndarray, num_new: np.ndarray, start: np.ndarray,
+                    drafted: np.ndarray | None = None):
         """The flat token stream where batch row rows[i] contributes num_new[i] of its tokens
         from position start[i]: input ids and positions (device tensors), attention metadata,
         and each row's [start, end) in the stream (numpy). The draft model builds its inputs
-        here too (same block table)."""
+        here too (same block table). `drafted`: the rows verifying drafts (a hybrid keeps their
+        state after every position)."""
         batch = self.input_batch
         ends = np.cumsum(num_new)
         starts = ends - num_new
@@ -304,7 +306,7 @@ class ModelRunner:
         )
         if self.states:  # a fresh state for a sequence's first tokens, else its slot's
             attn.states = SegmentPlan.from_arrays(starts, num_new, self.row_slots[rows],
-                                                  start == 0, self.device)
+                                                  start == 0, drafted, self.device)
         return (torch.from_numpy(batch.token_ids[row_of, pos]).to(self.device),
                 torch.from_numpy(pos).to(self.device), attn, starts, ends)
 
@@ -359,6 +361,13 @@ class ModelRunner:
         copy_remote = getattr(self.model, "copy_kv_blocks", None)
         if copy_remote is not None:
             copy_remote(src, dst)
+
+    @torch.inference_mode()
+    def settle_states(self, kept: dict[int, int]) -> None:
+        """After verification: state slot -> tokens of its speculative step that were kept
+        (the last known token and the accepted drafts); each slot takes its state after them."""
+        for state in self.states:
+            state.settle(kept)
 
     @torch.inference_mode()
     def accept_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
