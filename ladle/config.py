@@ -42,6 +42,10 @@ class EngineConfig:
     # kv_cache_memory and num_kv_blocks are unset.
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
+    # Hybrid (linear-attention) models: state snapshots the prefix cache keeps, each one
+    # sequence's linear-layer state after a full block, in kv_cache_memory. None: max_num_seqs;
+    # 0: no prefix caching for hybrids. Dense models ignore it.
+    prefix_state_slots: int | None = None
     # Batch-invariant numerics (the README's "Same request, same tokens"): each token's logits
     # are the same bits whatever else the step holds. CPU kernels only.
     batch_invariant: bool = False
@@ -82,6 +86,9 @@ class EngineConfig:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization: must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
+        if self.prefix_state_slots is not None and self.prefix_state_slots < 0:
+            raise ValueError(f"prefix_state_slots: must be >= 0 (0: no prefix caching for "
+                             f"hybrid models), got {self.prefix_state_slots}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs: must be -1 (no cap) or >= 0, got {self.max_logprobs}")
         if self.max_n < 1:

@@ -136,6 +136,43 @@ def test_the_same_through_preemption(checkpoint, expected):
     assert_matches(ref, toks, logs, expected)
 
 
+def generate(ref, prompts, n=NUM_DECODE):
+    with torch.no_grad():
+        return [ref.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+                for p in prompts]
+
+
+def test_prefix_cache_hits_restore_the_state_of_their_last_block(checkpoint):
+    """A (55 tokens) is prefilled in chunks of 32 and 23: the state after blocks 2 and 3 (tokens
+    32 and 48) is kept. Then B shares A's 3 full blocks, C is A and its output (a second turn),
+    D shares 2.5 blocks: hits of 48, 48 and 32 tokens (C's hit stops at A's last kept state),
+    and every output equals transformers' on the whole prompt. With 2 snapshot slots, requests
+    evict each other's snapshots and the outputs stay exact."""
+    path, ref = checkpoint
+    gen = torch.Generator().manual_seed(11)
+    a = PROMPTS[2][:55]
+    tail = torch.randint(3, 500, (30,), generator=gen).tolist()
+    b, d = a[:48] + tail, a[:40] + tail
+    eng = engine(path)
+    (first,), _ = run(eng, [a])
+    assert first == generate(ref, [a])[0]
+    assert len(eng.kv_cache.snapshots) == 2
+    hits = eng.kv_cache.num_prefix_hits
+    second = [b, a + first, d]
+    toks, logs = run(eng, second, start=1)
+    assert eng.kv_cache.num_prefix_hits - hits == 48 + 48 + 32
+    for p, t, ours, want in zip(second, toks, logs, generate(ref, second), strict=True):
+        assert t == want
+        assert (ours - reference_logits(ref, p, t)).abs().max().item() <= FP32_TOL
+
+    eng = engine(path, prefix_state_slots=2)
+    toks, _ = run(eng, PROMPTS + second)
+    assert len(eng.kv_cache.snapshots) <= 2
+    assert eng.runner.states[0].num_slots == eng.config.max_num_seqs + 2
+    assert toks == generate(ref, PROMPTS + second)
+
+
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
 def test_bfloat16_within_transformers_own_error(arch, tmp_path):
     """bf16 weights and activations (states stay float32, as transformers keeps the recurrent
@@ -227,7 +264,7 @@ def test_a_pool_of_16_slots_serves_64_requests(tmp_path):
 
     eng, toks, most, held = serve(16)
     assert most == 16 and all(len(t) == 8 for t in toks.values())
-    assert all(s.num_slots == 16 for s in eng.runner.states)
+    assert all(s.num_slots == 16 + 16 for s in eng.runner.states)  # and 16 snapshots
     assert held <= 8 * 2**20
     assert len(eng.kv_cache.free_slots) == 16
     _, together, most, _ = serve(64)
@@ -275,11 +312,14 @@ def test_checkpoints_check_and_refused_options(tmp_path):
                                              "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="tensor_parallel_size: 2, but hybrid"):
         engine(tmp_path, tensor_parallel_size=2)
-    eng = engine(tmp_path, enable_prefix_caching=True)
+    eng = engine(tmp_path, prefix_state_slots=0)
     assert not eng.kv_cache.enable_prefix_caching  # no state snapshots to restore a hit from
+    assert eng.runner.states[0].num_slots == eng.config.max_num_seqs
+    with pytest.raises(ValueError, match="prefix_state_slots: must be >= 0"):
+        engine(tmp_path, prefix_state_slots=-1)
     with pytest.raises(ValueError, match="use_beam_search: this model"):
         eng.add_request(EngineCoreRequest(
             "b", PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, beam_width=2), [], 0.0))
     with pytest.raises(ValueError, match="kv_cache_memory: 0.1 MiB, but the state slots of "
-                                         "max_num_seqs=256"):
+                                         "max_num_seqs=256 requests and prefix_state_slots=256"):
         engine(tmp_path, kv_cache_memory="100KiB", max_num_seqs=256)

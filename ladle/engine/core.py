@@ -105,9 +105,14 @@ class EngineCore:
             # The draft's cache has the same blocks (see spec_decode/draft_model.py): the KV
             # memory is shared between the two caches, block for block.
             per_block += ModelRunner.kv_bytes_per_block(draft.config, self.dtype, bs)
-        # A hybrid's state slots (one per running request, every linear layer) come out of the
-        # same memory as the KV blocks.
-        state_bytes = mcfg.state_bytes_per_slot() * config.max_num_seqs if self.hybrid else 0
+        # A hybrid's state slots (one per running request, every linear layer, and the prefix
+        # cache's snapshots) come out of the same memory as the KV blocks.
+        num_snapshots = 0
+        if self.hybrid and config.enable_prefix_caching:
+            num_snapshots = config.max_num_seqs if config.prefix_state_slots is None else \
+                config.prefix_state_slots
+        num_state_slots = config.max_num_seqs + num_snapshots if self.hybrid else 0
+        state_bytes = mcfg.state_bytes_per_slot() * num_state_slots if self.hybrid else 0
         needed = per_block * -(-self.max_model_len // bs) * config.max_num_seqs + state_bytes
         if config.num_kv_blocks is None and config.kv_cache_memory is None and \
                 config.gpu_memory_utilization is not None:
@@ -121,9 +126,10 @@ class EngineCore:
         if budget is not None and budget < state_bytes:
             raise ValueError(
                 f"kv_cache_memory: {budget / 2**20:.1f} MiB, but the state slots of "
-                f"max_num_seqs={config.max_num_seqs} requests take {state_bytes / 2**20:.1f} "
-                f"MiB ({mcfg.state_bytes_per_slot() / 2**20:.2f} MiB each) before any KV block; "
-                "give more memory or lower max_num_seqs")
+                f"max_num_seqs={config.max_num_seqs} requests and prefix_state_slots="
+                f"{num_snapshots} snapshots take {state_bytes / 2**20:.1f} MiB "
+                f"({mcfg.state_bytes_per_slot() / 2**20:.2f} MiB each) before any KV block; "
+                "give more memory or lower max_num_seqs or prefix_state_slots")
         num_blocks = config.num_kv_blocks or (budget - state_bytes) // per_block
         if is_auto_len and num_blocks * bs < self.max_model_len:
             logger.info("max_model_len auto: %d tokens (what %d KV blocks hold)",
@@ -136,13 +142,13 @@ class EngineCore:
                 f"of max_model_len={self.max_model_len} needs {min_blocks}; give more memory or "
                 "lower max_model_len"
             )
-        prefix_caching = config.enable_prefix_caching and not self.hybrid
+        prefix_caching = config.enable_prefix_caching and (not self.hybrid or num_snapshots > 0)
         if self.hybrid:
-            logger.info("state slots: %d (max_num_seqs) of %.2f MiB, %.1f MiB; prefix caching "
-                        "is off for hybrid models", config.max_num_seqs,
+            logger.info("state slots: %d (max_num_seqs) + %d prefix-cache snapshots of %.2f "
+                        "MiB, %.1f MiB in all", config.max_num_seqs, num_snapshots,
                         mcfg.state_bytes_per_slot() / 2**20, state_bytes / 2**20)
         self.kv_cache = KVCacheManager(num_blocks, bs, prefix_caching,
-                                       config.max_num_seqs if self.hybrid else 0)
+                                       config.max_num_seqs if self.hybrid else 0, num_snapshots)
         if self.model_group is not None:
             self.model_group.init_kv_cache(num_blocks, bs)  # every rank: the same blocks
         proposer = drafter = None
@@ -173,7 +179,7 @@ class EngineCore:
         self.runner = ModelRunner(model, device, num_blocks, bs, config.max_num_seqs,
                                   self.max_model_len, config.seed, keep_logits,
                                   config.logits_processors, self.reasoning, drafter,
-                                  config.batch_invariant)
+                                  config.batch_invariant, num_state_slots)
         eos = _eos_ids(self.tokenizer, self.model_path)
         self.structured = StructuredOutputManager(
             self.tokenizer, self.vocab_size, eos, config.structured_outputs_backend,
@@ -309,6 +315,8 @@ class EngineCore:
             if self.scheduler.waiting:  # only grammars still compiling: wait, do not spin
                 self.structured.wait_for_compiles(timeout=0.005)
             return failed
+        if sched.state_copies:  # prefix-cache hits of a hybrid: their state, before the step
+            self.runner.copy_states(sched.state_copies)
         outputs = self._execute_isolating(sched)
         self.num_steps += 1
         return failed + outputs
@@ -692,6 +700,8 @@ def _sub_schedule(sched: SchedulerOutput, part: list[Request]) -> SchedulerOutpu
         num_scheduled_tokens={r.req_id: sched.num_scheduled_tokens[r.req_id] for r in part},
         draft_token_ids={r.req_id: sched.draft_token_ids[r.req_id] for r in part
                          if r.req_id in sched.draft_token_ids},
+        snapshots={r.req_id: sched.snapshots[r.req_id] for r in part
+                   if r.req_id in sched.snapshots},
     )
 
 

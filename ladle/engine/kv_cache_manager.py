@@ -6,7 +6,15 @@ blocks. Blocks whose last owner finished stay cached in an LRU free queue until 
 
 A hybrid model (linear-attention layers) also needs one state slot per running request: a
 fixed pool of `num_state_slots`, handed out with a request's first blocks and returned with
-them (finish or preemption), so a request that holds blocks always holds a slot."""
+them (finish or preemption), so a request that holds blocks always holds a slot.
+
+A hybrid's prefix cache needs more than blocks: the linear layers' state after the cached
+prefix. `num_snapshot_slots` more slots hold such snapshots, each the state after a full block,
+named by that block's hash and evicted least recently used. A prompt chunk that crosses a block
+boundary has its state after its last full block copied into one (plan_snapshot; the model
+writes it during the chunk's forward), and a prefix hit is cut back to its longest run of blocks
+whose last one has a snapshot, which the request's slot copies before its first step. The cost
+is the snapshot slots' memory, fixed at start: num_snapshot_slots x the state of one sequence."""
 
 from __future__ import annotations
 
@@ -17,7 +25,7 @@ from ladle.engine.request import Request
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_state_slots: int = 0):
+                 num_state_slots: int = 0, num_snapshot_slots: int = 0):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -31,6 +39,14 @@ class KVCacheManager:
         self.num_state_slots = num_state_slots
         self.free_slots = list(range(num_state_slots - 1, -1, -1))  # popped from the end
         self.req_slot: dict[str, int] = {}
+        # Snapshot slots follow the requests' slots: num_state_slots .. + num_snapshot_slots - 1.
+        self.num_snapshot_slots = num_snapshot_slots
+        self.free_snapshot_slots = list(range(num_state_slots + num_snapshot_slots - 1,
+                                              num_state_slots - 1, -1))
+        self.snapshots: OrderedDict[int, int] = OrderedDict()  # block hash -> slot, LRU first
+        self.planned: dict[int, int] = {}  # slot -> block hash: written by the step being run
+        # (snapshot slot, request slot) copies to make before the next step (prefix hits)
+        self.restores: list[tuple[int, int]] = []
         # Prefix-cache statistics, in tokens of prompts looked up.
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
@@ -79,6 +95,9 @@ class KVCacheManager:
             if b is None:
                 break
             blocks.append(b)
+        if self.num_state_slots:  # a hybrid: only up to a block whose state was kept
+            while blocks and request.block_hashes[len(blocks) - 1] not in self.snapshots:
+                blocks.pop()
         self.num_prefix_queries += request.num_tokens
         self.num_prefix_hits += len(blocks) * self.block_size
         return blocks, len(blocks) * self.block_size
@@ -102,6 +121,10 @@ class KVCacheManager:
             if not self.free_slots:
                 return False
             self.req_slot[request.req_id] = self.free_slots.pop()
+            if computed_blocks:  # the state after the hit: its last block's snapshot
+                h = request.block_hashes[len(computed_blocks) - 1]
+                self.snapshots.move_to_end(h)
+                self.restores.append((self.snapshots[h], self.req_slot[request.req_id]))
         blocks = self.req_blocks.setdefault(request.req_id, [])
         for b in computed_blocks:
             if self.ref_cnt[b] == 0:
@@ -113,6 +136,49 @@ class KVCacheManager:
         for _ in range(max(need, 0)):
             blocks.append(self._pop_free())
         return True
+
+    # ---- state snapshots (hybrid models) ----------------------------------------------------
+    def plan_snapshot(self, request: Request, num_new: int) -> tuple[int, int] | None:
+        """For a chunk of num_new >= 2 known tokens of a hybrid's request starting at its
+        num_computed_tokens: (tokens into the chunk, snapshot slot) where the state after the
+        chunk's last full block is to be written, or None (no boundary crossed, already kept,
+        or no slot). The snapshot is findable once the step has run (publish_snapshot)."""
+        if not (self.enable_prefix_caching and self.num_snapshot_slots) or num_new < 2:
+            return None
+        start = request.num_computed_tokens
+        boundary = (start + num_new) // self.block_size * self.block_size
+        if boundary <= start:
+            return None
+        self._hash_blocks(request)
+        h = request.block_hashes[boundary // self.block_size - 1]
+        if h in self.snapshots:
+            self.snapshots.move_to_end(h)
+            return None
+        if h in self.planned.values():
+            return None
+        if self.free_snapshot_slots:
+            slot = self.free_snapshot_slots.pop()
+        elif self.snapshots:
+            _, slot = self.snapshots.popitem(last=False)  # the least recently used
+        else:
+            return None  # every snapshot slot is being written this step
+        self.planned[slot] = h
+        return boundary - start, slot
+
+    def publish_snapshot(self, slot: int) -> None:
+        """The step that wrote a planned snapshot succeeded: prefix hits may restore it."""
+        h = self.planned.pop(slot, None)
+        if h is not None:
+            self.snapshots[h] = slot
+
+    def begin_step(self) -> None:
+        """Snapshots planned for a step that failed were not written: their slots are free."""
+        self.free_snapshot_slots.extend(self.planned)
+        self.planned.clear()
+
+    def take_restores(self) -> list[tuple[int, int]]:
+        taken, self.restores = self.restores, []
+        return taken
 
     def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
         """Give `child` the KV of parent's computed tokens (a beam search fork): the full blocks
@@ -196,4 +262,6 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> None:
         for b in list(self.free_queue):
             self.block_hash[b] = None
+        self.free_snapshot_slots.extend(self.snapshots.values())
+        self.snapshots.clear()
         self.cached = {h: b for h, b in self.cached.items() if self.ref_cnt[b] > 0}

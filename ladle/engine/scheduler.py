@@ -31,6 +31,11 @@ class SchedulerOutput:
     # counted in num_scheduled_tokens (1 + len(drafts)). With a draft model they are reserved
     # slots here (-1) that the model runner fills in place before the forward.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # A hybrid's prefix caching: req_id -> (tokens into its chunk, snapshot slot) where the
+    # state after a full block is kept, and (snapshot slot, request slot) copies to make
+    # before the step (the state of a prefix-cache hit).
+    snapshots: dict[str, tuple[int, int]] = field(default_factory=dict)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -93,6 +98,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
+        self.kv_cache.begin_step()
         budget = self.max_num_batched_tokens
         for req in [r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_GRAMMAR]:
             if req.grammar.poll() == "error":  # fails alone; nobody else waits for it
@@ -127,6 +133,8 @@ class Scheduler:
             req.draft_token_ids = drafts
             if drafts:
                 out.draft_token_ids[req.req_id] = drafts
+            else:
+                self._plan_snapshot(req, num_new, out)
             budget -= num_new
             i += 1
 
@@ -167,8 +175,15 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(req)
             out.num_scheduled_tokens[req.req_id] = num_new
+            self._plan_snapshot(req, num_new, out)
             budget -= num_new
+        out.state_copies = self.kv_cache.take_restores()
         return out
+
+    def _plan_snapshot(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
+        snap = self.kv_cache.plan_snapshot(req, num_new)
+        if snap is not None:
+            out.snapshots[req.req_id] = snap
 
     def add_fork(self, req: Request, running: bool) -> None:
         """A beam forked from a running one (engine/beam_search.py): running when its KV was
@@ -230,6 +245,7 @@ class Scheduler:
         heapq.heappush(self.waiting, req)
         req.draft_token_ids = []
         out.draft_token_ids.pop(req.req_id, None)
+        out.snapshots.pop(req.req_id, None)
         if req in out.scheduled:
             out.scheduled.remove(req)
             return out.num_scheduled_tokens.pop(req.req_id)
@@ -244,6 +260,8 @@ class Scheduler:
                                                   - req.num_computed_tokens))
             req.num_computed_tokens += num
             self.kv_cache.cache_full_blocks(req, req.num_computed_tokens)
+            if req.req_id in out.snapshots:
+                self.kv_cache.publish_snapshot(out.snapshots[req.req_id][1])
             start = self._phase_start.get(req.req_id)
             if start and start[1] is None and req.num_computed_tokens >= req.num_prompt_tokens:
                 start[1] = now  # the prompt is in: this step samples the first token

@@ -385,6 +385,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=args.enable_prefix_caching,
+        prefix_state_slots=args.prefix_state_slots,
         batch_invariant=args.batch_invariant,
         seed=args.seed,
         max_logprobs=args.max_logprobs,

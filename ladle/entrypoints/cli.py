@@ -208,6 +208,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    type=int, default=None, help="exact KV-cache block count (wins over the rest)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=_DEFAULTS.enable_prefix_caching)
+    g.add_argument("--prefix-state-slots", type=int, default=_DEFAULTS.prefix_state_slots,
+                   help="hybrid models: linear-layer state snapshots the prefix cache keeps "
+                        "(each the size of one request's state, inside the KV-cache memory); "
+                        "default max-num-seqs, 0 turns prefix caching off for them")
 
     g = p.add_argument_group("ModelConfig (numerics)")
     g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,

@@ -40,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -218,6 +219,10 @@ class Segment(NamedTuple):
     length: int  # number of tokens, at least 1
     slot: int  # the state slot it reads and updates
     fresh: bool  # True: the state starts from zero (its prompt's first chunk), not from the slot
+    # Prefix caching: the state after the segment's first snap_len tokens (a block boundary)
+    # is also written to slot snap_slot (0: no snapshot).
+    snap_len: int = 0
+    snap_slot: int = -1
 
 
 def check_segments(segments: list[Segment], num_tokens: int, num_slots: int) -> None:
@@ -229,6 +234,12 @@ def check_segments(segments: list[Segment], num_tokens: int, num_slots: int) -> 
                              "at least one token; the segments must tile the step's tokens")
         if not 0 <= seg.slot < num_slots:
             raise ValueError(f"segments: {seg} names slot {seg.slot}; slots are 0..{num_slots - 1}")
+        if seg.snap_len and not (0 < seg.snap_len <= seg.length and seg.length > 1
+                                 and 0 <= seg.snap_slot < num_slots
+                                 and seg.snap_slot != seg.slot):
+            raise ValueError(f"segments: {seg} asks for a snapshot after {seg.snap_len} tokens "
+                             f"in slot {seg.snap_slot}; a snapshot needs a segment of two or "
+                             "more tokens, 1..length tokens and another slot in range")
         end += seg.length
     if end != num_tokens:
         raise ValueError(f"segments: cover {end} tokens of the step's {num_tokens}")
@@ -264,10 +275,12 @@ class SegmentPlan:
 
     @classmethod
     def from_arrays(cls, starts, lengths, slots, fresh, drafted=None,
-                    device: torch.device | str | None = None) -> SegmentPlan:
+                    device: torch.device | str | None = None, snap_lens=None,
+                    snap_slots=None) -> SegmentPlan:
         """From numpy arrays (one entry per sequence, in stream order) that tile the stream by
         construction, as the model runner builds them: no per-sequence loop for decodes.
-        `drafted` (bool, optional): the sequences verifying drafts this step."""
+        `drafted` (bool, optional): the sequences verifying drafts this step; `snap_lens` and
+        `snap_slots` (optional): the prefix-cache snapshot of each (see Segment)."""
         one = lengths == 1
         rows = keep = decode_slots = None
         if one.any():
@@ -275,14 +288,21 @@ class SegmentPlan:
             decode_slots = torch.from_numpy(slots[one]).to(device)
             keep = torch.from_numpy(~fresh[one]).to(device)
 
+        if snap_lens is None:
+            snap_lens = np.zeros(len(lengths), dtype=np.int64)
+            snap_slots = np.full(len(lengths), -1, dtype=np.int64)
+
         def segments(which):
-            return [Segment(int(s), int(n), int(slot), bool(f))
-                    for s, n, slot, f in zip(starts[which], lengths[which], slots[which],
-                                             fresh[which], strict=True)]
+            return [Segment(int(s), int(n), int(slot), bool(f), int(sn), int(ss))
+                    for s, n, slot, f, sn, ss in zip(starts[which], lengths[which],
+                                                     slots[which], fresh[which],
+                                                     snap_lens[which], snap_slots[which],
+                                                     strict=True)]
 
         longer = ~one if drafted is None else ~one & ~drafted
         spec = [] if drafted is None else segments(~one & drafted)
-        return cls(int(lengths.sum()), rows, decode_slots, keep, segments(longer), spec)
+        plan = cls(int(lengths.sum()), rows, decode_slots, keep, segments(longer), spec)
+        return plan
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -489,7 +509,9 @@ class GatedDeltaNet(nn.Module):
         state.write_positions(slots, convs, recurrents)
 
     def _prefill(self, qkv, g, beta, seg: Segment, state: GatedDeltaNetState, core):
-        """A run of seg.length > 1 tokens of one sequence."""
+        """A run of seg.length > 1 tokens of one sequence. With a snapshot (prefix caching),
+        the rule runs in two parts split after seg.snap_len tokens, and the state between them
+        is written to seg.snap_slot as well."""
         rows = slice(seg.start, seg.start + seg.length)
         conv_state, recurrent = state.conv[seg.slot], state.recurrent[seg.slot]
         if seg.fresh:
@@ -498,6 +520,13 @@ class GatedDeltaNet(nn.Module):
         mixed = F.conv1d(window.unsqueeze(0), self.conv1d.weight.float(),
                          groups=self.cfg.conv_dim)  # (1, C, L): one output per new token
         q, k, v = self._heads(F.silu(mixed[0].T), qkv.dtype)  # (L, nv, d)
-        out, recurrent = chunked_gated_delta_rule(q, k, v, g[rows], beta[rows].float(), recurrent)
-        core[rows] = out
-        state.write(seg.slot, window[:, -(self.cfg.conv_kernel - 1):], recurrent)
+        g, beta = g[rows], beta[rows].float()
+        keep = self.cfg.conv_kernel - 1
+        cuts = [0, seg.snap_len, seg.length] if 0 < seg.snap_len < seg.length else \
+            [0, seg.length]
+        for a, b in zip(cuts, cuts[1:]):
+            core[seg.start + a:seg.start + b], recurrent = chunked_gated_delta_rule(
+                q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], recurrent)
+            if b == seg.snap_len:  # the window after token b holds inputs b .. b + K - 2
+                state.write(seg.snap_slot, window[:, b:b + keep].clone(), recurrent)
+        state.write(seg.slot, window[:, -keep:], recurrent)

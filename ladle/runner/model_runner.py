@@ -67,7 +67,7 @@ class ModelRunner:
                  max_num_seqs: int, max_model_len: int, seed: int, keep_logits: bool = False,
                  logits_processors: list[str] | None = None,
                  reasoning: ReasoningConfig | None = None, drafter: DraftModel | None = None,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, num_state_slots: int | None = None):
         self.model = model
         self.drafter = drafter  # speculative decoding's draft model, when configured
         self.draft_proposals: DraftProposals | None = None  # of the current step
@@ -85,12 +85,17 @@ class ModelRunner:
         self.max_model_len = max_model_len
         cfg = model.config
         self.vocab_size = cfg.vocab_size
-        # One cache per layer: paged (k, v) blocks, or a hybrid's linear-attention state slots,
-        # one slot per running request (the KV cache manager hands them out).
+        # One cache per layer: paged (k, v) blocks, or a hybrid's linear-attention state slots:
+        # one per running request and the prefix cache's snapshots (the KV cache manager hands
+        # them out; default max_num_seqs, no snapshots).
         self.kv_caches = allocate_kv_caches(cfg, model.num_local_kv_heads, num_blocks,
-                                            block_size, dtype, device, num_slots=max_num_seqs)
+                                            block_size, dtype, device,
+                                            num_slots=num_state_slots or max_num_seqs)
         self.states = [c for c in self.kv_caches if isinstance(c, GatedDeltaNetState)]
         self.row_slots = np.zeros(max_num_seqs, dtype=np.int64)  # state slot of each batch row
+        # Prefix-cache snapshot of each row this step: tokens into its chunk (0: none), slot.
+        self.row_snap_len = np.zeros(max_num_seqs, dtype=np.int64)
+        self.row_snap_slot = np.full(max_num_seqs, -1, dtype=np.int64)
         self.max_num_seqs = max_num_seqs
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
@@ -151,6 +156,8 @@ class ModelRunner:
             batch.set_blocks(row, kv_blocks[req.req_id])
             if self.states:
                 self.row_slots[row] = state_slots[req.req_id]
+                self.row_snap_len[row], self.row_snap_slot[row] = \
+                    sched.snapshots.get(req.req_id, (0, -1))
             if req.req_id in drafts:
                 num_drafts[row] = len(drafts[req.req_id])
         num_sched = np.array([sched.num_scheduled_tokens[r.req_id] for r in reqs], dtype=np.int64)
@@ -306,7 +313,9 @@ class ModelRunner:
         )
         if self.states:  # a fresh state for a sequence's first tokens, else its slot's
             attn.states = SegmentPlan.from_arrays(starts, num_new, self.row_slots[rows],
-                                                  start == 0, drafted, self.device)
+                                                  start == 0, drafted, self.device,
+                                                  self.row_snap_len[rows],
+                                                  self.row_snap_slot[rows])
         return (torch.from_numpy(batch.token_ids[row_of, pos]).to(self.device),
                 torch.from_numpy(pos).to(self.device), attn, starts, ends)
 
@@ -361,6 +370,14 @@ class ModelRunner:
         copy_remote = getattr(self.model, "copy_kv_blocks", None)
         if copy_remote is not None:
             copy_remote(src, dst)
+
+    @torch.inference_mode()
+    def copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """(source, destination) state slots: a prefix-cache hit's request slot takes the
+        snapshot of its last cached block, in every linear layer."""
+        for src, dst in copies:
+            for state in self.states:
+                state.copy_slot(src, dst)
 
     @torch.inference_mode()
     def settle_states(self, kept: dict[int, int]) -> None:
