@@ -173,6 +173,27 @@ def test_prefix_cache_hits_restore_the_state_of_their_last_block(checkpoint):
     assert toks == generate(ref, PROMPTS + second)
 
 
+def test_tp2_splits_the_linear_heads(checkpoint, expected):
+    """-tp 2 (gloo): each rank holds one of the two key heads of every linear layer (and its two
+    value heads), their conv channels and state; the attention heads and the MLP / experts'
+    intermediate dimensions are split as for the dense families. The four prompts in chunks,
+    then prefix-cache hits (the workers copy their own heads' snapshots) give transformers'
+    tokens."""
+    path, ref = checkpoint
+    eng = engine(path, tensor_parallel_size=2)
+    try:
+        assert eng.runner.states[0].recurrent.shape[1] == 2  # value heads on rank 0: 2 of 4
+        toks, logs = run(eng, PROMPTS)
+        assert_matches(ref, toks, logs, expected)
+        hits = eng.kv_cache.num_prefix_hits
+        again = [p + [7] for p in PROMPTS[1:]]
+        toks, _ = run(eng, again, start=10)
+        assert eng.kv_cache.num_prefix_hits > hits
+        assert toks == generate(ref, again)
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
 def test_bfloat16_within_transformers_own_error(arch, tmp_path):
     """bf16 weights and activations (states stay float32, as transformers keeps the recurrent
@@ -310,8 +331,9 @@ def test_checkpoints_check_and_refused_options(tmp_path):
                                          "linear-attention layers"):
         engine(tmp_path, speculative_config={"method": "draft_model", "model": str(tmp_path),
                                              "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="tensor_parallel_size: 2, but hybrid"):
-        engine(tmp_path, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size: 4 does not divide the linear "
+                                         "layers' key heads"):
+        engine(tmp_path, tensor_parallel_size=4)
     eng = engine(tmp_path, prefix_state_slots=0)
     assert not eng.kv_cache.enable_prefix_caching  # no state snapshots to restore a hit from
     assert eng.runner.states[0].num_slots == eng.config.max_num_seqs

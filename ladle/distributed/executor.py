@@ -102,9 +102,15 @@ class TensorParallelModel:
     def state_dict(self):
         return self.model.state_dict()
 
-    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """Rank 0 sized the cache; every worker allocates the same number of blocks."""
-        self._send(Command.KV_CACHE, (num_blocks, block_size))
+    def init_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> None:
+        """Rank 0 sized the cache; every worker allocates the same number of blocks (and of a
+        hybrid's state slots, each holding its own heads)."""
+        self._send(Command.KV_CACHE, (num_blocks, block_size, num_state_slots))
+
+    def state_op(self, op: str, arg=None) -> None:
+        """The workers apply a state operation rank 0's runner applied (commit, discard,
+        settle, copy), in command order after the forward it concerns."""
+        self._send(Command.STATES, (op, arg))
 
     def __call__(self, input_ids, positions, meta, kv_caches) -> torch.Tensor:
         cpu = torch.device("cpu")

@@ -27,11 +27,12 @@ logger = logging.getLogger("ladle.distributed.worker")
 class Command(IntEnum):
     """Rank 0 -> worker. The payload follows in the same pickled tuple."""
 
-    KV_CACHE = 0  # (num_blocks, block_size): allocate this rank's KV cache
+    KV_CACHE = 0  # (num_blocks, block_size, num_state_slots): allocate this rank's caches
     FORWARD = 1  # (input_ids, positions, AttentionMetadata), all on CPU: run the shard
     LOGITS = 2  # indices (or None) into the last FORWARD's hidden states: join the gather
     SHUTDOWN = 3  # leave the loop and the group
     COPY_BLOCKS = 4  # (sources, destinations): copy KV blocks (a beam search fork)
+    STATES = 5  # (operation, argument): a hybrid's state slots (model_runner.apply_state_op)
 
 
 @dataclass(slots=True)
@@ -127,7 +128,8 @@ def run_worker(spec: WorkerSpec) -> None:
 
 @torch.inference_mode()
 def _serve(model, tp: TPGroup, sock: zmq.Socket, spec: WorkerSpec, device: torch.device) -> None:
-    from ladle.runner.model_runner import allocate_kv_caches, copy_kv_blocks
+    from ladle.models.gated_deltanet import GatedDeltaNetState
+    from ladle.runner.model_runner import allocate_kv_caches, apply_state_op, copy_kv_blocks
 
     kv_caches, hidden = None, None
     while True:
@@ -139,12 +141,15 @@ def _serve(model, tp: TPGroup, sock: zmq.Socket, spec: WorkerSpec, device: torch
         elif command == Command.LOGITS:
             model.compute_logits(hidden, None if payload is None else payload.to(device))
         elif command == Command.KV_CACHE:
-            num_blocks, block_size = payload
+            num_blocks, block_size, num_slots = payload
             kv_caches = allocate_kv_caches(model.config, model.num_local_kv_heads, num_blocks,
-                                           block_size, spec.dtype, device)
+                                           block_size, spec.dtype, device, num_slots)
+            states = [c for c in kv_caches if isinstance(c, GatedDeltaNetState)]
         elif command == Command.COPY_BLOCKS:
             src, dst = payload
             copy_kv_blocks(kv_caches, src.to(device), dst.to(device))
+        elif command == Command.STATES:
+            apply_state_op(states, *payload)
         elif command == Command.SHUTDOWN:
             return
         else:

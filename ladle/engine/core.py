@@ -55,11 +55,8 @@ class EngineCore:
         check_quantization(self.model_path, config.quantization, hf_config,
                            config.tensor_parallel_size)
         self.dtype = resolve_dtype(config.dtype, hf_config, device)
-        # Hybrid models (linear-attention layers with per-request state slots): what their
-        # state cannot do yet is refused here, by the option that asks for it.
+        # Hybrid models: linear-attention layers with per-request state slots.
         self.hybrid = bool(getattr(model_class(hf_config, self.model_path), "hybrid", False))
-        if self.hybrid:
-            check_hybrid(config)
         torch.manual_seed(config.seed)
         self.model_group = None  # rank 0's driver of the TP workers when tensor_parallel_size > 1
         if config.tensor_parallel_size > 1:
@@ -150,7 +147,8 @@ class EngineCore:
         self.kv_cache = KVCacheManager(num_blocks, bs, prefix_caching,
                                        config.max_num_seqs if self.hybrid else 0, num_snapshots)
         if self.model_group is not None:
-            self.model_group.init_kv_cache(num_blocks, bs)  # every rank: the same blocks
+            # every rank: the same blocks and state slots
+            self.model_group.init_kv_cache(num_blocks, bs, num_state_slots)
         proposer = drafter = None
         if draft is not None:
             proposer = DraftSlots(spec.num_speculative_tokens)
@@ -729,14 +727,6 @@ def _prompt_logprobs(req: Request) -> Logprobs | None:
         sampled_values=[float(v) for p in parts for v in p.target_values],
         sampled_ranks=[int(r) for p in parts for r in p.target_ranks],
     )
-
-
-def check_hybrid(config: EngineConfig) -> None:
-    """A hybrid model's linear-attention state is one slot per request; it is not split across
-    ranks yet, so that option is an error naming itself."""
-    if config.tensor_parallel_size > 1:
-        raise ValueError(f"tensor_parallel_size: {config.tensor_parallel_size}, but hybrid "
-                         "(linear-attention) models run on one rank; accepted: 1")
 
 
 def _load_draft_model(path: str, vocab_size: int, max_model_len: int, dtype: torch.dtype,

@@ -37,6 +37,7 @@ conv_kernel - 1 inputs the next step reads.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -388,9 +389,10 @@ class GatedDeltaNet(nn.Module):
     """One Gated DeltaNet layer with the checkpoint's parameter names and shapes (the `layout`
     of the config picks the projections), run over a flat stream of many sequences."""
 
-    def __init__(self, cfg: GatedDeltaNetConfig):
+    def __init__(self, cfg: GatedDeltaNetConfig, tp=None):
         super().__init__()
-        self.cfg = cfg
+        self.cfg = cfg  # with tensor parallelism, this rank's heads (out_proj row-parallel)
+        self.tp = tp
         hidden, nv = cfg.hidden_size, cfg.num_v_heads
         if cfg.layout == "qwen3_next":
             self.in_proj_qkvz = nn.Linear(hidden, cfg.conv_dim + cfg.value_dim, bias=False)
@@ -432,7 +434,8 @@ class GatedDeltaNet(nn.Module):
         if plan.drafted:
             self._verify(qkv, g, beta, plan.drafted, state, core)
         out = self.norm(core.to(x.dtype), z)  # (T, nv, dv)
-        return linear(out.reshape(num_tokens, cfg.value_dim), self.out_proj.weight)
+        out = linear(out.reshape(num_tokens, cfg.value_dim), self.out_proj.weight)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def _project(self, x: torch.Tensor):
         """x (T, hidden) -> q|k|v (T, conv_dim) in the conv's channel order, z (T, nv, dv),
@@ -524,7 +527,7 @@ class GatedDeltaNet(nn.Module):
         keep = self.cfg.conv_kernel - 1
         cuts = [0, seg.snap_len, seg.length] if 0 < seg.snap_len < seg.length else \
             [0, seg.length]
-        for a, b in zip(cuts, cuts[1:]):
+        for a, b in itertools.pairwise(cuts):
             core[seg.start + a:seg.start + b], recurrent = chunked_gated_delta_rule(
                 q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], recurrent)
             if b == seg.snap_len:  # the window after token b holds inputs b .. b + K - 2

@@ -17,11 +17,17 @@ scaled by sigmoid(shared_expert_gate(x)) and added.
 The model's caches are per layer: (k, v) paged blocks for the attention layers and a
 GatedDeltaNetState for the linear ones (runner/model_runner.py allocates both); the step's
 segments (which tokens of the flat stream belong to which state slot) come in the attention
-metadata."""
+metadata.
+
+Tensor parallelism splits the attention heads as llama.py does, the experts' and MLPs'
+intermediate dimensions as moe.py does, and the linear layers by key head: rank r holds key
+heads r*nk/N .. and the value heads that read them, so its state slots hold only those heads
+(config.linear is this rank's share); every block's output projection is row-parallel, one
+all-reduce per block."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,7 +35,7 @@ from torch import nn
 
 from ladle.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig, state_bytes_per_slot
 from ladle.models.layers import GatedMLP, GemmaRMSNorm, PartialRotaryEmbedding
-from ladle.models.llama import DecoderConfig, vocab_layers
+from ladle.models.llama import DecoderConfig, ShardLayout, shard_layout, vocab_layers
 from ladle.models.moe import MoeConfig, MoeForCausalLM, SparseMoeBlock, _sparse_layers
 from ladle.runner.attention import AttentionMetadata, paged_attention
 from ladle.runner.cpu_kernels import linear
@@ -87,12 +93,16 @@ def read_hybrid_config(hf: dict) -> HybridConfig:
 class GatedAttention(nn.Module):
     """Full attention with the output gate: q_proj's rows are [query | gate] per head."""
 
-    def __init__(self, cfg: HybridConfig):
+    def __init__(self, cfg: HybridConfig, layout: ShardLayout | None = None,
+                 tp: TPGroup | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, \
             cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        if layout is not None:  # column-parallel q/k/v: this rank's heads only
+            self.num_heads, self.num_kv_heads = layout.num_heads, layout.num_kv_heads
+        self.tp = tp
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         # q (with its gate), k and v share one matmul; the loader writes the three checkpoint
         # tensors into slices.
         self.qkv_proj = nn.Linear(cfg.hidden_size, 2 * self.q_size + 2 * self.kv_size,
@@ -114,14 +124,19 @@ class GatedAttention(nn.Module):
         out = paged_attention(q, k, v.reshape(T, self.num_kv_heads, D), kv_cache, meta,
                               self.scale)
         out = out.reshape(T, self.q_size) * torch.sigmoid(gate)
-        return linear(out, self.o_proj.weight, self.o_proj.bias)
+        if self.tp is None:
+            return linear(out, self.o_proj.weight, self.o_proj.bias)
+        y = self.tp.all_reduce(linear(out, self.o_proj.weight, None))  # row-parallel
+        return y if self.o_proj.bias is None else y + self.o_proj.bias
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):
     """The routed experts plus a shared expert, scaled by sigmoid(shared_expert_gate(x))."""
 
-    def __init__(self, hidden: int, moe: MoeConfig, intermediate: int, shared: int):
-        super().__init__(hidden, moe, intermediate, None)
+    def __init__(self, hidden: int, moe: MoeConfig, intermediate: int, shared: int,
+                 tp: TPGroup | None = None):
+        super().__init__(hidden, moe, intermediate, tp)
+        # this rank's slice of the shared expert; the block reduces once, after the sum
         self.shared_expert = GatedMLP(hidden, shared)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         self.shared_expert_gate.keep_dense = True  # a router too: int8 leaves it dense
@@ -132,18 +147,20 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         if y is None:
             y = self.expert_loop(x, weights, ids)
         gate = torch.sigmoid(linear(x, self.shared_expert_gate.weight))  # (T, 1)
-        return y + gate * self.shared_expert(x)
+        y = y + gate * self.shared_expert(x)
+        return y if self.tp is None else self.tp.all_reduce(y)
 
 
 class HybridDecoderLayer(nn.Module):
-    def __init__(self, cfg: HybridConfig, kind: str, mlp: nn.Module):
+    def __init__(self, cfg: HybridConfig, kind: str, mlp: nn.Module,
+                 layout: ShardLayout | None = None, tp: TPGroup | None = None):
         super().__init__()
         self.kind = kind
         self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if kind == LINEAR:
-            self.linear_attn = GatedDeltaNet(cfg.linear)
+            self.linear_attn = GatedDeltaNet(cfg.linear, tp)
         else:
-            self.self_attn = GatedAttention(cfg)
+            self.self_attn = GatedAttention(cfg, layout, tp)
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp
 
@@ -165,23 +182,25 @@ class HybridDecoderLayer(nn.Module):
 class Qwen3NextForCausalLM(MoeForCausalLM):
     """Qwen3-Next: experts with a shared expert on every `decoder_sparse_step`-th layer not in
     `mlp_only_layers` (when num_experts > 0), the gated MLP elsewhere; fused in_proj_qkvz /
-    in_proj_ba linear layers. One rank only for now: the linear layers' heads are not split."""
+    in_proj_ba linear layers."""
 
     hybrid = True  # per-request state slots beside the KV cache (engine/core.py reads this)
 
     def __init__(self, hf_config: dict, tp: TPGroup | None = None):
         nn.Module.__init__(self)
-        if tp is not None:
-            raise ValueError(f"tensor_parallel_size: {tp.world_size}, but "
-                             f"{type(self).__name__} (hybrid linear attention) runs on one "
-                             "rank; accepted: 1")
         self.moe = self.read_moe(hf_config)
-        cfg = self.config = read_hybrid_config(hf_config)
-        self.tp, self.layout = None, None
-        self.num_local_kv_heads = cfg.num_kv_heads
-        self.embed_tokens, self.lm_head = vocab_layers(cfg, None, None)
+        cfg = read_hybrid_config(hf_config)
+        self.tp, self.layout = tp, None
+        if tp is not None:
+            self.layout = shard_layout(cfg, tp.rank, tp.world_size)
+            self.full_linear = cfg.linear  # the checkpoint's shapes (checkpoint_slice)
+            cfg = replace(cfg, linear=_linear_shard(cfg.linear, tp.world_size))
+        self.config = cfg
+        lay = self.layout
+        self.num_local_kv_heads = cfg.num_kv_heads if lay is None else lay.num_kv_heads
+        self.embed_tokens, self.lm_head = vocab_layers(cfg, lay, tp)
         self.layers = nn.ModuleList(
-            HybridDecoderLayer(cfg, kind, self.make_mlp(i, hf_config))
+            HybridDecoderLayer(cfg, kind, self.make_mlp(i, hf_config), lay, tp)
             for i, kind in enumerate(cfg.layer_types))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = PartialRotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings,
@@ -202,14 +221,68 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
     def make_mlp(self, index: int, hf_config: dict) -> nn.Module:
         hidden = hf_config["hidden_size"]
         if self.moe is None or index not in self.moe.sparse_layers:
-            return GatedMLP(hidden, hf_config["intermediate_size"])
-        return SharedExpertMoeBlock(hidden, self.moe, self.moe.intermediate_size,
-                                    hf_config.get("shared_expert_intermediate_size", 512))
+            return GatedMLP(hidden, hf_config["intermediate_size"] if self.layout is None
+                            else self.layout.intermediate_size, tp=self.tp)
+        return SharedExpertMoeBlock(hidden, self.moe, self.expert_slice(),
+                                    self._split(self._shared_size(hf_config), "shared expert"),
+                                    self.tp)
+
+    @staticmethod
+    def _shared_size(hf_config: dict) -> int:
+        return hf_config.get("shared_expert_intermediate_size", 512)
+
+    def _split(self, n: int, what: str) -> int:
+        """This rank's share of a dimension of n."""
+        if self.tp is None:
+            return n
+        if n % self.tp.world_size:
+            raise ValueError(f"tensor_parallel_size: {self.tp.world_size} does not divide the "
+                             f"{what}'s intermediate size ({n}); use a divisor")
+        return n // self.tp.world_size
+
+    def checkpoint_slice(self, pname: str, shard: int | None):
+        """This rank's part of a checkpoint tensor: the gated attention's q rows (query and
+        gate of its heads), the shared expert's slice, the linear layers' key heads (their q,
+        k and v rows of in_proj_qkv and of the conv as parts, in that order)."""
+        lay = self.layout
+        if lay is None:
+            return None
+        module, kind = pname.rsplit(".", 2)[-2:]
+        r = self.tp.rank
+        if ".shared_expert." in pname:
+            n = self.get_submodule(pname.rsplit(".", 2)[0]).down_proj.weight.shape[1]
+            if module == "gate_up_proj":
+                return 0, r * n, n
+            return (1, r * n, n) if module == "down_proj" else None
+        if module == "qkv_proj" and shard == 0:
+            n = 2 * lay.num_heads * self.config.head_dim
+            return 0, r * n, n
+        if ".linear_attn." not in pname:
+            return super().checkpoint_slice(pname, shard)
+        full, mine = self.full_linear, self.config.linear
+        kd, vd, nv = mine.key_dim, mine.value_dim, mine.num_v_heads
+        if module in ("in_proj_qkv", "conv1d"):  # channels [all q | all k | all v]
+            return [(0, r * kd, kd), (0, full.key_dim + r * kd, kd),
+                    (0, 2 * full.key_dim + r * vd, vd)]
+        if module in ("in_proj_qkvz", "in_proj_ba"):  # rows grouped by key head
+            rows = self.get_submodule(pname.rsplit(".", 1)[0]).weight.shape[0]
+            return 0, r * rows, rows
+        if module == "in_proj_z":
+            return 0, r * vd, vd
+        if module in ("in_proj_b", "in_proj_a"):
+            return 0, r * nv, nv
+        if kind in ("dt_bias", "A_log"):
+            return 0, r * nv, nv
+        if module == "out_proj":
+            return 1, r * vd, vd
+        return None  # the gated norm's weight: one head's, shared
 
     def shard_sizes(self, module: str) -> list[int]:
         if module.endswith("self_attn.qkv_proj"):
-            cfg = self.config
-            return [2 * cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
+            cfg, lay = self.config, self.layout
+            heads, kv = (cfg.num_heads, cfg.num_kv_heads) if lay is None else \
+                (lay.num_heads, lay.num_kv_heads)
+            return [2 * heads * cfg.head_dim] + [kv * cfg.head_dim] * 2
         if module.endswith("gate_up_proj") and not self._is_expert(module):
             # the dense MLP's or the shared expert's: each is half the fused rows
             return [self.get_submodule(module).weight.shape[0] // 2] * 2
@@ -235,3 +308,13 @@ class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
                          intermediate_size=hf.get("moe_intermediate_size", 512),
                          norm_topk_prob=True, float32_weights=False,
                          sparse_layers=frozenset(range(hf["num_hidden_layers"])))
+
+
+def _linear_shard(cfg: GatedDeltaNetConfig, world_size: int) -> GatedDeltaNetConfig:
+    """One rank's share of the linear layers: 1/N of the key heads and of the value heads."""
+    if cfg.num_k_heads % world_size:
+        raise ValueError(f"tensor_parallel_size: {world_size} does not divide the linear "
+                         f"layers' key heads (linear_num_key_heads {cfg.num_k_heads}); use a "
+                         "divisor")
+    return replace(cfg, num_k_heads=cfg.num_k_heads // world_size,
+                   num_v_heads=cfg.num_v_heads // world_size)

@@ -121,8 +121,8 @@ class ModelRunner:
         self.sampler = Sampler.build(vocab_size, self.device, self.max_num_seqs, self.generator,
                                      self.reasoning, self.custom_processors)
         self.sampling_metadata: SamplingMetadata | None = None
-        for state in getattr(self, "states", ()):  # writes of a step that raised
-            state.discard()
+        if getattr(self, "states", None):  # writes of a step that raised
+            self._state_op("discard")
 
     @staticmethod
     def kv_bytes_per_block(model_config, dtype: torch.dtype, block_size: int,
@@ -206,8 +206,8 @@ class ModelRunner:
         if out.beam is not None:
             beam = (meta.beam_rows.cpu().numpy(), out.beam[0].cpu().numpy(),
                     out.beam[1].cpu().numpy())
-        for state in self.states:  # the step succeeded: its requests' states move on
-            state.commit()
+        if self.states:  # the step succeeded: its requests' states move on
+            self._state_op("commit")
         return RunnerOutput(
             req_ids=[r.req_id for r in reqs],
             sampled_token_ids=out.sampled_token_ids.cpu().numpy(),
@@ -375,16 +375,21 @@ class ModelRunner:
     def copy_states(self, copies: list[tuple[int, int]]) -> None:
         """(source, destination) state slots: a prefix-cache hit's request slot takes the
         snapshot of its last cached block, in every linear layer."""
-        for src, dst in copies:
-            for state in self.states:
-                state.copy_slot(src, dst)
+        self._state_op("copy", copies)
 
     @torch.inference_mode()
     def settle_states(self, kept: dict[int, int]) -> None:
         """After verification: state slot -> tokens of its speculative step that were kept
         (the last known token and the accepted drafts); each slot takes its state after them."""
-        for state in self.states:
-            state.settle(kept)
+        self._state_op("settle", kept)
+
+    def _state_op(self, op: str, arg=None) -> None:
+        """A state operation on this process's linear layers and, tensor-parallel, on the
+        workers' (each holds the state of its own heads)."""
+        apply_state_op(self.states, op, arg)
+        remote = getattr(self.model, "state_op", None)
+        if remote is not None:
+            remote(op, arg)
 
     @torch.inference_mode()
     def accept_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
@@ -415,6 +420,23 @@ def copy_kv_blocks(kv_caches: list, src: torch.Tensor, dst: torch.Tensor) -> Non
             k, v = cache
             k.index_copy_(0, dst, k.index_select(0, src))
             v.index_copy_(0, dst, v.index_select(0, src))
+
+
+def apply_state_op(states: list[GatedDeltaNetState], op: str, arg=None) -> None:
+    """commit / discard a step's writes, settle (slot -> tokens kept) speculative rows, copy
+    [(source, destination)] slots: on every linear layer's state."""
+    for state in states:
+        if op == "commit":
+            state.commit()
+        elif op == "discard":
+            state.discard()
+        elif op == "settle":
+            state.settle(arg)
+        elif op == "copy":
+            for src, dst in arg:
+                state.copy_slot(src, dst)
+        else:
+            raise ValueError(f"state operation {op!r}; accepted: commit, discard, settle, copy")
 
 
 def _num_kv_layers(model_config) -> int:
