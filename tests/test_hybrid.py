@@ -345,3 +345,126 @@ def test_checkpoints_check_and_refused_options(tmp_path):
     with pytest.raises(ValueError, match="kv_cache_memory: 0.1 MiB, but the state slots of "
                                          "max_num_seqs=256 requests and prefix_state_slots=256"):
         engine(tmp_path, kv_cache_memory="100KiB", max_num_seqs=256)
+
+
+def make_multimodal_checkpoint(path, vocab_size: int = 512, moe: bool = False):
+    """Qwen3.5 (or Qwen3.5-MoE) as published: image-text-to-text, the text model under
+    model.language_model., a (small) vision tower under model.visual., and a
+    multi-token-prediction tensor (mtp.*) as Qwen's files carry. The top level's
+    tie_word_embeddings (False) disagrees with text_config's (True): transformers follows the
+    top level, so must ladle (else it would tie the head and ignore lm_head.weight)."""
+    import transformers as tf
+    from safetensors.torch import load_file, save_file
+
+    text = dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                linear_value_head_dim=16, linear_conv_kernel_dim=4, intermediate_size=96)
+    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=64)
+    if moe:
+        text |= dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                     shared_expert_intermediate_size=48)
+        cfg, cls = tf.Qwen3_5MoeConfig(text_config=text, vision_config=vision,
+                                       tie_word_embeddings=False), \
+            tf.Qwen3_5MoeForConditionalGeneration
+    else:
+        cfg, cls = tf.Qwen3_5Config(text_config=text, vision_config=vision,
+                                    tie_word_embeddings=False), tf.Qwen3_5ForConditionalGeneration
+    torch.manual_seed(0)
+    model = cls(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 2.0)
+            elif "language_model" in name and name.endswith("linear_attn.norm.weight"):
+                p.normal_(1, 0.1)
+            elif "norm" in name:
+                p.normal_(0, 0.1)
+            elif p.dim() >= 2:
+                p.normal_(0, 0.5 if "embed" in name else 0.15)
+    model = model.eval()
+    model.save_pretrained(path)
+    weights = load_file(path / "model.safetensors")
+    weights["mtp.fc.weight"] = torch.zeros(64, 128)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return model
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_a_published_multimodal_checkpoint_serves_its_text_model(moe, tmp_path):
+    """Qwen3_5(Moe)ForConditionalGeneration as published: text_config read, the vision tower
+    and MTP tensors skipped, and greedy output equal to the transformers model's on text."""
+    ref = make_multimodal_checkpoint(tmp_path, moe=moe)
+    cfg = read_hf_config(tmp_path)
+    assert cfg["num_hidden_layers"] == 4 and cfg["tie_word_embeddings"] is False
+    check_checkpoint(tmp_path, cfg)
+    eng = engine(tmp_path)
+    toks, logs = run(eng, PROMPTS[:2])
+    for p, t, ours in zip(PROMPTS[:2], toks, logs, strict=True):
+        with torch.no_grad():
+            want = ref.generate(input_ids=torch.tensor([p]), max_new_tokens=NUM_DECODE,
+                                do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(p):].tolist()
+        assert t == want
+        assert (ours - reference_logits(ref, p, t)).abs().max().item() <= FP32_TOL
+
+
+def test_a_multimodal_checkpoint_of_another_family_is_refused(tmp_path):
+    import json
+
+    from ladle.models.loader import ModelLoadError
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "text_config": {"hidden_size": 64}, "vision_config": {}}))
+    with pytest.raises(ModelLoadError, match="config.json: multimodal checkpoints are served "
+                                             "for their text model only for "
+                                             "Qwen3_5ForConditionalGeneration"):
+        read_hf_config(tmp_path)
+
+
+def test_ladle_serve_runs_a_published_qwen3_5_checkpoint(tmp_path):
+    """`ladle serve` on a Qwen3.5 image-text-to-text checkpoint (ladle-demo's tokenizer, a
+    random text model): chat completions through the official client, a repeated prompt served
+    from the prefix cache (cached_tokens), an image part and beam search refused with a 400
+    naming the field, and the server serving after each."""
+    import shutil
+
+    import openai
+    from test_server import RemoteServer
+
+    from ladle.models.demo import demo_config, ensure_demo_model
+
+    demo = ensure_demo_model()
+    make_multimodal_checkpoint(tmp_path, vocab_size=demo_config()["vocab_size"])
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(f"{demo}/{name}", tmp_path / name)
+    server = RemoteServer("--max-model-len", "512", "--max-num-seqs", "4", "--dtype", "float32",
+                          "--disable-access-log", model=str(tmp_path))
+    try:
+        client = server.client()
+        model = client.models.list().data[0].id
+        question = [{"role": "user", "content": "Tell me about the sea. " * 12}]
+        first = client.chat.completions.create(model=model, messages=question, max_tokens=8,
+                                               temperature=0)
+        assert first.choices[0].finish_reason == "length" and first.usage.completion_tokens == 8
+        again = client.chat.completions.create(model=model, messages=question, max_tokens=8,
+                                               temperature=0)
+        assert again.choices[0].message.content == first.choices[0].message.content
+        assert again.usage.prompt_tokens_details.cached_tokens >= 16 * 3
+        with pytest.raises(openai.BadRequestError) as image:
+            client.chat.completions.create(model=model, max_tokens=4, messages=[
+                {"role": "user", "content": [
+                    {"type": "text", "text": "What is this?"},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+        assert "messages.0.content" in str(image.value) and "image_url" in str(image.value)
+        with pytest.raises(openai.BadRequestError) as beams:
+            client.completions.create(model=model, prompt="The sea", max_tokens=4, n=2,
+                                      extra_body={"use_beam_search": True})
+        assert "use_beam_search" in str(beams.value)
+        stream = client.chat.completions.create(model=model, messages=question, max_tokens=4,
+                                                temperature=0, stream=True)
+        assert sum(1 for c in stream if c.choices and c.choices[0].delta.content) >= 1
+    finally:
+        assert server.stop() == 0, server.log()

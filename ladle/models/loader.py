@@ -121,8 +121,26 @@ def read_hf_config(path: Path) -> dict:
     if not isinstance(cfg, dict):
         raise ModelLoadError(f"{cfg_file}: holds a {type(cfg).__name__}, not a JSON object")
     if "text_config" in cfg and "num_hidden_layers" not in cfg:
-        raise ModelLoadError(f"{cfg_file}: multimodal checkpoints are not supported")
+        cls = next((c for c in map(architecture_class, cfg.get("architectures") or []) if c),
+                   None)
+        if not getattr(cls, "text_of_multimodal", False):
+            served = [a for a in ARCHITECTURES
+                      if getattr(architecture_class(a), "text_of_multimodal", False)]
+            raise ModelLoadError(f"{cfg_file}: multimodal checkpoints are served for their text "
+                                 f"model only for {', '.join(served)}; architectures "
+                                 f"{cfg.get('architectures')} is not one of them")
+        cfg = text_model_config(cfg)
     return cfg
+
+
+def text_model_config(cfg: dict) -> dict:
+    """A multimodal config.json as its text model's: text_config's fields, with the file's
+    architectures, dtype and tie_word_embeddings (the top level's wins, as in transformers)."""
+    text = dict(cfg["text_config"])
+    for key in ("architectures", "tie_word_embeddings", "torch_dtype", "dtype"):
+        if key in cfg:
+            text[key] = cfg[key]
+    return text
 
 
 def model_class(hf_config: dict, path: Path) -> type[torch.nn.Module]:
@@ -389,6 +407,8 @@ def _checked_target(name: str, file: Path, path: Path, model, params: dict, is_i
     target = _target(name.removesuffix("_scale") if is_scale else name, model, params)
     if target is not None:
         return (*target, is_scale)
+    if name.startswith(getattr(model, "ignored_prefixes", ())):
+        return None  # held for what ladle does not run (a vision tower, an MTP head)
     bare = name.removeprefix("model.")
     if "rotary_emb" in bare or (bare.startswith("lm_head.") and model.lm_head is None) \
             or _holds_blocks(bare, model):
@@ -459,7 +479,8 @@ def _checkpoint_name(key: str, model) -> str:
         pname = pname.replace(f".{fused}.", f".{parts[(fused, int(shard))]}.")
     for old, new in reversed(getattr(model, "renames", ())):
         pname = pname.replace(new, old)
-    return pname if pname.startswith("lm_head.") else f"model.{pname}"
+    return pname if pname.startswith("lm_head.") else \
+        f"{getattr(model, 'checkpoint_prefix', 'model.')}{pname}"
 
 
 def _config_file(path: Path) -> Path:
@@ -505,8 +526,9 @@ def size_fields(size: int, hf_config: dict, path: Path) -> list[str]:
 def _target(name: str, model, params: dict) -> tuple[str, int | None] | None:
     """Map a checkpoint tensor name to (parameter name, shard index or None); None when the
     model has no parameter for it (`_checked_target` tells the expected ones from the rest)."""
-    if name.startswith("model."):
-        name = name[len("model."):]
+    prefix = getattr(model, "checkpoint_prefix", "model.")
+    if name.startswith(prefix):
+        name = name[len(prefix):]
     name = _renamed(name, model)
     if "rotary_emb" in name:
         return None

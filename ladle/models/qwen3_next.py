@@ -185,6 +185,9 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
     in_proj_ba linear layers."""
 
     hybrid = True  # per-request state slots beside the KV cache (engine/core.py reads this)
+    # Published checkpoints carry a multi-token-prediction head (mtp.*) that only a speculative
+    # method ladle does not have would use: skipped at load, as vLLM does without MTP.
+    ignored_prefixes: tuple[str, ...] = ("mtp.",)
 
     def __init__(self, hf_config: dict, tp: TPGroup | None = None):
         nn.Module.__init__(self)
@@ -309,6 +312,25 @@ class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
                          norm_topk_prob=True, float32_weights=False,
                          sparse_layers=frozenset(range(hf["num_hidden_layers"])))
 
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """A published Qwen3.5 checkpoint (image-text-to-text), served as its text model: the
+    config's text_config (loader.text_model_config), the language model's tensors under
+    model.language_model.; the vision tower (model.visual.) is not loaded, and a request with
+    an image is refused by the API as for every model."""
+
+    text_of_multimodal = True
+    checkpoint_prefix = "model.language_model."
+    ignored_prefixes = ("mtp.", "model.visual.")
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
+    """Qwen3.5-MoE's published checkpoint, as Qwen3_5ForConditionalGeneration."""
+
+    text_of_multimodal = True
+    checkpoint_prefix = "model.language_model."
+    ignored_prefixes = ("mtp.", "model.visual.")
 
 def _linear_shard(cfg: GatedDeltaNetConfig, world_size: int) -> GatedDeltaNetConfig:
     """One rank's share of the linear layers: 1/N of the key heads and of the value heads."""

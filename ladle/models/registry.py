@@ -25,6 +25,9 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3_5ForCausalLM": ("qwen3_next", "Qwen3_5ForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("qwen3_next", "Qwen3_5MoeForCausalLM"),
+    # Image-text-to-text checkpoints served as their text model (the vision tower not loaded)
+    "Qwen3_5ForConditionalGeneration": ("qwen3_next", "Qwen3_5ForConditionalGeneration"),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_next", "Qwen3_5MoeForConditionalGeneration"),
 }
 
 # The engine adds this key to the config dict it builds a model from: its max_model_len (None:
