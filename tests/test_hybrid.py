@@ -468,3 +468,13 @@ def test_ladle_serve_runs_a_published_qwen3_5_checkpoint(tmp_path):
         assert sum(1 for c in stream if c.choices and c.choices[0].delta.content) >= 1
     finally:
         assert server.stop() == 0, server.log()
+
+
+def test_a_truncated_hybrid_checkpoint_is_a_startup_error_naming_the_file(tmp_path):
+    from ladle.models.loader import ModelLoadError
+
+    make_multimodal_checkpoint(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    with pytest.raises(ModelLoadError, match=f"{weights}: not a complete safetensors file"):
+        check_checkpoint(tmp_path, read_hf_config(tmp_path))
