@@ -294,6 +294,29 @@ constexpr bool kSequentialOrderDiffers = true;
 constexpr bool kSequentialOrderDiffers = false;
 #endif
 
+#if defined(__AVX512F__) || defined(LADLE_LINEAR_AVX2)
+// The register block of mb (1 .. kRowBlock) rows of x against 4 weight rows.
+template <typename T>
+static inline void dot4_block(int64_t mb, const T* xm, const T* w4, int64_t K, int64_t ldx,
+                              float* out) {
+  switch (mb) {
+    case 1: dot4<1>(xm, w4, K, ldx, out); break;
+    case 2: dot4<2>(xm, w4, K, ldx, out); break;
+    default:
+      if constexpr (kRowBlock > 3) {
+        switch (mb) {
+          case 3: dot4<3>(xm, w4, K, ldx, out); break;
+          case 4: dot4<4>(xm, w4, K, ldx, out); break;
+          case 5: dot4<5>(xm, w4, K, ldx, out); break;
+          default: dot4<kRowBlock>(xm, w4, K, ldx, out); break;
+        }
+      } else {
+        dot4<kRowBlock>(xm, w4, K, ldx, out);
+      }
+  }
+}
+#endif
+
 // Output columns [n_begin, n_end) of y (M, N) on the calling thread; n_begin is a multiple of 4.
 // Which path and which register blocks a column gets depend on M, N and `invariant` only, so a
 // column's bits do not depend on how the columns are shared between threads (or with the other
@@ -330,31 +353,12 @@ __attribute__((noinline)) void linear_cols(const T* x, const T* w, const T* b, T
     for (int64_t rb = 0, m0 = 0; m0 < M; ++rb) {
       const int64_t mb = (M - m0 + (row_blocks - rb) - 1) / (row_blocks - rb);
       const T* xm = x + m0 * ldx;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(LADLE_LINEAR_AVX2)
       if (nb == 4) {
-        switch (mb) {
-          case 1: dot4<1>(xm, w + n0 * K, K, ldx, out); break;
-          case 2: dot4<2>(xm, w + n0 * K, K, ldx, out); break;
-          case 3: dot4<3>(xm, w + n0 * K, K, ldx, out); break;
-          case 4: dot4<4>(xm, w + n0 * K, K, ldx, out); break;
-          case 5: dot4<5>(xm, w + n0 * K, K, ldx, out); break;
-          default: dot4<6>(xm, w + n0 * K, K, ldx, out); break;
-        }
+        dot4_block(mb, xm, w + n0 * K, K, ldx, out);
       } else {
         dot_block_scalar(xm, w + n0 * K, mb, K, ldx, nb, out);
         // dot_block_scalar writes (mb, nb); spread to the (mb, 4) layout used below.
-        for (int64_t m = mb - 1; m >= 0; --m)
-          for (int64_t j = nb - 1; j >= 0; --j) out[m * 4 + j] = out[m * nb + j];
-      }
-#elif defined(LADLE_LINEAR_AVX2)
-      if (nb == 4) {
-        switch (mb) {
-          case 1: dot4<1>(xm, w + n0 * K, K, ldx, out); break;
-          case 2: dot4<2>(xm, w + n0 * K, K, ldx, out); break;
-          default: dot4<3>(xm, w + n0 * K, K, ldx, out); break;
-        }
-      } else {
-        dot_block_scalar(xm, w + n0 * K, mb, K, ldx, nb, out);
         for (int64_t m = mb - 1; m >= 0; --m)
           for (int64_t j = nb - 1; j >= 0; --j) out[m * 4 + j] = out[m * nb + j];
       }
