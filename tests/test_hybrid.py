@@ -63,6 +63,13 @@ def make_hybrid_checkpoint(arch: str, path):
         cfg, cls = tf.Qwen3_5TextConfig(**common, intermediate_size=96), tf.Qwen3_5ForCausalLM
     else:
         cfg, cls = tf.Qwen3_5MoeTextConfig(**common, **experts), tf.Qwen3_5MoeForCausalLM
+    model = random_model(cls, cfg)
+    model.save_pretrained(path)
+    return model
+
+
+def random_model(cls, cfg):
+    """The model with make_hybrid_checkpoint's weights (seeded)."""
     torch.manual_seed(0)
     model = cls(cfg)
     with torch.no_grad():
@@ -75,9 +82,7 @@ def make_hybrid_checkpoint(arch: str, path):
                 p.normal_(0, 0.1)
             elif "experts" in name or p.dim() >= 2:
                 p.normal_(0, 0.5 if "embed" in name else 0.15)
-    model = model.eval()
-    model.save_pretrained(path)
-    return model
+    return model.eval()
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -371,19 +376,7 @@ def make_multimodal_checkpoint(path, vocab_size: int = 512, moe: bool = False):
     else:
         cfg, cls = tf.Qwen3_5Config(text_config=text, vision_config=vision,
                                     tie_word_embeddings=False), tf.Qwen3_5ForConditionalGeneration
-    torch.manual_seed(0)
-    model = cls(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0, 2.0)
-            elif "language_model" in name and name.endswith("linear_attn.norm.weight"):
-                p.normal_(1, 0.1)
-            elif "norm" in name:
-                p.normal_(0, 0.1)
-            elif p.dim() >= 2:
-                p.normal_(0, 0.5 if "embed" in name else 0.15)
-    model = model.eval()
+    model = random_model(cls, cfg)
     model.save_pretrained(path)
     weights = load_file(path / "model.safetensors")
     weights["mtp.fc.weight"] = torch.zeros(64, 128)
