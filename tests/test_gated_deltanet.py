@@ -18,9 +18,9 @@ from ladle.models.gated_deltanet import (
     Segment,
     chunked_gated_delta_rule,
     l2_normalize,
-    recurrent_gated_delta_step,
     state_bytes_per_slot,
 )
+from ladle.runner.cpu_kernels import gated_delta_step, gated_delta_step_torch, load_cpu_kernels
 
 # Tiny, with grouped heads (2 key heads, 4 value heads) so the per-key-head regrouping of
 # Qwen3-Next's fused projections and the head repetition are both exercised.
@@ -35,6 +35,7 @@ HF_LAYERS = {
 }
 NUM_SLOTS = 6
 ATOL = 1e-5
+ZERO, ONE = torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.bool)
 
 
 @pytest.fixture(scope="module", params=sorted(HF_LAYERS))
@@ -175,8 +176,8 @@ def test_chunked_rule_with_initial_state_equals_recurrent(length):
     out, final = chunked_gated_delta_rule(q, k, v, g, beta, initial, chunk_size=32)
     state, steps = initial.unsqueeze(0), []
     for t in range(length):
-        o, state = recurrent_gated_delta_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1],
-                                              beta[t:t + 1], state)
+        o, state = gated_delta_step_torch(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1],
+                                          beta[t:t + 1], state, ZERO, ONE)
         steps.append(o)
     torch.testing.assert_close(out, torch.cat(steps), atol=ATOL, rtol=1e-4)
     torch.testing.assert_close(final, state[0], atol=ATOL, rtol=1e-4)
@@ -222,3 +223,25 @@ def test_segments_are_checked(layers, segments, message):
     _, _, ours = layers
     with pytest.raises(ValueError, match=message):
         ours(torch.zeros(6, 64), segments, new_state(ours))
+
+
+@pytest.mark.parametrize("dk,dv", [(16, 8), (128, 128)])
+def test_the_recurrent_step_kernel_equals_its_twin(dk, dv):
+    """The C++ step (each state read once, written once, the output from q^T S and q.k) against
+    the rule as transformers writes it: sequences reading states at given rows, one of them
+    fresh (zeros), the states themselves left unwritten."""
+    assert load_cpu_kernels() is not None, "the CPU kernels did not build"
+    torch.manual_seed(7)
+    D, H, N = 5, 4, 9
+    q = l2_normalize(torch.randn(D, H, dk)) * dk**-0.5
+    k = l2_normalize(torch.randn(D, H, dk))
+    v, g, beta = torch.randn(D, H, dv), -torch.rand(D, H), torch.rand(D, H)
+    state = torch.randn(N, H, dk, dv)
+    before = state.clone()
+    rows = torch.tensor([3, 0, 8, 5, 2])
+    keep = torch.tensor([True, True, False, True, True])
+    out, new = gated_delta_step(q, k, v, g, beta, state, rows, keep)
+    want_out, want_new = gated_delta_step_torch(q, k, v, g, beta, state, rows, keep)
+    torch.testing.assert_close(out, want_out, atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(new, want_new, atol=ATOL, rtol=1e-5)
+    assert torch.equal(state, before)

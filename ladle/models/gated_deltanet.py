@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ladle.runner.cpu_kernels import linear
+from ladle.runner.cpu_kernels import gated_delta_step, linear
 
 # The prefill form's chunk length (transformers' default): long enough for matmuls to pay,
 # short enough that the (chunk, chunk) triangular solve stays cheap.
@@ -311,16 +311,6 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
 
 
-def recurrent_gated_delta_step(q, k, v, g, beta, state):
-    """One token of D sequences at once: q, k (D, H, dk), v (D, H, dv), g, beta (D, H),
-    state (D, H, dk, dv), all float32. Returns (o (D, H, dv), the new state)."""
-    state = state * g.exp()[..., None, None]
-    predicted = (k.unsqueeze(-2) @ state).squeeze(-2)  # (D, H, dv): what the state recalls for k
-    delta = beta.unsqueeze(-1) * (v - predicted)
-    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    return (q.unsqueeze(-2) @ state).squeeze(-2), state
-
-
 def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = CHUNK_SIZE):
     """The same rule over L tokens of one sequence, a chunk at a time: q, k (L, H, dk),
     v (L, H, dv), g, beta (L, H), state (H, dk, dv), all float32. Returns (o (L, H, dv), the
@@ -470,24 +460,24 @@ class GatedDeltaNet(nn.Module):
         q, k = q.repeat_interleave(r, dim=-2), k.repeat_interleave(r, dim=-2)
         return q, k, v.reshape(*lead, cfg.num_v_heads, cfg.head_v_dim)
 
-    def _step(self, conv_state, recurrent, new, g, beta):
-        """One token of D sequences: conv window (D, C, K - 1) and recurrent state
-        (D, H, dk, dv) float32, the token's projected q|k|v (D, C), g and beta (D, H). Returns
-        (core output (D, H, dv), the new conv window, the new recurrent state)."""
+    def _step(self, conv_state, recurrent, at, keep, new, g, beta):
+        """One token of D sequences: conv window (D, C, K - 1) float32, recurrent states
+        `recurrent` (N, H, dk, dv) float32 of which sequence i reads row at[i] (zeros where
+        keep[i] is False), the token's projected q|k|v (D, C), g and beta (D, H). Returns (core
+        output (D, H, dv), the new conv window, the new recurrent state (D, H, dk, dv))."""
         weight = self.conv1d.weight.squeeze(1).float()  # (C, K)
         window = torch.cat([conv_state, new.float().unsqueeze(-1)], dim=-1)  # (D, C, K)
         mixed = F.silu((window * weight).sum(-1))  # (D, C): the conv's output for the new token
         q, k, v = self._heads(mixed, new.dtype)
-        out, recurrent = recurrent_gated_delta_step(q, k, v, g, beta.float(), recurrent)
+        out, recurrent = gated_delta_step(q, k, v, g, beta.float(), recurrent, at, keep)
         return out, window[..., 1:], recurrent
 
     def _decode(self, qkv, g, beta, plan: SegmentPlan, state: GatedDeltaNetState, core):
-        """One token for each of D sequences, gathered from their slots."""
+        """One token for each of D sequences, read from their slots."""
         rows, slots, keep = plan.decode_rows, plan.decode_slots, plan.decode_keep
         conv_state = torch.where(keep[:, None, None], state.conv[slots], 0)  # (D, C, K - 1)
-        recurrent = torch.where(keep[:, None, None, None], state.recurrent[slots], 0)
-        core[rows], conv, recurrent = self._step(conv_state, recurrent, qkv[rows], g[rows],
-                                                 beta[rows])
+        core[rows], conv, recurrent = self._step(conv_state, state.recurrent, slots, keep,
+                                                 qkv[rows], g[rows], beta[rows])
         state.write(slots, conv, recurrent)
 
     def _verify(self, qkv, g, beta, segments: list[Segment], state: GatedDeltaNetState, core):
@@ -502,11 +492,12 @@ class GatedDeltaNet(nn.Module):
         num = max(seg.length for seg in segments)
         convs = conv_state.new_zeros(len(segments), num, *conv_state.shape[1:])
         recurrents = recurrent.new_zeros(len(segments), num, *recurrent.shape[1:])
+        keep = torch.ones(len(segments), dtype=torch.bool, device=device)
         for i in range(num):
             live = torch.nonzero(lengths > i).squeeze(1)  # rows with an i-th token
             rows = starts[live] + i
-            core[rows], conv, rec = self._step(conv_state[live], recurrent[live], qkv[rows],
-                                               g[rows], beta[rows])
+            core[rows], conv, rec = self._step(conv_state[live], recurrent, live,
+                                               keep[:len(live)], qkv[rows], g[rows], beta[rows])
             conv_state[live], recurrent[live] = conv, rec
             convs[live, i], recurrents[live, i] = conv, rec
         state.write_positions(slots, convs, recurrents)

@@ -5,7 +5,7 @@ weight once per token, and in torch ops a layer is ~60 small dispatches. The C++
 paged KV cache in place, multiplies one or a few rows by a weight matrix at close to memory speed
 (AVX512-BF16 `vdpbf16ps` where the CPU has it), and folds residual-add + RMSNorm and rotary into
 one op each. Its sources are split by concern (csrc/attention.cpp, linear.cpp, elementwise.cpp,
-sampler.cpp, quant.cpp for runner/quant.py; the helpers they share in vec.h, the module's bindings
+sampler.cpp, moe.cpp, deltanet.cpp, quant.cpp for runner/quant.py; the helpers they share in vec.h, the module's bindings
 in bindings.cpp) and built as one module. Every kernel has a pure-torch twin below: the path on
 other devices (CUDA keeps pure torch), without a compiler, after a failed build, or with
 LADLE_DISABLE_CPU_KERNELS=1; the tests compare the two.
@@ -391,6 +391,30 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_blocks, slot_offsets) -> None:
         return
     k_cache[slot_blocks, :, slot_offsets] = k
     v_cache[slot_blocks, :, slot_offsets] = v
+
+
+def gated_delta_step(q, k, v, g, beta, state, rows, keep):
+    """Gated DeltaNet's recurrent step for D sequences (models/gated_deltanet.py): q, k
+    (D, H, dk), v (D, H, dv), g and beta (D, H), float32; sequence i starts from
+    state[rows[i]] (N, H, dk, dv), or from zeros where keep[i] is False. Returns (output
+    (D, H, dv), the new states (D, H, dk, dv)); `state` is not written. The kernel reads each
+    state once and writes the new one once; gated_delta_step_torch is its twin."""
+    kern = kernels_for(q, k, v, g, beta, state)
+    if kern is not None and q.dtype == torch.float32 and state.is_contiguous():
+        out, new = kern.gated_delta_step(q.contiguous(), k.contiguous(), v.contiguous(),
+                                         g.contiguous(), beta.contiguous(), state, rows, keep)
+        return out, new
+    return gated_delta_step_torch(q, k, v, g, beta, state, rows, keep)
+
+
+def gated_delta_step_torch(q, k, v, g, beta, state, rows, keep):
+    """The rule as transformers writes it: decay the state, read it at k, write the error."""
+    s = torch.where(keep[:, None, None, None], state[rows], 0)
+    s = s * g.exp()[..., None, None]
+    predicted = (k.unsqueeze(-2) @ s).squeeze(-2)  # (D, H, dv): what the state recalls for k
+    delta = beta.unsqueeze(-1) * (v - predicted)
+    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    return (q.unsqueeze(-2) @ s).squeeze(-2), s
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum");
   m.def("noise_uniform", &noise_uniform, "seeded noise's uniforms, hashed in one pass");
   m.def("seeded_race", &seeded_race, "seeded exponential race over full rows, fused");
+  m.def("gated_delta_step", &gated_delta_step,
+        "Gated DeltaNet's recurrent step: each state read once, the new one written once");
   m.def("isa", &isa, "instruction set this build uses");
   m.def("quantize_blocks", &quantize_blocks, "activations to int8 per block of 32");
   m.def("quant_matmul", &quant_matmul,

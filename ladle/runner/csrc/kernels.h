@@ -6,12 +6,19 @@
 //
 // The kernels by file: attention.cpp (paged decode attention), linear.cpp (small-M linear),
 // elementwise.cpp (RMSNorm, rotary, q/k norm + rotary, KV-cache write, silu * up), moe.cpp
-// (the experts of a mixture-of-experts block), sampler.cpp
+// (the experts of a mixture-of-experts block), deltanet.cpp (Gated DeltaNet's recurrent
+// step), sampler.cpp
 // (the sampler's passes); vec.h holds the helpers they share, bindings.cpp the module, and
 // quant.h / quant.cpp the quantized linears. These are the functions bindings.cpp exposes.
 #pragma once
 #include <torch/types.h>
 #include <vector>
+
+// deltanet.cpp: Gated DeltaNet's recurrent step, (output (D, H, dv), new states (D, H, dk, dv))
+std::vector<torch::Tensor> gated_delta_step(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                            torch::Tensor g, torch::Tensor beta,
+                                            torch::Tensor state, torch::Tensor rows,
+                                            torch::Tensor keep);
 
 // attention.cpp
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
