@@ -81,22 +81,33 @@ def cache_root() -> Path:
     return Path(os.environ.get("LADLE_CACHE_DIR", Path.home() / ".cache" / "ladle"))
 
 
-def tiny_checkpoint() -> Path:
-    path = cache_root() / "qwen3-tiny-random-f32"
-    if (path / "model.safetensors").exists():
+def random_checkpoint(name: str, make_model, max_position_embeddings: int) -> Path:
+    """A random-weight checkpoint with Qwen's tokenizer, built once into the cache directory:
+    make_model() (seeded here) gives the transformers model, saved as it is."""
+    path = cache_root() / name
+    if (path / "model.safetensors.index.json").exists() or (path / "model.safetensors").exists():
         return path
     import torch
-    import transformers as tf
 
     from ladle.models.qwen_tokenizer import write_qwen_tokenizer
 
     torch.manual_seed(0)
-    model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**TINY_QWEN3, torch_dtype="float32"))
+    model = make_model()
     tmp = path.with_suffix(".tmp")
     model.save_pretrained(tmp)
-    write_qwen_tokenizer(tmp, TINY_QWEN3["max_position_embeddings"])
+    write_qwen_tokenizer(tmp, max_position_embeddings)
     tmp.rename(path)
     return path
+
+
+def tiny_checkpoint() -> Path:
+    def make():
+        import transformers as tf
+
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(**TINY_QWEN3, torch_dtype="float32"))
+
+    return random_checkpoint("qwen3-tiny-random-f32", make,
+                             TINY_QWEN3["max_position_embeddings"])
 
 
 @dataclass(frozen=True)

@@ -39,26 +39,20 @@ MOE = dict(num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512, nor
 
 
 def build(kind: str) -> Path:
-    path = compare.cache_root() / f"qwen3-{kind}-bench-random"
-    if (path / "model.safetensors.index.json").exists() or (path / "model.safetensors").exists():
-        return path
-    import torch
-    import transformers as tf
+    def make():
+        import torch
+        import transformers as tf
 
-    from ladle.models.qwen_tokenizer import write_qwen_tokenizer
+        if kind == "moe":
+            model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**COMMON, **MOE, dtype="bfloat16"))
+        else:
+            inter = MOE["num_experts_per_tok"] * MOE["moe_intermediate_size"]
+            model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**COMMON, intermediate_size=inter,
+                                                       dtype="bfloat16"))
+        return model.to(torch.bfloat16)
 
-    torch.manual_seed(0)
-    if kind == "moe":
-        model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**COMMON, **MOE, dtype="bfloat16"))
-    else:
-        inter = MOE["num_experts_per_tok"] * MOE["moe_intermediate_size"]
-        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**COMMON, intermediate_size=inter,
-                                                   dtype="bfloat16"))
-    tmp = path.with_suffix(".tmp")
-    model.to(torch.bfloat16).save_pretrained(tmp)
-    write_qwen_tokenizer(tmp, COMMON["max_position_embeddings"])
-    tmp.rename(path)
-    return path
+    return compare.random_checkpoint(f"qwen3-{kind}-bench-random", make,
+                                     COMMON["max_position_embeddings"])
 
 
 def med(runs: list[dict], key: str) -> float | None:
