@@ -80,6 +80,7 @@ def run_with_arrivals(llm: LLM, requests, seed: int, width: int = 32,
     """The requests kept `width` at a time in the batch, while requests of other kinds arrive
     at random steps (about one every third step) and leave when done."""
     rng = random.Random(seed)
+    vocab = min(vocab, llm.engine.vocab_size)
     pending = list(enumerate(requests))
     targets: dict[str, int] = {}  # request id -> index
     results: list[Result | None] = [None] * len(requests)

@@ -159,3 +159,40 @@ def test_tensor_parallel_request_is_the_same_alone_and_in_a_crowd():
     got = run_with_arrivals(llm, reqs, seed=11, vocab=llm.engine.vocab_size)
     llm.close()
     assert differences(ref, got) == []
+
+
+@pytest.fixture(scope="module")
+def hybrid_reference(tmp_path_factory):
+    """A random Qwen3-Next (Gated DeltaNet layers beside gated attention; experts with a shared
+    expert beside a dense MLP), its requests run alone."""
+    from test_hybrid import make_hybrid_checkpoint
+
+    path = tmp_path_factory.mktemp("qwen3_next")
+    make_hybrid_checkpoint("qwen3_next", path)
+    llm = LLM(str(path), **BASE)
+    reqs = requests(llm.engine.vocab_size)
+    # Each prompt followed by its own continuation and itself again: ngram drafts copied from
+    # the first continuation are then accepted (a random model's text repeats nothing else).
+    reqs = [(p + tokens + p, s) for (p, s), (tokens, _) in zip(reqs, run_alone(llm, reqs),
+                                                               strict=True)]
+    ref = run_alone(llm, reqs)
+    llm.close()
+    return path, reqs, ref
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_hybrid_request_is_the_same_in_every_case(hybrid_reference, case):
+    """The hybrid's linear layers in batch-invariant mode: a prefill chunk runs a token at a
+    time through the decode step (whose C++ kernel treats each sequence and head alone), so a
+    token's numbers depend neither on the chunking nor on the batch; prefix-cache hits restore
+    the state snapshot of their last block, speculative rows settle on the state after their
+    last accepted token."""
+    path, reqs, ref = hybrid_reference
+    kw, run = cases(seed=5)[case]
+    llm = LLM(str(path), **(BASE | kw))
+    got = run(llm, reqs)
+    done = evidence(llm)
+    llm.close()
+    assert differences(ref, got) == []
+    if case in EXERCISED:
+        assert done[EXERCISED[case]] > 0, done

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ladle.runner.cpu_kernels import gated_delta_step, linear
+from ladle.runner.cpu_kernels import batch_invariant, gated_delta_step, linear
 
 # The prefill form's chunk length (transformers' default): long enough for matmuls to pay,
 # short enough that the (chunk, chunk) triangular solve stays cheap.
@@ -440,10 +440,15 @@ class GatedDeltaNet(nn.Module):
                            dtype=torch.float32, device=x.device)
         if plan.decode_rows is not None:
             self._decode(qkv, g, beta, plan, state, core)
-        for seg in plan.prefills:
-            self._prefill(qkv, g, beta, seg, state, core)
+        if batch_invariant() and plan.prefills:
+            # A token's numbers must not depend on how its prompt was chunked: prefill chunks
+            # run a token at a time through the decode step, as if decoded.
+            self._by_position(qkv, g, beta, plan.prefills, state, core)
+        else:
+            for seg in plan.prefills:
+                self._prefill(qkv, g, beta, seg, state, core)
         if plan.drafted:
-            self._verify(qkv, g, beta, plan.drafted, state, core)
+            self._by_position(qkv, g, beta, plan.drafted, state, core, drafted=True)
         out = self.norm(core.to(x.dtype), z)  # (T, nv, dv)
         out = linear(out.reshape(num_tokens, cfg.value_dim), self.out_proj.weight)
         return out if self.tp is None else self.tp.all_reduce(out)
@@ -507,18 +512,25 @@ class GatedDeltaNet(nn.Module):
                                                  qkv[rows], g[rows], beta[rows])
         state.write(slots, conv, recurrent)
 
-    def _verify(self, qkv, g, beta, segments: list[Segment], state: GatedDeltaNetState, core):
-        """Speculative rows: position by position, each a decode step over the rows that reach
-        it (the same arithmetic as decoding those tokens one step at a time), keeping the
-        state after every position."""
+    def _by_position(self, qkv, g, beta, segments: list[Segment], state: GatedDeltaNetState,
+                     core, drafted: bool = False):
+        """Segments run position by position, each position a decode step over the rows that
+        reach it: the arithmetic of decoding those tokens one step at a time. Speculative rows
+        (`drafted`) keep the state after every position until verification says which one
+        holds; other segments keep their last (and their prefix-cache snapshot)."""
         device = qkv.device
         slots = torch.tensor([seg.slot for seg in segments], device=device)
         starts = torch.tensor([seg.start for seg in segments], device=device)
         lengths = torch.tensor([seg.length for seg in segments], device=device)
         conv_state, recurrent = state.conv[slots], state.recurrent[slots]
+        for j, seg in enumerate(segments):
+            if seg.fresh:
+                conv_state[j], recurrent[j] = 0, 0
         num = max(seg.length for seg in segments)
-        convs = conv_state.new_zeros(len(segments), num, *conv_state.shape[1:])
-        recurrents = recurrent.new_zeros(len(segments), num, *recurrent.shape[1:])
+        if drafted:
+            convs = conv_state.new_zeros(len(segments), num, *conv_state.shape[1:])
+            recurrents = recurrent.new_zeros(len(segments), num, *recurrent.shape[1:])
+        snap_positions = {seg.snap_len - 1 for seg in segments if seg.snap_len}
         keep = torch.ones(len(segments), dtype=torch.bool, device=device)
         for i in range(num):
             live = torch.nonzero(lengths > i).squeeze(1)  # rows with an i-th token
@@ -526,8 +538,16 @@ class GatedDeltaNet(nn.Module):
             core[rows], conv, rec = self._step(conv_state[live], recurrent, live,
                                                keep[:len(live)], qkv[rows], g[rows], beta[rows])
             conv_state[live], recurrent[live] = conv, rec
-            convs[live, i], recurrents[live, i] = conv, rec
-        state.write_positions(slots, convs, recurrents)
+            if drafted:
+                convs[live, i], recurrents[live, i] = conv, rec
+            if i in snap_positions:
+                for j, seg in enumerate(segments):
+                    if seg.snap_len == i + 1:
+                        state.write(seg.snap_slot, conv_state[j].clone(), recurrent[j].clone())
+        if drafted:
+            state.write_positions(slots, convs, recurrents)
+        else:
+            state.write(slots, conv_state, recurrent)
 
     def _prefill(self, qkv, g, beta, seg: Segment, state: GatedDeltaNetState, core):
         """A run of seg.length > 1 tokens of one sequence. With a snapshot (prefix caching),
