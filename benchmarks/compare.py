@@ -29,7 +29,9 @@ Each system runs in its own process, and the systems are interleaved within ever
 (reported: the median over repetitions), since this machine's speed drifts with other load.
 
 Physical limits, measured in the same run: the read bandwidth (sum of a 1 GiB tensor) and the
-matmul peaks in bf16, f32 and int8. The int8 peak is the faster of torch._int_mm (int8 x int8 ->
+matmul peaks in bf16, f32 and int8. The bf16 and f32 peaks are the faster of torch's matmul and
+ladle's own linear kernel (torch's bf16 GEMM has no fast path on an AVX2-only CPU, 1 GFLOP/s
+measured there). The int8 peak is the faster of torch._int_mm (int8 x int8 ->
 int32) and fbgemm's dynamic int8 linear (torch.ao.nn.quantized.dynamic.Linear, activations
 quantized per call, VNNI where the CPU has it); either may be missing or run a slow reference
 path on a given build, so the method that gave the number is printed beside it. Every
@@ -340,18 +342,27 @@ def _median_over(fn, inputs) -> float:
 
 def worker_limits():
     """This machine's read bandwidth (sum of a 1 GiB tensor) and matmul peaks: bf16 and f32
-    (torch matmul), int8 (see int8_peak)."""
+    (the faster of torch's matmul and ladle's linear, which is what the engine runs at that
+    shape: on an AVX2 CPU torch's bf16 GEMM has no fast path and ladle's kernel takes every row
+    count), int8 (see int8_peak)."""
     import torch
+
+    from ladle.runner import cpu_kernels
 
     x = torch.ones(256 * 2**20)  # 1 GiB float32
     x.sum()
     bw = 4 * x.numel() / _median_time(lambda: x.sum())
     x = None  # freed before the matmuls
+    cpu_kernels.load_cpu_kernels()
     peaks = {}
     for name, dt in (("bf16", torch.bfloat16), ("f32", torch.float32)):
         a, b = torch.randn(2048, 1024).to(dt), torch.randn(1024, 3072).to(dt)
-        a @ b
-        peaks[name] = 2 * 2048 * 1024 * 3072 / _median_time(lambda a=a, b=b: a @ b, reps=5)
+        w = b.T.contiguous()  # (N, K), as a linear's weight
+        best = 0.0
+        for fn in (lambda a=a, b=b: a @ b, lambda a=a, w=w: cpu_kernels.linear(a, w)):
+            fn()
+            best = max(best, 2 * 2048 * 1024 * 3072 / _median_time(fn, reps=5))
+        peaks[name] = best
     int8, how = int8_peak()
     return {"read_gbs": bw / 1e9, "peak_bf16_gflops": peaks["bf16"] / 1e9,
             "peak_f32_gflops": peaks["f32"] / 1e9,
