@@ -310,7 +310,7 @@ def test_unsupported_compressed_tensors_configs_name_the_file_and_field(dense, t
 def test_serve_on_an_unsupported_config_is_a_one_line_error(dense, tmp_path):
     path = unsupported_config(dense, tmp_path / "w4", {"weights": {"num_bits": 4}})
     proc = subprocess.run([sys.executable, "-m", "ladle.entrypoints.cli", "serve", str(path),
-                           "--port", "8"], capture_output=True, text=True, timeout=120)
+                           "--port", "0"], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     lines = [ln for ln in proc.stderr.splitlines()

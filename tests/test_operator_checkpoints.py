@@ -146,7 +146,7 @@ def _obey_file_modes() -> None:
 def serve(model: Path) -> tuple[int, str, float]:
     t = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "ladle.entrypoints.cli", "serve", str(model),
-                           "--port", "8"], capture_output=True, text=True, timeout=120,
+                           "--port", "0"], capture_output=True, text=True, timeout=120,
                           preexec_fn=_obey_file_modes)
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t
 

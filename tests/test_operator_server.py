@@ -219,3 +219,23 @@ def test_a_child_without_the_parent_death_signal_still_exits():
     while is_alive(child_pid):
         assert time.monotonic() - killed < 1.0, "the child outlived its parent by a second"
         time.sleep(0.01)
+
+
+def test_a_port_in_use_is_a_one_line_error_before_the_model_loads():
+    """The listening socket is bound before the engine starts (as vLLM does): a taken --port
+    ends `ladle serve` with one line naming the flag, without loading the model for nothing;
+    and no engine, worker or outgoing connection can take the port while the model loads."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "ladle.entrypoints.cli", "serve", MODEL,
+                               "--port", str(port)], capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    lines = [ln for ln in out.splitlines() if f"--port {port}" in ln and "in use" in ln]
+    assert len(lines) == 1, out[-3000:]
+    assert "engine core starting" not in out, out[-3000:]

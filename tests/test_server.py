@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,12 +27,6 @@ MODEL = "ladle-demo"
 API_KEY = "test-key"
 MAX_MODEL_LEN = 1024
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_pids(pid: int, cmdline_part: str | None = None) -> list[int]:
@@ -68,8 +61,8 @@ class RemoteServer:
                  scheme: str = "http", verify=True):
         # model None: the arguments name it (--model or --config); https: verify is what httpx
         # checks the certificate with.
-        self.port = free_port()
-        self.url = f"{scheme}://127.0.0.1:{self.port}"
+        self.port = 0  # from the server's "serving ... on" line: --port 0 takes any free port
+        self.url = ""  # when it binds, so no other process can take it in between
         self.log_file = tempfile.NamedTemporaryFile("w+", prefix="ladle-serve-", suffix=".log",
                                                     delete=False)
         # LADLE_TEST_SERVE_ARGS (e.g. "-tp 2") runs every server test module against another
@@ -83,15 +76,19 @@ class RemoteServer:
             model = ensure_demo_variant(os.environ["LADLE_TEST_MODEL"])
             extra = [*extra, "--served-model-name", MODEL]
         cmd = [sys.executable, "-m", "ladle.entrypoints.cli", "serve",
-               *([model] if model else []), "--port", str(self.port), *args, *extra]
+               *([model] if model else []), "--port", "0", *args, *extra]
         self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            if not self.port and (m := re.search(r" on https?://[^ ]+:(\d+)", self.log())):
+                self.port = int(m.group(1))
+                self.url = f"{scheme}://127.0.0.1:{self.port}"
             try:
-                if httpx.get(self.url + "/health", timeout=1, verify=verify).status_code == 200:
+                if self.port and httpx.get(self.url + "/health", timeout=1,
+                                           verify=verify).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass

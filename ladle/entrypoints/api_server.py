@@ -9,6 +9,7 @@ import asyncio
 import hmac
 import logging
 import signal
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -442,14 +443,43 @@ class _DrainingServer(uvicorn.Server):
             logger.warning("shutdown grace period over: ended %d request(s) with an error", n)
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before the model loads (as vLLM does): a port in
+    use fails at once instead of after minutes of loading, and nothing that starts meanwhile
+    (the engine's own sockets, any outgoing connection's ephemeral port) can take it."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r}: not an address this machine can bind ({e})") from e
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror}); "
+                         "pass a free --port, or 0 for any") from e
+    return sock
+
+
 async def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM (exit code 0) or until the engine process dies (1)."""
     names = args.served_model_name or [args.model]
     try:
         chat_template, generation = check_frontend_args(args)
+        sock = listen_socket(args.host, args.port)
     except ValueError as e:
         logger.error("%s", e)
         return 2
+    try:
+        return await _serve(args, names, chat_template, generation, sock)
+    finally:
+        sock.close()
+
+
+async def _serve(args: argparse.Namespace, names: list[str], chat_template, generation,
+                 sock: socket.socket) -> int:
     config = engine_config_from_args(args)
     try:
         engine = await AsyncLLM.start(config, model_name=names[0])
@@ -518,14 +548,14 @@ async def run_server(args: argparse.Namespace) -> int:
 
     engine.on_dead(stop_after_engine_death)
     logger.info("serving %s (%s) on %s://%s:%d%s", names[0], engine.model_path,
-                "https" if args.ssl_certfile else "http", args.host, args.port,
+                "https" if args.ssl_certfile else "http", args.host, sock.getsockname()[1],
                 args.root_path or "")
     # uvicorn handles SIGINT/SIGTERM while it serves, then re-raises the signal under the
     # handler that was there before; make that one a no-op so the engine is shut down here.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     try:
-        await uv.serve()
+        await uv.serve(sockets=[sock])
     finally:
         if stats_task is not None:
             stats_task.cancel()
