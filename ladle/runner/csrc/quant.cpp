@@ -7,20 +7,20 @@
 //
 // The scheme (ggml's, written afresh): the activations are int8 per block of 32 values with a
 // float scale (d = max|x| / 127); a weight block of 32 is unpacked in registers to 32 int8
-// values with a float scale per 16 or 32 values (and, for Q4_K, a min); the 32 products are
-// summed in integers (AVX2 vpmaddubsw + vpmaddwd, or VNNI vpdpbusd), converted once and scaled
-// by d_w * d_x. vpmaddubsw multiplies unsigned by signed bytes, so signed weights go in as
-// |w| with the sign moved onto x (vpsignb); Q4_K's unsigned nibbles go in directly and its min
-// is subtracted per sub-block as min * d_x * sum(q_x), the activation block's sum kept beside
-// its scale. An int8 row is read as Q8_0 blocks with scale 1, and its row scale multiplies the
-// sum at the end. Everything is exact in integers up to the float32 scaling: the result equals
-// the float64 product of the dequantized weights and activations to ~1e-6 relative.
+// values; the 32 products are summed in integers (AVX2 vpmaddubsw + vpmaddwd, or VNNI vpdpbusd),
+// converted once and scaled by d_w * d_x. vpmaddubsw multiplies unsigned by signed bytes, so the
+// signed weights of Q8_0, Q4_0 and Q5_0 go in as |w| with the sign moved onto x (vpsignb). The
+// K-quants' values go in unsigned (Q4_K's nibbles, Q6_K's q before its -32), their sub-block
+// scales multiply the integer sums in the vpmaddwd, and what the unsigned form adds (Q4_K's
+// mins, Q6_K's offset) is taken off once per super-block from the activations' integer sums
+// kept beside their scales. An int8 row is read as Q8_0 blocks with scale 1, and its row scale
+// multiplies the sum at the end. Everything is exact in integers up to the float32 scaling: the
+// result equals the float64 product of the dequantized weights and activations to ~1e-6
+// relative.
 //
 // The K-quants' activations stay in blocks of 32, not ggml's super-blocks of 256 (Q8_K, whose
 // integer sums over a super-block save the per-block float scaling): measured on the Gemma file,
-// Q8_K activations took KL(f32 || ladle) from 0.0031 to 0.0056 (llama.cpp's own: 0.0049) with no
-// gain in speed on this AVX2 machine, where decode is bound by memory and prefill by the
-// multiplies both layouts share.
+// Q8_K activations took KL(f32 || ladle) from 0.0031 to 0.0056 (llama.cpp's own: 0.0049).
 //
 // Threads split N. Each task multiplies a tile of NR weight rows by MR activation rows while the
 // weight blocks are in registers, so for decode (M <= 4) the weights are read once at memory
@@ -152,11 +152,17 @@ inline void unpack_any(int type, const uint8_t* row, int64_t sb, Sub& o) {
 
 // The activations, quantized once per call: int8 q (M, K), and per block of 32 the scale d and
 // s = d * sum(q) (what Q4_K's mins need).
+// (h: the int16 sums of q per 16 values, for Q6_K's offset.) A tile gets the view from its
+// first row.
 struct Act {
   const int8_t* q;
   const float* d;
   const float* s;
+  const int16_t* h;
   int64_t K;
+  Act from_row(int64_t m) const {
+    return {q + m * K, d + m * (K / 32), s + m * (K / 32), h + m * (K / 16), K};
+  }
 };
 
 #if defined(LADLE_QUANT_AVX2)
@@ -176,59 +182,29 @@ inline __m256i bit_bytes(uint32_t bits) {
   return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 
-// A weight block of TYPE, read in two steps: its header once (the float scale of each half
-// sub-block of 16 values, and for Q4_K the min of each sub-block), then each sub-block's 32
-// values as int8 (signed; Q4_K's unsigned nibbles). A block is 32 values (Q8_0, Q4_0, Q5_0:
-// one sub-block) or a super-block of 256 (Q4_K, Q6_K: eight), so the K-quants' 6-bit scales
-// are decoded once per eight sub-blocks, not per sub-block.
-template <int TYPE> constexpr int kSubs = (TYPE == kQ4_K || TYPE == kQ6_K) ? 8 : 1;
+// A block of 32 values with one scale (Q8_0, Q4_0, Q5_0, and int8 rows as blocks of scale 1),
+// its values unpacked to signed int8. (The K-quants have tiles of their own, below.)
+template <int TYPE> constexpr int64_t kBlockBytes =
+    TYPE == kI8 ? 32 : TYPE == kQ8_0 ? 34 : TYPE == kQ4_0 ? 18 : 22;
 
 template <int TYPE>
-inline void block_header(const uint8_t* b, float* sc /* 2 * kSubs */, float* mn /* kSubs */) {
-  if constexpr (TYPE == kQ4_K) {
-    const float d = f16(b), dmin = f16(b + 2);
-    for (int j = 0; j < 8; j++) {
-      int s, m;
-      k4_scale_min(b + 4, j, s, m);
-      sc[2 * j] = sc[2 * j + 1] = d * float(s);
-      mn[j] = dmin * float(m);
-    }
-  } else if constexpr (TYPE == kQ6_K) {
-    const float d = f16(b + 208);
-    const int8_t* s = reinterpret_cast<const int8_t*>(b + 192);
-    // Sub-block j (half j / 4, run j % 4) has the scales 8 * (j / 4) + 2 * (j % 4) + {0, 1}:
-    // the same order as j's two halves, so the 16 scales are in sub-block order already.
-    for (int i = 0; i < 16; i++) sc[i] = d * float(s[i]);
-  } else if constexpr (TYPE == kI8) {
-    sc[0] = sc[1] = 1.f;
-  } else {
-    sc[0] = sc[1] = f16(b);
-  }
+inline float block_scale(const uint8_t* b) {
+  if constexpr (TYPE == kI8) return 1.f;
+  else return f16(b);
 }
 
 template <int TYPE>
-inline __m256i block_quants(const uint8_t* b, int j) {
+inline __m256i block_quants(const uint8_t* b) {
   if constexpr (TYPE == kI8) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
   } else if constexpr (TYPE == kQ8_0) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
   } else if constexpr (TYPE == kQ4_0) {
     return _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8));
-  } else if constexpr (TYPE == kQ5_0) {
+  } else {  // Q5_0
     uint32_t qh;
     std::memcpy(&qh, b + 2, 4);
     return _mm256_sub_epi8(_mm256_or_si256(nibbles(b + 6), bit_bytes(qh)), _mm256_set1_epi8(16));
-  } else if constexpr (TYPE == kQ4_K) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + (j >> 1) * 32));
-    return _mm256_and_si256((j & 1) ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(0x0F));
-  } else {  // Q6_K
-    const int half = j >> 2, g = j & 3;
-    const __m256i ql = _mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(b + half * 64 + (g & 1) * 32));
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + half * 32));
-    const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(ql, (g >> 1) * 4), _mm256_set1_epi8(0x0F));
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, g * 2), _mm256_set1_epi8(3));
-    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
   }
 }
 
@@ -252,69 +228,214 @@ inline float hsum(__m256 v) {
 
 // out[m][n] = x[m] . w[n] for MR activation rows and NR weight rows. The accumulators' 8 lanes
 // are partial sums added up at the end, so a lane may take any term: a sub-block's products
-// (lane i: its values 4i..4i+3, scaled by the scale of that half), and for Q4_K the eight
-// sub-blocks' min terms of a super-block at once (lane j: -min_j * d_x * sum(q_x) of
-// sub-block j).
+// (lane i: its values 4i..4i+3, scaled by the scale of that half), or (Q4_K) the eight
+// sub-blocks' min terms of a super-block at once.
 // Each weight row is a stream from memory; the hardware prefetcher alone kept a core at 5-9 GB/s
 // on the K-quants (their unpacking leaves few loads in flight). Measured on an AVX2 EPYC, one
 // activation row, 50-180 MB of weights: 4 KB ahead gives 11-13 GB/s for every type (1 KB:
 // 9-13, 2 KB no better; L1 or L2 hint the same).
 constexpr int64_t kPrefetchBytes = 4096;
 
-template <int TYPE, int MR, int NR>
-inline void tile(const uint8_t* const* w, const int8_t* qx, const float* dx, const float* sx,
-                 int64_t K, float (*out)[NR]) {
-  constexpr int S = kSubs<TYPE>;
-  constexpr int64_t BV = 32 * S, BB = TYPE == kI8 ? 32 : TYPE == kQ8_0 ? 34 : TYPE == kQ4_0 ? 18
-                                     : TYPE == kQ5_0 ? 22 : TYPE == kQ4_K ? 144 : 210;
+// Q4_K: a super-block of 256 unsigned nibbles in eight sub-blocks of 32, each with a 6-bit
+// scale and min (times the super-block's d and dmin). Its header is decoded in vector registers:
+// the eight scales as int16, which the integer sum of a sub-block is multiplied by in the same
+// vpmaddwd that sums its pairs (instead of a float multiply per sub-block), and the eight
+// mins times dmin as one float vector, whose terms (lane j: -min_j * d_x * sum(q_x) of
+// sub-block j) take one FMA per super-block. With one activation row (decode) the sub-blocks'
+// sums, scaled by d_x, are added up per super-block and times d once.
+inline void k4_scales(const uint8_t* s, uint64_t& sc, uint64_t& mn) {
+  // Bytes 0-3: scales 0-3 (low 6 bits); 4-7: mins 0-3; 8-11: the low 4 bits of scales 4-7
+  // (low nibble) and mins 4-7 (high nibble), whose top 2 bits are the top bits of bytes 0-7.
+  uint32_t a0, a1, a2;
+  std::memcpy(&a0, s, 4);
+  std::memcpy(&a1, s + 4, 4);
+  std::memcpy(&a2, s + 8, 4);
+  const uint32_t six = 0x3F3F3F3F, four = 0x0F0F0F0F, two = 0x03030303;
+  sc = uint64_t(a0 & six) | uint64_t((a2 & four) | (((a0 >> 6) & two) << 4)) << 32;
+  mn = uint64_t(a1 & six) | uint64_t(((a2 >> 4) & four) | (((a1 >> 6) & two) << 4)) << 32;
+}
+
+template <int MR, int NR>
+inline void tile_q4k(const uint8_t* const* w, const int8_t* qx, const float* dx, const float* sx,
+                     int64_t K, float (*out)[NR]) {
   __m256 acc[MR][NR];
   for (int m = 0; m < MR; m++)
     for (int n = 0; n < NR; n++) acc[m][n] = _mm256_setzero_ps();
-  const int64_t nsub = K / 32, nblocks = K / BV;
+  const int64_t nsub = K / 32, nblocks = K / 256;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t blk = 0; blk < nblocks; blk++) {
-    float sc[NR][2 * S], mn[NR][S];
     const uint8_t* b[NR];
+    __m256i sc16[NR];  // the eight scales as int16, in both 128-bit lanes
+    __m256 d[NR];
     for (int n = 0; n < NR; n++) {
-      b[n] = w[n] + blk * BB;
-      for (int64_t off = 0; off < BB; off += 64)  // the row's stream, kPrefetchBytes ahead
+      b[n] = w[n] + blk * 144;
+      for (int64_t off = 0; off < 144; off += 64)  // the row's stream, kPrefetchBytes ahead
         _mm_prefetch(reinterpret_cast<const char*>(b[n]) + kPrefetchBytes + off, _MM_HINT_T0);
-      block_header<TYPE>(b[n], sc[n], mn[n]);
+      uint64_t sc, mn;
+      k4_scales(b[n] + 4, sc, mn);
+      sc16[n] = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(sc))));
+      const __m256 mins = _mm256_mul_ps(
+          _mm256_set1_ps(f16(b[n] + 2)),
+          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(mn)))));
+      d[n] = _mm256_set1_ps(f16(b[n]));
+      for (int m = 0; m < MR; m++)
+        acc[m][n] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(sx + m * nsub + blk * 8), acc[m][n]);
     }
-    if constexpr (TYPE == kQ4_K) {
-      for (int m = 0; m < MR; m++) {
-        const __m256 sum = _mm256_loadu_ps(sx + m * nsub + blk * 8);
-        for (int n = 0; n < NR; n++)
-          acc[m][n] = _mm256_fnmadd_ps(_mm256_loadu_ps(mn[n]), sum, acc[m][n]);
-      }
-    }
-    for (int j = 0; j < S; j++) {
-      const int64_t sb = blk * S + j;
-      __m256i q[NR], aq[NR];
-      __m256 s[NR];
+    __m256 part[NR];  // one activation row: this super-block's sum before d
+    if constexpr (MR == 1)
+      for (int n = 0; n < NR; n++) part[n] = _mm256_setzero_ps();
+#pragma GCC unroll 8  // every j's constants (shuffle picks, shifts) fixed at compile time
+    for (int j = 0; j < 8; j++) {
+      const int64_t sb = blk * 8 + j;
+      // vpshufb picks bytes 2j, 2j+1 (scale j as int16) into every int16 lane.
+      const __m256i pick = _mm256_set1_epi16(int16_t(((2 * j + 1) << 8) | (2 * j)));
+      __m256i q[NR], s16[NR];
       for (int n = 0; n < NR; n++) {
-        q[n] = block_quants<TYPE>(b[n], j);
-        aq[n] = TYPE == kQ4_K ? q[n] : _mm256_sign_epi8(q[n], q[n]);  // |w| for vpmaddubsw
-        s[n] = _mm256_set_m128(_mm_set1_ps(sc[n][2 * j + 1]), _mm_set1_ps(sc[n][2 * j]));
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b[n] + 16 + (j >> 1) * 32));
+        q[n] = _mm256_and_si256((j & 1) ? _mm256_srli_epi16(raw, 4) : raw, low4);
+        s16[n] = _mm256_shuffle_epi8(sc16[n], pick);
       }
       for (int m = 0; m < MR; m++) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + m * K + sb * 32));
-        const __m256 d = _mm256_broadcast_ss(dx + m * nsub + sb);
+        const __m256 dxj = _mm256_broadcast_ss(dx + m * nsub + sb);
         for (int n = 0; n < NR; n++) {
-          // Signed weights: the sign moves onto x, so |w| (unsigned) times sign(w) * x.
-          const __m256i xs = TYPE == kQ4_K ? xv : _mm256_sign_epi8(xv, q[n]);
-          const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(aq[n], xs));
-          acc[m][n] = _mm256_fmadd_ps(p, _mm256_mul_ps(s[n], d), acc[m][n]);
+          // nibble * x pairs (|.| <= 3810) fit int16; times a 6-bit scale, summed in pairs, int32.
+          const __m256 p = _mm256_cvtepi32_ps(
+              _mm256_madd_epi16(_mm256_maddubs_epi16(q[n], xv), s16[n]));
+          if constexpr (MR == 1) part[n] = _mm256_fmadd_ps(p, dxj, part[n]);
+          else acc[m][n] = _mm256_fmadd_ps(p, _mm256_mul_ps(dxj, d[n]), acc[m][n]);
         }
+      }
+    }
+    if constexpr (MR == 1)
+      for (int n = 0; n < NR; n++) acc[0][n] = _mm256_fmadd_ps(part[n], d[n], acc[0][n]);
+  }
+  for (int m = 0; m < MR; m++)
+    for (int n = 0; n < NR; n++) out[m][n] = hsum(acc[m][n]);
+}
+
+template <int TYPE, int MR, int NR>
+inline void tile_blocks(const uint8_t* const* w, const int8_t* qx, const float* dx, int64_t K,
+                        float (*out)[NR]) {
+  constexpr int64_t BB = kBlockBytes<TYPE>;
+  __m256 acc[MR][NR];
+  for (int m = 0; m < MR; m++)
+    for (int n = 0; n < NR; n++) acc[m][n] = _mm256_setzero_ps();
+  const int64_t nblocks = K / 32;
+  for (int64_t blk = 0; blk < nblocks; blk++) {
+    __m256i q[NR], aq[NR];
+    __m256 s[NR];
+    for (int n = 0; n < NR; n++) {
+      const uint8_t* b = w[n] + blk * BB;
+      _mm_prefetch(reinterpret_cast<const char*>(b) + kPrefetchBytes, _MM_HINT_T0);
+      q[n] = block_quants<TYPE>(b);
+      aq[n] = _mm256_sign_epi8(q[n], q[n]);  // |w| for vpmaddubsw
+      s[n] = _mm256_set1_ps(block_scale<TYPE>(b));
+    }
+    for (int m = 0; m < MR; m++) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + m * K + blk * 32));
+      const __m256 d = _mm256_broadcast_ss(dx + m * nblocks + blk);
+      for (int n = 0; n < NR; n++) {
+        // Signed weights: the sign moves onto x, so |w| (unsigned) times sign(w) * x.
+        const __m256i xs = _mm256_sign_epi8(xv, q[n]);
+        const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(aq[n], xs));
+        acc[m][n] = _mm256_fmadd_ps(p, _mm256_mul_ps(s[n], d), acc[m][n]);
       }
     }
   }
   for (int m = 0; m < MR; m++)
     for (int n = 0; n < NR; n++) out[m][n] = hsum(acc[m][n]);
 }
+
+// Q6_K: a super-block of 256 six-bit values (q - 32) in eight sub-blocks of 32, each half of
+// 16 with a signed int8 scale. As for Q4_K, the scales multiply the integer sums in vpmaddwd,
+// here with q read unsigned (0..63: no sign moves) and the offset taken off per super-block
+// as 32 * sum(scale * sum of x's 16 values), from the activations' int16 sums per 16 (one
+// vpmaddwd gives the eight sub-blocks' terms). Measured against the sign-moving tile on an
+// AVX2 EPYC: see rows_per_tile.
+template <int MR, int NR>
+inline void tile_q6k(const uint8_t* const* w, const int8_t* qx, const float* dx,
+                     const int16_t* hx, int64_t K, float (*out)[NR]) {
+  __m256 acc[MR][NR];
+  for (int m = 0; m < MR; m++)
+    for (int n = 0; n < NR; n++) acc[m][n] = _mm256_setzero_ps();
+  const int64_t nsub = K / 32, nblocks = K / 256;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3);
+  for (int64_t blk = 0; blk < nblocks; blk++) {
+    const uint8_t* b[NR];
+    __m256i sc16[NR][2];  // scales 0-7 and 8-15 as int16, each in both 128-bit lanes
+    __m256 d[NR];
+    for (int n = 0; n < NR; n++) {
+      b[n] = w[n] + blk * 210;
+      for (int64_t off = 0; off < 210; off += 64)  // the row's stream, kPrefetchBytes ahead
+        _mm_prefetch(reinterpret_cast<const char*>(b[n]) + kPrefetchBytes + off, _MM_HINT_T0);
+      const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b[n] + 192));
+      sc16[n][0] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc));
+      sc16[n][1] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(sc, 8)));
+      d[n] = _mm256_set1_ps(f16(b[n] + 208));
+      const __m256i all16 = _mm256_cvtepi8_epi16(sc);
+      const __m256 d32 = _mm256_mul_ps(d[n], _mm256_set1_ps(32.f));
+      for (int m = 0; m < MR; m++) {
+        // lane j: scale_2j * sum(x of half 2j) + scale_2j+1 * sum(x of half 2j+1)
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hx + m * 2 * nsub + blk * 16));
+        const __m256 off = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(all16, h)),
+                                         _mm256_loadu_ps(dx + m * nsub + blk * 8));
+        acc[m][n] = _mm256_fnmadd_ps(off, d32, acc[m][n]);
+      }
+    }
+    __m256 part[NR];  // one activation row: this super-block's sum before d
+    if constexpr (MR == 1)
+      for (int n = 0; n < NR; n++) part[n] = _mm256_setzero_ps();
+#pragma GCC unroll 8  // every j's constants (shuffle picks, shifts) fixed at compile time
+    for (int j = 0; j < 8; j++) {
+      const int64_t sb = blk * 8 + j;
+      const int half = j >> 2, g = j & 3;
+      // vpshufb picks scale 2j (as int16) into the low 128-bit lane's int16s, 2j + 1 into the
+      // high lane's: the two halves of the sub-block.
+      const int lo = (2 * j) & 7, hi = (2 * j + 1) & 7;
+      const __m256i pick = _mm256_set_m128i(_mm_set1_epi16(int16_t(((2 * hi + 1) << 8) | (2 * hi))),
+                                            _mm_set1_epi16(int16_t(((2 * lo + 1) << 8) | (2 * lo))));
+      __m256i q[NR], s16[NR];
+      for (int n = 0; n < NR; n++) {
+        const __m256i ql = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(b[n] + half * 64 + (g & 1) * 32));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b[n] + 128 + half * 32));
+        const __m256i l = _mm256_and_si256(_mm256_srli_epi16(ql, (g >> 1) * 4), low4);
+        const __m256i h = _mm256_and_si256(_mm256_srli_epi16(qh, g * 2), low2);
+        q[n] = _mm256_or_si256(l, _mm256_slli_epi16(h, 4));  // 0..63
+        s16[n] = _mm256_shuffle_epi8(sc16[n][half], pick);
+      }
+      for (int m = 0; m < MR; m++) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + m * K + sb * 32));
+        const __m256 dxj = _mm256_broadcast_ss(dx + m * nsub + sb);
+        for (int n = 0; n < NR; n++) {
+          // q * x pairs (<= 16002) fit int16; times an int8 scale, summed in pairs, int32.
+          const __m256 p = _mm256_cvtepi32_ps(
+              _mm256_madd_epi16(_mm256_maddubs_epi16(q[n], xv), s16[n]));
+          if constexpr (MR == 1) part[n] = _mm256_fmadd_ps(p, dxj, part[n]);
+          else acc[m][n] = _mm256_fmadd_ps(p, _mm256_mul_ps(dxj, d[n]), acc[m][n]);
+        }
+      }
+    }
+    if constexpr (MR == 1)
+      for (int n = 0; n < NR; n++) acc[0][n] = _mm256_fmadd_ps(part[n], d[n], acc[0][n]);
+  }
+  for (int m = 0; m < MR; m++)
+    for (int n = 0; n < NR; n++) out[m][n] = hsum(acc[m][n]);
+}
+
+template <int TYPE, int MR, int NR>
+inline void tile(const uint8_t* const* w, const Act& a, float (*out)[NR]) {
+  if constexpr (TYPE == kQ4_K) tile_q4k<MR, NR>(w, a.q, a.d, a.s, a.K, out);
+  else if constexpr (TYPE == kQ6_K) tile_q6k<MR, NR>(w, a.q, a.d, a.h, a.K, out);
+  else tile_blocks<TYPE, MR, NR>(w, a.q, a.d, a.K, out);
+}
 #else
 template <int TYPE, int MR, int NR>
-inline void tile(const uint8_t* const* w, const int8_t* qx, const float* dx, const float* sx,
-                 int64_t K, float (*out)[NR]) {
+inline void tile(const uint8_t* const* w, const Act& a, float (*out)[NR]) {
+  const int8_t* qx = a.q;
+  const float *dx = a.d, *sx = a.s;
+  const int64_t K = a.K;
   float acc[MR][NR] = {};
   const int64_t nsub = K / 32;
   for (int64_t sb = 0; sb < nsub; sb++) {
@@ -350,16 +471,22 @@ struct Part {
 // Weight rows per tile, and activation rows: AVX2 has 16 vector registers, so MR x NR
 // accumulators plus NR unpacked blocks (and their scales) must fit: 4 x 2 for prefill. For a
 // single activation row (decode) the tile is the weight rows read side by side, chosen per type
-// by measurement (AVX2 EPYC, one activation row, 80-180 MB of weights, GB/s at 1 / 2 / 3 / 4
-// rows): Q8_0 20.8 / 17.3 / 15.9 / 14.6, Q6_K 14.5 / 12.8 / 13.2 / 11.7, Q4_K 10.4 / 12.8 /
-// 13.5 / 13.9, Q5_0 13.7 / 14.0 / 13.9 / 13.9. A byte-dense type streams fastest as one row at
-// a time; the 4-bit ones need four rows' work to hide their unpacking.
+// by measurement (AVX2 EPYC, both cores, one activation row, the 0.6B Q4_K_M and Q8_0 files'
+// tensors, GB/s at 1 / 2 / 4 rows): Q4_K 19.1 / 22.0 / 18.7, Q6_K (the 152k-row lm_head) 24.8 /
+// 19.6 / -, Q8_0 near the 29.7 GB/s read bandwidth at 1; one core, earlier: Q5_0 13.7 / 14.0 /
+// 13.9. A byte-dense type streams fastest as one row at a time; a 4-bit one needs more rows'
+// work to hide its unpacking.
 constexpr int kNR = 2, kMR = 4;
 template <int TYPE> constexpr int kDecodeRows =
-    (TYPE == kQ8_0 || TYPE == kI8 || TYPE == kQ6_K) ? 1 : 4;
+    (TYPE == kQ8_0 || TYPE == kI8 || TYPE == kQ6_K) ? 1 : TYPE == kQ4_K ? 2 : 4;
 inline int64_t rows_per_tile(int type, int64_t M) {
   if (M > 1) return kNR;
-  return (type == kQ8_0 || type == kI8 || type == kQ6_K) ? 1 : 4;
+  switch (type) {
+    case kQ4_K: return kDecodeRows<kQ4_K>;
+    case kQ4_0: return kDecodeRows<kQ4_0>;
+    case kQ5_0: return kDecodeRows<kQ5_0>;
+    default: return 1;
+  }
 }
 // grain_for counts bf16 multiply-adds; a quantized one also unpacks its weight (nibbles, high
 // bits, sign): measured on an AVX2 EPYC at one activation row, Q5_0 ran ~10 G/s per core
@@ -372,9 +499,8 @@ template <int TYPE, int MR, int NR, typename T>
 inline void store_tile(const Part& p, const Act& a, int64_t m0, int64_t n0, T* y, int64_t ldy) {
   const uint8_t* wr[NR];
   for (int n = 0; n < NR; n++) wr[n] = p.w + (n0 + n) * p.row_bytes;
-  const int64_t nsub = a.K / 32;
   float out[MR][NR];
-  tile<TYPE, MR, NR>(wr, a.q + m0 * a.K, a.d + m0 * nsub, a.s + m0 * nsub, a.K, out);
+  tile<TYPE, MR, NR>(wr, a.from_row(m0), out);
   for (int m = 0; m < MR; m++)
     for (int n = 0; n < NR; n++)
       y[(m0 + m) * ldy + p.col + n0 + n] = T(p.scale ? out[m][n] * p.scale[n0 + n] : out[m][n]);
@@ -430,7 +556,8 @@ bool is_kernel_type(int64_t t) {
 // an all-zero block), s = d * sum(q). The same float32 operations as the twin, so q is
 // bit-identical.
 template <typename scalar_t>
-void quantize_into(const scalar_t* xp, int64_t M, int64_t K, int8_t* qp, float* dp, float* sp) {
+void quantize_into(const scalar_t* xp, int64_t M, int64_t K, int8_t* qp, float* dp, float* sp,
+                   int16_t* hp) {
   const int64_t nb = K / 32;
   at::parallel_for(0, M * nb, grain_for(32 * kElementWork), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; b++) {
@@ -441,14 +568,16 @@ void quantize_into(const scalar_t* xp, int64_t M, int64_t K, int8_t* qp, float* 
         amax = std::max(amax, std::fabs(v[i]));
       }
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t sum = 0;
+      int32_t half[2] = {0, 0};
       for (int i = 0; i < 32; i++) {
         const int32_t r = int32_t(std::nearbyint(v[i] * inv));
         qp[b * 32 + i] = int8_t(r);
-        sum += r;
+        half[i >> 4] += r;
       }
+      hp[2 * b] = int16_t(half[0]);
+      hp[2 * b + 1] = int16_t(half[1]);
       dp[b] = amax / 127.f;
-      sp[b] = dp[b] * float(sum);
+      sp[b] = dp[b] * float(half[0] + half[1]);
     }
   });
 }
@@ -466,9 +595,10 @@ std::vector<at::Tensor> quantize_blocks(const at::Tensor& x) {
   auto q = at::empty({M, K}, x.options().dtype(at::kChar));
   auto d = at::empty({M, K / 32}, x.options().dtype(at::kFloat));
   auto s = at::empty({M, K / 32}, x.options().dtype(at::kFloat));
+  auto h = at::empty({M, K / 16}, x.options().dtype(at::kShort));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quantize_blocks", [&] {
     quantize_into(x.data_ptr<scalar_t>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(),
-                  s.data_ptr<float>());
+                  s.data_ptr<float>(), h.data_ptr<int16_t>());
   });
   return {q, d, s};
 }
@@ -520,11 +650,13 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
   auto q = at::empty({M, K}, x.options().dtype(at::kChar));
   auto d = at::empty({M, K / 32}, x.options().dtype(at::kFloat));
   auto s = at::empty({M, K / 32}, x.options().dtype(at::kFloat));
+  auto h = at::empty({M, K / 16}, x.options().dtype(at::kShort));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quant_matmul_x", [&] {
     quantize_into(x.data_ptr<scalar_t>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(),
-                  s.data_ptr<float>());
+                  s.data_ptr<float>(), h.data_ptr<int16_t>());
   });
-  const Act a{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(), K};
+  const Act a{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(),
+              h.data_ptr<int16_t>(), K};
   const int64_t ldy = y.stride(0);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, y.scalar_type(), "quant_matmul", [&] {
     scalar_t* yp = y.data_ptr<scalar_t>();
