@@ -255,6 +255,36 @@ inline void k4_scales(const uint8_t* s, uint64_t& sc, uint64_t& mn) {
   mn = uint64_t(a1 & six) | uint64_t(((a2 >> 4) & four) | (((a1 >> 6) & two) << 4)) << 32;
 }
 
+// Sub-block sb of a K-quant tile: the NR weight rows' 32 unsigned values q with their scales as
+// int16 (s16), times the MR activation rows. q * x pairs fit int16 (Q4_K <= 3810, Q6_K <=
+// 16002); times the scale and summed in pairs, int32 (<= 4.1M). One activation row adds into
+// part (the super-block's sum before its d), more rows into acc with d applied.
+template <int NR>
+inline void add_super_block(const __m256* part, const __m256* d, __m256* acc) {
+  for (int n = 0; n < NR; n++) acc[n] = _mm256_fmadd_ps(part[n], d[n], acc[n]);
+}
+
+template <int MR, int NR>
+inline void tile_sums(__m256 (*acc)[NR], float (*out)[NR]) {
+  for (int m = 0; m < MR; m++)
+    for (int n = 0; n < NR; n++) out[m][n] = hsum(acc[m][n]);
+}
+
+template <int MR, int NR>
+inline void ksub_products(const __m256i* q, const __m256i* s16, const int8_t* qx, const float* dx,
+                          int64_t K, int64_t sb, const __m256* d, __m256* part,
+                          __m256 (*acc)[NR]) {
+  for (int m = 0; m < MR; m++) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + m * K + sb * 32));
+    const __m256 dxj = _mm256_broadcast_ss(dx + m * (K / 32) + sb);
+    for (int n = 0; n < NR; n++) {
+      const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q[n], xv), s16[n]));
+      if constexpr (MR == 1) part[n] = _mm256_fmadd_ps(p, dxj, part[n]);
+      else acc[m][n] = _mm256_fmadd_ps(p, _mm256_mul_ps(dxj, d[n]), acc[m][n]);
+    }
+  }
+}
+
 template <int MR, int NR>
 inline void tile_q4k(const uint8_t* const* w, const int8_t* qx, const float* dx, const float* sx,
                      int64_t K, float (*out)[NR]) {
@@ -295,23 +325,11 @@ inline void tile_q4k(const uint8_t* const* w, const int8_t* qx, const float* dx,
         q[n] = _mm256_and_si256((j & 1) ? _mm256_srli_epi16(raw, 4) : raw, low4);
         s16[n] = _mm256_shuffle_epi8(sc16[n], pick);
       }
-      for (int m = 0; m < MR; m++) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + m * K + sb * 32));
-        const __m256 dxj = _mm256_broadcast_ss(dx + m * nsub + sb);
-        for (int n = 0; n < NR; n++) {
-          // nibble * x pairs (|.| <= 3810) fit int16; times a 6-bit scale, summed in pairs, int32.
-          const __m256 p = _mm256_cvtepi32_ps(
-              _mm256_madd_epi16(_mm256_maddubs_epi16(q[n], xv), s16[n]));
-          if constexpr (MR == 1) part[n] = _mm256_fmadd_ps(p, dxj, part[n]);
-          else acc[m][n] = _mm256_fmadd_ps(p, _mm256_mul_ps(dxj, d[n]), acc[m][n]);
-        }
-      }
+      ksub_products<MR, NR>(q, s16, qx, dx, K, sb, d, part, acc);
     }
-    if constexpr (MR == 1)
-      for (int n = 0; n < NR; n++) acc[0][n] = _mm256_fmadd_ps(part[n], d[n], acc[0][n]);
+    if constexpr (MR == 1) add_super_block<NR>(part, d, acc[0]);
   }
-  for (int m = 0; m < MR; m++)
-    for (int n = 0; n < NR; n++) out[m][n] = hsum(acc[m][n]);
+  tile_sums<MR, NR>(acc, out);
 }
 
 template <int TYPE, int MR, int NR>
@@ -343,8 +361,7 @@ inline void tile_blocks(const uint8_t* const* w, const int8_t* qx, const float* 
       }
     }
   }
-  for (int m = 0; m < MR; m++)
-    for (int n = 0; n < NR; n++) out[m][n] = hsum(acc[m][n]);
+  tile_sums<MR, NR>(acc, out);
 }
 
 // Q6_K: a super-block of 256 six-bit values (q - 32) in eight sub-blocks of 32, each half of
@@ -405,23 +422,11 @@ inline void tile_q6k(const uint8_t* const* w, const int8_t* qx, const float* dx,
         q[n] = _mm256_or_si256(l, _mm256_slli_epi16(h, 4));  // 0..63
         s16[n] = _mm256_shuffle_epi8(sc16[n][half], pick);
       }
-      for (int m = 0; m < MR; m++) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + m * K + sb * 32));
-        const __m256 dxj = _mm256_broadcast_ss(dx + m * nsub + sb);
-        for (int n = 0; n < NR; n++) {
-          // q * x pairs (<= 16002) fit int16; times an int8 scale, summed in pairs, int32.
-          const __m256 p = _mm256_cvtepi32_ps(
-              _mm256_madd_epi16(_mm256_maddubs_epi16(q[n], xv), s16[n]));
-          if constexpr (MR == 1) part[n] = _mm256_fmadd_ps(p, dxj, part[n]);
-          else acc[m][n] = _mm256_fmadd_ps(p, _mm256_mul_ps(dxj, d[n]), acc[m][n]);
-        }
-      }
+      ksub_products<MR, NR>(q, s16, qx, dx, K, sb, d, part, acc);
     }
-    if constexpr (MR == 1)
-      for (int n = 0; n < NR; n++) acc[0][n] = _mm256_fmadd_ps(part[n], d[n], acc[0][n]);
+    if constexpr (MR == 1) add_super_block<NR>(part, d, acc[0]);
   }
-  for (int m = 0; m < MR; m++)
-    for (int n = 0; n < NR; n++) out[m][n] = hsum(acc[m][n]);
+  tile_sums<MR, NR>(acc, out);
 }
 
 template <int TYPE, int MR, int NR>
