@@ -447,9 +447,12 @@ def listen_socket(host: str, port: int) -> socket.socket:
     """The server's listening socket, bound before the model loads (as vLLM does): a port in
     use fails at once instead of after minutes of loading, and nothing that starts meanwhile
     (the engine's own sockets, any outgoing connection's ephemeral port) can take it."""
+    # The family as uvicorn picks it: IPv6 for an address with ':', else IPv4 ("localhost" is
+    # 127.0.0.1 even where the resolver lists ::1 first).
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+            host, port, family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+            type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     except socket.gaierror as e:
         raise ValueError(f"--host {host!r}: not an address this machine can bind ({e})") from e
     sock = socket.socket(family, kind, proto)
