@@ -239,3 +239,14 @@ def test_a_port_in_use_is_a_one_line_error_before_the_model_loads():
     lines = [ln for ln in out.splitlines() if f"--port {port}" in ln and "in use" in ln]
     assert len(lines) == 1, out[-3000:]
     assert "engine core starting" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize("port", ["70000", "-1"])
+def test_a_port_out_of_range_is_a_one_line_error(port):
+    """getaddrinfo would take 70000 as 4464: the range is checked first, naming the flag."""
+    proc = subprocess.run([sys.executable, "-m", "ladle.entrypoints.cli", "serve", MODEL,
+                           "--port", port], capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert "Traceback" not in out and "engine core starting" not in out, out[-3000:]
+    assert [ln for ln in out.splitlines() if f"--port {port}: must be in 0..65535" in ln], out

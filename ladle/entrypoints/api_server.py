@@ -447,6 +447,8 @@ def listen_socket(host: str, port: int) -> socket.socket:
     """The server's listening socket, bound before the model loads (as vLLM does): a port in
     use fails at once instead of after minutes of loading, and nothing that starts meanwhile
     (the engine's own sockets, any outgoing connection's ephemeral port) can take it."""
+    if not 0 <= port <= 65535:  # getaddrinfo would wrap 70000 to 4464 without a word
+        raise ValueError(f"--port {port}: must be in 0..65535 (0: any free port)")
     # The family as uvicorn picks it: IPv6 for an address with ':', else IPv4 ("localhost" is
     # 127.0.0.1 even where the resolver lists ::1 first).
     try:
