@@ -70,6 +70,10 @@ class EngineConfig:
     # Tensor parallelism (docs/scaling.md): ranks that each hold 1/N of every layer; rank 0 is
     # the engine process, ranks 1..N-1 are workers started by the executor backend.
     tensor_parallel_size: int = 1
+    # Pipeline parallelism (docs/scaling.md): stages that each hold a contiguous run of layers
+    # (x tensor_parallel_size ranks each); the engine process is the last stage, which samples.
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: list[int] | None = None  # layers per stage; None: as even as possible
     distributed_executor_backend: str = "mp"  # mp (local processes) | ray (actors, multi-node)
     # Seconds one collective (or one command to a worker) may take before the engine gives up
     # on the group and stops; startup (workers loading their shards) gets ten times as long.
@@ -116,6 +120,16 @@ class EngineConfig:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size: must be an integer >= 1, got "
                              f"{self.tensor_parallel_size!r}")
+        if not isinstance(self.pipeline_parallel_size, int) or self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size: must be an integer >= 1, got "
+                             f"{self.pipeline_parallel_size!r}")
+        partition = self.pp_layer_partition
+        if partition is not None and (
+                not isinstance(partition, list) or len(partition) != self.pipeline_parallel_size
+                or not all(isinstance(n, int) and n >= 1 for n in partition)):
+            raise ValueError(f"pp_layer_partition: {partition!r}; accepted: one number of "
+                             f"layers (>= 1) per pipeline stage, {self.pipeline_parallel_size} "
+                             "in all")
         if self.distributed_executor_backend not in DISTRIBUTED_BACKENDS:
             raise ValueError(f"distributed_executor_backend: {self.distributed_executor_backend!r}"
                              "; accepted: " + ", ".join(DISTRIBUTED_BACKENDS))

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import zmq
 
 from ladle.distributed.group import TPGroup, WorkerGroupError
+from ladle.distributed.pipeline import PipelineStage, kv_layers_in, stage_layers
 from ladle.distributed.worker import Command, WorkerSpec, move, run_worker
 from ladle.lifetime import forks_from_main_thread
 from ladle.models.loader import load_model, model_class
@@ -42,58 +43,80 @@ def threads_per_rank(world_size: int) -> int:
 
 
 class TensorParallelModel:
-    """What the model runner sees on rank 0 when tensor_parallel_size > 1: the model's
-    interface (forward, compute_logits, config, parameters), backed by rank 0's shard and the
-    worker ranks. Any failure inside a call is a WorkerGroupError: after one, the ranks may be
-    at different collectives, so the engine must stop, not retry."""
+    """What the model runner sees in the engine process when tensor_parallel_size or
+    pipeline_parallel_size is > 1: the model's interface (forward, compute_logits, config,
+    parameters), backed by this process's part and the worker ranks. Any failure inside a call
+    is a WorkerGroupError: after one, the ranks may be at different collectives, so the engine
+    must stop, not retry.
+
+    Ranks: world = pp x tp. The engine process is rank 0, tensor-parallel rank 0 of the *last*
+    pipeline stage (where sampling is); rank g is stage pp - 1 - g // tp, tensor-parallel rank
+    g % tp of it (distributed/pipeline.py)."""
 
     def __init__(self, model_path: Path, hf_config: dict, dtype: torch.dtype,
                  device: torch.device, world_size: int, backend: str, timeout_s: float,
-                 batch_invariant: bool = False):
-        self.world_size = world_size
+                 batch_invariant: bool = False, pp_size: int = 1,
+                 pp_partition: list[int] | None = None, quantization: str | None = None):
+        self.tp_size, self.pp_size = world_size, pp_size
+        self.world_size = world_size * pp_size
         self.timeout_s = timeout_s
         startup_s = timeout_s * _STARTUP_FACTOR
+        cls = model_class(hf_config, model_path)
         with torch.device("meta"):  # check the split before starting anything (clear error)
-            model_class(hf_config, model_path)(hf_config, TPGroup(0, world_size, device, 1))
-        num_threads = threads_per_rank(world_size)
+            probe = cls(hf_config, TPGroup(0, world_size, device, 1) if world_size > 1 else None)
+        self.stages = stage_layers(probe.config.num_layers, pp_size, pp_partition)
+        # The most KV layers any stage holds: every stage allocates the same number of blocks.
+        self.max_stage_kv_layers = max(kv_layers_in(probe.config, r) for r in self.stages)
+        num_threads = threads_per_rank(self.world_size)
         # Restored by close(): an offline LLM shares this process with its caller.
         self._caller_threads = torch.get_num_threads()
         torch.set_num_threads(num_threads)
-        self.tp = TPGroup(0, world_size, device, timeout_s)
+        self.tp = TPGroup(0, world_size, device, timeout_s) if world_size > 1 else None
+        self.stage = PipelineStage(pp_size - 1, pp_size, self.stages[-1], timeout_s=timeout_s) \
+            if pp_size > 1 else None
+        self.pp_layers = None if self.stage is None else self.stage.layers
         self._ctx = zmq.Context()
         self._socks: list[zmq.Socket] = []
         self._ipc_dir: str | None = None
         self._launcher = _RayLauncher() if backend == "ray" else _ProcessLauncher()
         host = self._launcher.host()
-        self._store = dist.TCPStore(host, 0, world_size, is_master=True,
+        self._store = dist.TCPStore(host, 0, self.world_size, is_master=True,
                                     wait_for_workers=False, timeout=timedelta(seconds=startup_s))
         try:
             specs = []
-            for rank in range(1, world_size):
+            for rank in range(1, self.world_size):
                 sock = self._ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
                 specs.append(WorkerSpec(
-                    rank=rank, world_size=world_size, model_path=str(model_path),
+                    rank=rank, world_size=self.world_size, model_path=str(model_path),
                     hf_config=hf_config, dtype=dtype, device=_rank_device(device, rank, backend),
                     store_host=host, store_port=self._store.port,
                     control_addr=self._bind(sock, backend, host),
                     hostname=self._launcher.worker_hostname(), timeout_s=timeout_s,
                     startup_timeout_s=startup_s,
                     num_threads=num_threads, batch_invariant=batch_invariant,
+                    tp_size=world_size, pp_size=pp_size, pp_partition=pp_partition,
+                    quantization=quantization,
                     parent_pid=os.getpid(),
                     parent_death_signal=forks_from_main_thread()))
                 self._socks.append(sock)
             self._launcher.start(specs)
-            self.model = load_model(model_path, hf_config, dtype, device, self.tp)
+            self.model = load_model(model_path, hf_config, dtype, device, self.tp, quantization,
+                                    self.stage)
             self._wait_ready(startup_s)
-            self.tp.connect(self._store, host)
+            if self.tp is not None:
+                self.tp.connect(self._store, host, stage=pp_size - 1)
+            if self.stage is not None:
+                self.stage.connect(self._store, 0, device, host)
         except BaseException:
             self.close()
             raise
         self.config = self.model.config
         self.num_local_kv_heads = self.model.num_local_kv_heads
-        logger.info("tensor parallel: %d ranks (%s backend), %d torch threads each",
-                    world_size, backend, num_threads)
+        logger.info("model parallel: %d pipeline stage(s) (layers %s) x %d tensor-parallel "
+                    "rank(s), %s backend, %d torch threads each", pp_size,
+                    ", ".join(f"{r.start}-{r.stop - 1}" for r in self.stages), world_size,
+                    backend, num_threads)
 
     # ---- the model's interface --------------------------------------------------------------
     def parameters(self):
@@ -122,7 +145,9 @@ class TensorParallelModel:
         self._send(Command.COPY_BLOCKS, (src.to("cpu"), dst.to("cpu")))
 
     def compute_logits(self, hidden, indices=None) -> torch.Tensor:
-        self._send(Command.LOGITS, None if indices is None else indices.to("cpu"))
+        # Only the last stage (this process's) has a head: its tensor-parallel ranks, 1..tp-1.
+        self._send(Command.LOGITS, None if indices is None else indices.to("cpu"),
+                   last=self.tp_size)
         return self._guarded(self.model.compute_logits, hidden, indices)
 
     # ---- health and shutdown ----------------------------------------------------------------
@@ -131,7 +156,7 @@ class TensorParallelModel:
         idle, so a dead worker ends the engine even with no step to fail)."""
         dead = self._launcher.dead_ranks()
         if dead:
-            raise WorkerGroupError(f"tensor-parallel worker rank(s) {dead} exited; the engine "
+            raise WorkerGroupError(f"model-parallel worker rank(s) {dead} exited; the engine "
                                    "cannot run the model without them")
 
     def close(self) -> None:
@@ -142,7 +167,10 @@ class TensorParallelModel:
             except zmq.ZMQError:
                 pass
         self._launcher.stop(timeout_s=5.0)
-        self.tp.close()
+        if self.tp is not None:
+            self.tp.close()
+        if self.stage is not None:
+            self.stage.close()
         self._store = None  # the rendezvous port is free again
         for sock in self._socks:
             sock.close()
@@ -163,12 +191,13 @@ class TensorParallelModel:
         port = sock.bind_to_random_port(f"tcp://{host}")
         return f"tcp://{host}:{port}"
 
-    def _send(self, command: Command, payload) -> None:
-        """Queue the command for every worker. A socket refuses it only when its worker is
-        not connected (not yet, or no longer): then wait for it, but stop at once if a worker
-        has died rather than after the timeout."""
+    def _send(self, command: Command, payload, last: int | None = None) -> None:
+        """Queue the command for every worker (ranks 1 .. `last` - 1 only, when given). A
+        socket refuses it only when its worker is not connected (not yet, or no longer): then
+        wait for it, but stop at once if a worker has died rather than after the timeout."""
         msg = pickle.dumps((command, payload), protocol=pickle.HIGHEST_PROTOCOL)
-        for rank, sock in enumerate(self._socks, start=1):
+        socks = self._socks if last is None else self._socks[:last - 1]
+        for rank, sock in enumerate(socks, start=1):
             deadline = time.monotonic() + self.timeout_s
             while True:
                 try:
@@ -178,7 +207,7 @@ class TensorParallelModel:
                     self.check_workers()
                     if time.monotonic() > deadline:
                         raise WorkerGroupError(
-                            f"tensor-parallel worker rank {rank} took no command for "
+                            f"model-parallel worker rank {rank} took no command for "
                             f"{self.timeout_s:g} s (distributed_timeout)") from None
                     time.sleep(0.005)
 
@@ -189,7 +218,7 @@ class TensorParallelModel:
         except WorkerGroupError:
             raise
         except Exception as e:  # the workers may be inside a collective rank 0 never reaches
-            raise WorkerGroupError(f"rank 0 failed inside the tensor-parallel model: "
+            raise WorkerGroupError(f"rank 0 failed inside its part of the model: "
                                    f"{type(e).__name__}: {e}") from e
 
     def _wait_ready(self, startup_s: float) -> None:
@@ -199,14 +228,14 @@ class TensorParallelModel:
             for rank in sorted(waiting):
                 if self._store.check([f"error/{rank}"]):
                     error = self._store.get(f"error/{rank}").decode()
-                    raise WorkerGroupError(f"tensor-parallel worker rank {rank} failed to "
+                    raise WorkerGroupError(f"model-parallel worker rank {rank} failed to "
                                            f"start: {error}")
                 if self._store.check([f"ready/{rank}"]):
                     waiting.discard(rank)
             self.check_workers()
             if waiting and time.monotonic() > deadline:
                 raise WorkerGroupError(
-                    f"tensor-parallel worker rank(s) {sorted(waiting)} not ready after "
+                    f"model-parallel worker rank(s) {sorted(waiting)} not ready after "
                     f"{startup_s:g} s ({_STARTUP_FACTOR} x distributed_timeout)")
             time.sleep(0.05)
 

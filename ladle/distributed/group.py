@@ -33,10 +33,11 @@ class TPGroup:
         self.all_reduce_bytes = 0
         self.all_reduce_seconds = 0.0
 
-    def connect(self, store: dist.Store, hostname: str) -> None:
-        """Join the process group: NCCL for CUDA tensors, gloo (over `hostname`'s interface)
-        otherwise. Every collective then fails after `timeout` instead of hanging."""
-        store = dist.PrefixStore("ladle-tp", store)
+    def connect(self, store: dist.Store, hostname: str, stage: int = 0) -> None:
+        """Join the process group (of pipeline stage `stage`'s ranks): NCCL for CUDA tensors,
+        gloo (over `hostname`'s interface) otherwise. Every collective then fails after
+        `timeout` instead of hanging."""
+        store = dist.PrefixStore(f"ladle-tp{stage}", store)
         if self.device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = self.timeout

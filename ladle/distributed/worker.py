@@ -1,6 +1,8 @@
-"""A tensor-parallel worker (ranks 1..N-1): loads its shard of the model and runs it on the
-commands rank 0 sends, one at a time and in order, so every rank's collectives line up.
-It never schedules or samples; what it needs from a step arrives with the FORWARD command."""
+"""A model-parallel worker (ranks 1..N-1): loads its part of the model (its tensor-parallel
+shard of its pipeline stage's layers) and runs it on the commands rank 0 sends, one at a time
+and in order, so every rank's collectives line up. It never schedules or samples; what it needs
+from a step arrives with the FORWARD command. A stage before the last sends its residual stream
+on to the next stage inside the forward, and never gets a LOGITS command."""
 
 from __future__ import annotations
 
@@ -53,6 +55,10 @@ class WorkerSpec:
     startup_timeout_s: float
     num_threads: int
     batch_invariant: bool  # the engine's --batch-invariant: this rank's kernels in that mode
+    tp_size: int = 1  # world_size = tp_size x pp_size; rank -> (stage, tp rank) as executor.py
+    pp_size: int = 1
+    pp_partition: list[int] | None = None
+    quantization: str | None = None
     parent_pid: int = 0  # mp: die with rank 0 (the parent); Ray kills its own actors
     # mp: rank 0 started us from its main thread, so the kernel's parent-death signal may be
     # used (ladle/lifetime.py)
@@ -80,9 +86,11 @@ def run_worker(spec: WorkerSpec) -> None:
         die_with_parent(spec.parent_pid, f"tensor-parallel rank {spec.rank}",
                         use_signal=spec.parent_death_signal)
     bound_native_memory()
+    stage_index = spec.pp_size - 1 - spec.rank // spec.tp_size
+    tp_rank = spec.rank % spec.tp_size
+    where = f"rank {spec.rank}" + (f", stage {stage_index}" if spec.pp_size > 1 else "")
     logging.basicConfig(level=os.environ.get("LADLE_LOG_LEVEL", "INFO"),
-                        format=f"%(asctime)s %(levelname)s [tp rank {spec.rank}] %(name)s: "
-                               "%(message)s")
+                        format=f"%(asctime)s %(levelname)s [{where}] %(name)s: %(message)s")
     from datetime import timedelta
 
     from ladle.models.loader import load_model  # torch and the model: only once started
@@ -107,27 +115,44 @@ def run_worker(spec: WorkerSpec) -> None:
 
             check_batch_invariant(device, spec.dtype)
             set_batch_invariant(True)
-        tp = TPGroup(spec.rank, spec.world_size, device, spec.timeout_s)
-        model = load_model(Path(spec.model_path), spec.hf_config, spec.dtype, device, tp)
+        tp = TPGroup(tp_rank, spec.tp_size, device, spec.timeout_s) if spec.tp_size > 1 \
+            else None
+        stage = None
+        if spec.pp_size > 1:
+            from ladle.distributed.pipeline import PipelineStage, stage_layers
+            from ladle.models.loader import model_class
+
+            with torch.device("meta"):
+                num_layers = model_class(spec.hf_config, Path(spec.model_path))(
+                    spec.hf_config, tp).config.num_layers
+            layers = stage_layers(num_layers, spec.pp_size, spec.pp_partition)[stage_index]
+            stage = PipelineStage(stage_index, spec.pp_size, layers, timeout_s=spec.timeout_s)
+        model = load_model(Path(spec.model_path), spec.hf_config, spec.dtype, device, tp,
+                           spec.quantization, stage)
         sock.connect(spec.control_addr)
     except Exception as e:
-        logger.exception("tensor-parallel worker failed to start")
+        logger.exception("model-parallel worker failed to start")
         store.set(f"error/{spec.rank}", f"{type(e).__name__}: {e}")
         raise
     store.set(f"ready/{spec.rank}", "1")
-    tp.connect(store, spec.hostname)
-    logger.info("tensor-parallel rank %d of %d ready (pid %d)", spec.rank, spec.world_size,
-                os.getpid())
+    if tp is not None:
+        tp.connect(store, spec.hostname, stage=stage_index)
+    if stage is not None:
+        stage.connect(store, tp_rank, device, spec.hostname)
+    logger.info("worker rank %d of %d ready (pid %d)", spec.rank, spec.world_size, os.getpid())
     try:
-        _serve(model, tp, sock, spec, device)
+        _serve(model, sock, spec, device)
     finally:
-        tp.close()
+        if tp is not None:
+            tp.close()
+        if stage is not None:
+            stage.close()
         sock.close()
         ctx.term()
 
 
 @torch.inference_mode()
-def _serve(model, tp: TPGroup, sock: zmq.Socket, spec: WorkerSpec, device: torch.device) -> None:
+def _serve(model, sock: zmq.Socket, spec: WorkerSpec, device: torch.device) -> None:
     from ladle.models.gated_deltanet import GatedDeltaNetState
     from ladle.runner.model_runner import allocate_kv_caches, apply_state_op, copy_kv_blocks
 
@@ -143,7 +168,8 @@ def _serve(model, tp: TPGroup, sock: zmq.Socket, spec: WorkerSpec, device: torch
         elif command == Command.KV_CACHE:
             num_blocks, block_size, num_slots = payload
             kv_caches = allocate_kv_caches(model.config, model.num_local_kv_heads, num_blocks,
-                                           block_size, spec.dtype, device, num_slots)
+                                           block_size, spec.dtype, device, num_slots,
+                                           layers=None if model.pp is None else model.pp.layers)
             states = [c for c in kv_caches if isinstance(c, GatedDeltaNetState)]
         elif command == Command.COPY_BLOCKS:
             src, dst = payload

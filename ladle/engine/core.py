@@ -58,14 +58,16 @@ class EngineCore:
         # Hybrid models: linear-attention layers with per-request state slots.
         self.hybrid = bool(getattr(model_class(hf_config, self.model_path), "hybrid", False))
         torch.manual_seed(config.seed)
-        self.model_group = None  # rank 0's driver of the TP workers when tensor_parallel_size > 1
-        if config.tensor_parallel_size > 1:
+        # Rank 0's driver of the worker ranks when tensor or pipeline parallel size is > 1.
+        self.model_group = None
+        if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
             from ladle.distributed.executor import TensorParallelModel
 
             model = self.model_group = TensorParallelModel(
                 self.model_path, hf_config, self.dtype, device, config.tensor_parallel_size,
                 config.distributed_executor_backend, config.distributed_timeout,
-                config.batch_invariant)
+                config.batch_invariant, config.pipeline_parallel_size,
+                config.pp_layer_partition, config.quantization)
         else:
             model = load_model(self.model_path, hf_config, self.dtype, device,
                                quantization=config.quantization)
@@ -93,7 +95,11 @@ class EngineCore:
                 f"max_position_embeddings ({mcfg.max_position_embeddings})"
             )
         bs = config.block_size
-        per_block = ModelRunner.kv_bytes_per_block(mcfg, self.dtype, bs, model.num_local_kv_heads)
+        # Under pipeline parallelism each stage holds its own layers' KV, and every stage the
+        # same number of blocks: sized by the stage with the most KV layers.
+        per_block = ModelRunner.kv_bytes_per_block(
+            mcfg, self.dtype, bs, model.num_local_kv_heads,
+            getattr(model, "max_stage_kv_layers", None) if self.model_group else None)
         spec = config.speculative_config
         draft = None
         if spec is not None and spec.method == "draft_model":

@@ -402,6 +402,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         speculative_config=getattr(args, "speculative_config", None),
         data_parallel_size=args.data_parallel_size,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        pp_layer_partition=args.pp_layer_partition,
         distributed_executor_backend=args.distributed_executor_backend,
         distributed_timeout=args.distributed_timeout,
     )

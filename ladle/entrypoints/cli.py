@@ -189,9 +189,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int,
                    default=_DEFAULTS.tensor_parallel_size,
                    help="ranks that each hold 1/N of every layer (one process per rank)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int,
+                   default=_DEFAULTS.pipeline_parallel_size,
+                   help="stages that each hold a contiguous run of the layers (x -tp ranks "
+                        "each; one process per rank); the last stage samples")
+    g.add_argument("--pp-layer-partition", type=_layer_partition, default=None,
+                   metavar="N,N,...",
+                   help="layers of each pipeline stage, first to last (default: even, earlier "
+                        "stages taking the remainder)")
     g.add_argument("--distributed-executor-backend", choices=["mp", "ray"],
                    default=_DEFAULTS.distributed_executor_backend,
-                   help="how tensor-parallel workers start: mp (processes on this host) or ray "
+                   help="how tensor/pipeline-parallel workers start: mp (processes on this host) or ray "
                         "(actors on a Ray cluster: RAY_ADDRESS, `ray start`, or a local one)")
     g.add_argument("--distributed-timeout", type=float, default=_DEFAULTS.distributed_timeout,
                    help="seconds a collective may take before the engine stops (startup: 10x)")
@@ -256,6 +264,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests may take to finish after SIGTERM")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat_template (off: a 400)")
+
+
+def _layer_partition(text: str) -> list[int]:
+    try:
+        parts = [int(p) for p in text.split(",")]
+    except ValueError:
+        parts = []
+    if not parts or any(n < 1 for n in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: accepted: layers per stage as positive "
+                                         "integers separated by commas, e.g. 14,14")
+    return parts
 
 
 def _positive_int(text: str) -> int:

@@ -225,18 +225,23 @@ class GemmaForCausalLM(nn.Module):
             self.rotary_sliding = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
                                                   cfg.rope_sliding.theta, cfg.rope_sliding.scaling)
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
-        """input_ids, positions: (T,). Returns final hidden states (T, hidden)."""
+    pp = LlamaForCausalLM.pp
+    has_residual = True
+    forward = LlamaForCausalLM.forward
+    final_norm = LlamaForCausalLM.final_norm
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (T, hidden)
         # HF multiplies by sqrt(hidden) held as a float32 tensor cast to the model dtype, so the
         # factor itself is rounded (to 8 bits in bfloat16) before the product.
-        x = x * torch.tensor(self.config.hidden_size**0.5).to(x.dtype)
-        residual = None
-        full, sliding = self.rotary, self.rotary_sliding or self.rotary
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            rotary = full if layer.self_attn.window is None else sliding
-            x, residual = layer(x, residual, positions, rotary, meta, kv_cache)
-        return self.norm(x, residual)[0]
+        return x * torch.tensor(self.config.hidden_size**0.5).to(x.dtype)
+
+    def run_layer(self, index: int, x, residual, positions, meta, kv_cache):
+        layer = self.layers[index]
+        # Sliding layers rotate with their own tables when their rope differs (Gemma 3).
+        rotary = self.rotary if layer.self_attn.window is None else \
+            (self.rotary_sliding or self.rotary)
+        return layer(x, residual, positions, rotary, meta, kv_cache)
 
     def compute_logits(self, hidden: torch.Tensor,
                        indices: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from ladle.models.llama import DecoderConfig, DecoderLayer, LlamaForCausalLM, ShardLayout
-from ladle.runner.attention import AttentionMetadata
 
 if TYPE_CHECKING:
     from ladle.distributed.group import TPGroup
@@ -52,11 +51,8 @@ class GraniteForCausalLM(LlamaForCausalLM):
     def read_config(cls, hf_config: dict, switches: dict) -> DecoderConfig:
         return DecoderConfig.from_hf({"max_position_embeddings": 2048, **hf_config}, **switches)
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids) * self.embedding_multiplier, None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, self.rotary, meta, kv_cache)
-        return self.norm(x, residual)[0]
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embedding_multiplier
 
     def compute_logits(self, hidden: torch.Tensor,
                        indices: torch.Tensor | None = None) -> torch.Tensor | None:

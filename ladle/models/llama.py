@@ -17,6 +17,32 @@ from ladle.runner.cpu_kernels import linear
 
 if TYPE_CHECKING:
     from ladle.distributed.group import TPGroup
+    from ladle.distributed.pipeline import PipelineStage
+
+
+def decoder_forward(model, input_ids, positions, meta: AttentionMetadata,
+                    kv_caches) -> torch.Tensor | None:
+    """The decoder's forward over the model's parts (embed, run_layer, final_norm): the whole
+    model, or as one pipeline stage, its layers between receiving the residual stream from the
+    previous stage (or embedding, on the first) and sending it to the next (or the final norm,
+    on the last; the other stages return None)."""
+    stage = model.pp
+    if stage is None:
+        x, residual = model.embed(input_ids), None
+        for i, kv_cache in enumerate(kv_caches):
+            x, residual = model.run_layer(i, x, residual, positions, meta, kv_cache)
+        return model.final_norm(x, residual)
+    if stage.first:
+        x, residual = model.embed(input_ids), None
+    else:
+        x, residual = stage.recv(input_ids.shape[0], model.config.hidden_size,
+                                 model.pp_dtype, input_ids.device, model.has_residual)
+    for i in stage.layers:
+        x, residual = model.run_layer(i, x, residual, positions, meta, kv_caches[i])
+    if not stage.last:
+        stage.send(x, residual)
+        return None
+    return model.final_norm(x, residual)
 
 
 @dataclass(slots=True)
@@ -226,11 +252,23 @@ class LlamaForCausalLM(nn.Module):
         families return their experts' block on their sparse layers."""
         return None
 
+    # A pipeline stage (distributed/pipeline.py) when this model is one; None: all layers.
+    pp: PipelineStage | None = None
+    # Whether the layers pass a residual stream beside x (what a pipeline stage sends on).
+    has_residual = True
+
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         """input_ids, positions: (T,). Returns final hidden states (T, hidden)."""
-        x, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, self.rotary, meta, kv_cache)
+        return decoder_forward(self, input_ids, positions, meta, kv_caches)
+
+    # The three parts of the forward that families specialise (decoder_forward runs them).
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def run_layer(self, index: int, x, residual, positions, meta, kv_cache):
+        return self.layers[index](x, residual, positions, self.rotary, meta, kv_cache)
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor,

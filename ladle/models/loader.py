@@ -174,14 +174,21 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: dict, device: torch.devic
 
 
 def load_model(path: Path, hf_config: dict, dtype: torch.dtype, device: torch.device,
-               tp=None, quantization: str | None = None):
+               tp=None, quantization: str | None = None, stage=None):
     """The model, or with `tp` (a TPGroup) this rank's shard of it: each rank reads only its
-    slices of the checkpoint tensors. A compressed-tensors checkpoint keeps its int8 weights as
-    stored (its ignored layers, such as lm_head, dense); `quantization` "int8" quantizes every
-    weight still dense after the load (models/int8.py)."""
+    slices of the checkpoint tensors. With `stage` (a distributed.pipeline.PipelineStage) only
+    that pipeline stage's layers (and embedding or head) exist, and only their tensors are
+    read. A compressed-tensors checkpoint keeps its int8 weights as stored (its ignored
+    layers, such as lm_head, dense); `quantization` "int8" quantizes every weight still dense
+    after the load (models/int8.py)."""
     cls = model_class(hf_config, path)
     with torch.device("meta"):
         model = cls(hf_config, tp)
+    if stage is not None:
+        from ladle.distributed.pipeline import prune_to_stage
+
+        prune_to_stage(model, stage)
+        model.pp_dtype = dtype
     if is_gguf(path):
         _gguf_weights(model, path, hf_config, dtype, device, tp, quantization)
     model = model.to_empty(device=device).to(dtype)
@@ -410,6 +417,10 @@ def _checked_target(name: str, file: Path, path: Path, model, params: dict, is_i
     if name.startswith(getattr(model, "ignored_prefixes", ())):
         return None  # held for what ladle does not run (a vision tower, an MTP head)
     bare = name.removeprefix("model.")
+    stage = getattr(model, "pp", None)
+    if stage is not None and not stage.holds(_renamed(name.removeprefix(
+            getattr(model, "checkpoint_prefix", "model.")), model)):
+        return None  # another pipeline stage's weight
     if "rotary_emb" in bare or (bare.startswith("lm_head.") and model.lm_head is None) \
             or _holds_blocks(bare, model):
         return None

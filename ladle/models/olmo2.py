@@ -92,10 +92,12 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
         hf = {"rms_norm_eps": 1e-5, "max_position_embeddings": 2048, **hf_config}
         return DecoderConfig.from_hf(hf, **switches)
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, meta, kv_cache)
+    has_residual = False  # each layer adds its own outputs (norms after attention and MLP)
+
+    def run_layer(self, index: int, x, residual, positions, meta, kv_cache):
+        return self.layers[index](x, positions, self.rotary, meta, kv_cache), None
+
+    def final_norm(self, x: torch.Tensor, residual: None) -> torch.Tensor:
         return self.norm(x)
 
     def checkpoint_slice(self, pname: str, shard: int | None):

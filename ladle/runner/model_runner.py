@@ -90,7 +90,8 @@ class ModelRunner:
         # them out; default max_num_seqs, no snapshots).
         self.kv_caches = allocate_kv_caches(cfg, model.num_local_kv_heads, num_blocks,
                                             block_size, dtype, device,
-                                            num_slots=num_state_slots or max_num_seqs)
+                                            num_slots=num_state_slots or max_num_seqs,
+                                            layers=getattr(model, "pp_layers", None))
         self.states = [c for c in self.kv_caches if isinstance(c, GatedDeltaNetState)]
         self.row_slots = np.zeros(max_num_seqs, dtype=np.int64)  # state slot of each batch row
         # Prefix-cache snapshot of each row this step: tokens into its chunk (0: none), slot.
@@ -126,13 +127,16 @@ class ModelRunner:
 
     @staticmethod
     def kv_bytes_per_block(model_config, dtype: torch.dtype, block_size: int,
-                           num_kv_heads: int | None = None) -> int:
+                           num_kv_heads: int | None = None, num_layers: int | None = None
+                           ) -> int:
         """Bytes of one block over all layers; `num_kv_heads`: the heads this process holds
-        (a tensor-parallel rank's share), default all of the model's."""
+        (a tensor-parallel rank's share), default all of the model's; `num_layers`: the KV
+        layers it holds (a pipeline stage's), default all of them."""
         c = model_config
         elem = torch.empty((), dtype=dtype).element_size()
         heads = c.num_kv_heads if num_kv_heads is None else num_kv_heads
-        return 2 * _num_kv_layers(c) * block_size * heads * c.head_dim * elem
+        layers = _num_kv_layers(c) if num_layers is None else num_layers
+        return 2 * layers * block_size * heads * c.head_dim * elem
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv_blocks: dict[str, list[int]],
@@ -445,15 +449,17 @@ def _num_kv_layers(model_config) -> int:
 
 
 def allocate_kv_caches(model_config, num_kv_heads: int, num_blocks: int, block_size: int,
-                       dtype: torch.dtype, device: torch.device, num_slots: int = 0) -> list:
+                       dtype: torch.dtype, device: torch.device, num_slots: int = 0,
+                       layers: range | None = None) -> list:
     """One cache per layer: a (k, v) pair, each (num_blocks, num_kv_heads, block_size, D), or
     for a hybrid's linear-attention layer a GatedDeltaNetState of `num_slots` slots whose
-    writes wait for commit(); zeros."""
+    writes wait for commit(); zeros. `layers`: a pipeline stage's, the others get None."""
     shape = (num_blocks, num_kv_heads, block_size, model_config.head_dim)
     kinds = getattr(model_config, "layer_types", None) or ("full_attention",) * \
         model_config.num_layers
-    return [GatedDeltaNetState.allocate(model_config.linear, num_slots, device, deferred=True)
+    return [None if layers is not None and i not in layers else
+            GatedDeltaNetState.allocate(model_config.linear, num_slots, device, deferred=True)
             if kind == "linear_attention" else
             (torch.zeros(shape, dtype=dtype, device=device),
              torch.zeros(shape, dtype=dtype, device=device))
-            for kind in kinds]
+            for i, kind in enumerate(kinds)]
