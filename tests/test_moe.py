@@ -33,16 +33,19 @@ FP32_TOL = 2e-4  # as tests/test_engine_numerics.py: float32 agrees to rounding
 MIN_ROUTING_MARGIN = 1e-3  # router logits: far above their float32 rounding (~1e-6)
 
 
-def make_moe_checkpoint(name: str, path):
-    """A 3-layer model with 8 experts. Weights: N(0, 0.15) matrices and N(0, 0.5) embeddings
-    as tests/checkpoints.py, and router rows N(0, 2): router logits far apart, so that float32
-    rounding cannot change which experts a token gets (the test measures the margin)."""
+def make_moe_checkpoint(name: str, path, **fields):
+    """A 3-layer model with 8 experts (`name`: "qwen3_moe-..." or "mixtral-...", with its
+    CHECKPOINTS fields; `fields` override them). Weights: N(0, 0.15) matrices and N(0, 0.5)
+    embeddings as tests/checkpoints.py, and router rows N(0, 2): router logits far apart, so
+    that float32 rounding cannot change which experts a token gets (the test measures the
+    margin)."""
     import transformers as tf
 
     kind, *_ = name.split("-")
     common = dict(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
-                  tie_word_embeddings=False, **CHECKPOINTS[name])
+                  tie_word_embeddings=False)
+    common.update(CHECKPOINTS.get(name, {}), **fields)
     if kind == "qwen3_moe":
         cfg = tf.Qwen3MoeConfig(**common, head_dim=16, intermediate_size=96,
                                 moe_intermediate_size=32, num_experts=8, rope_theta=1e6)

@@ -525,7 +525,10 @@ def size_fields(size: int, hf_config: dict, path: Path) -> list[str]:
     sizes = {"hidden_size": hidden, "intermediate_size": hf_config.get("intermediate_size"),
              "vocab_size": hf_config.get("vocab_size"), "head_dim": head_dim,
              "num_attention_heads x head_dim": heads * head_dim,
-             "num_key_value_heads x head_dim": kv_heads * head_dim}
+             "num_key_value_heads x head_dim": kv_heads * head_dim,
+             "moe_intermediate_size": hf_config.get("moe_intermediate_size"),
+             "num_experts": hf_config.get("num_experts"),
+             "num_local_experts": hf_config.get("num_local_experts")}
     names = [k for k, v in sizes.items() if v == size]
     if is_gguf(path):
         from ladle.models.gguf.mapping import gguf_field_names

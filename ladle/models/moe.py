@@ -182,10 +182,13 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def unfused(self, name: str, shape: tuple | None, sibling=None) -> list | None:
         """A layer's experts stacked in one tensor, as transformers 5 holds them in memory
-        (`mlp.experts.gate_up_proj` (E, 2I, H), `mlp.experts.down_proj` (E, H, I)): the
-        per-expert checkpoint tensors it holds, as (name, shape, index into it)."""
+        (`mlp.experts.gate_up_proj` (E, 2I, H), `mlp.experts.down_proj` (E, H, I)) or as a
+        GGUF file stores them (one per projection: `mlp.experts.gate_proj.weight` and
+        `up_proj.weight` (E, I, H), `down_proj.weight`, as models/gguf/mapping.py names them):
+        the per-expert checkpoint tensors it holds, as (name, shape, index into it)."""
         stem, _, kind = name.removesuffix(".weight").rpartition(".")
-        if not stem.endswith(".experts") or kind not in ("gate_up_proj", "down_proj"):
+        if not stem.endswith(".experts") or kind not in ("gate_up_proj", "gate_proj", "up_proj",
+                                                         "down_proj"):
             return None
         num, inter = self.moe.num_experts, self.moe.intermediate_size
         if shape is not None:
@@ -195,8 +198,8 @@ class MoeForCausalLM(LlamaForCausalLM):
             inter = shape[1] // 2 if kind == "gate_up_proj" else shape[2]
         parts = []
         for e in range(num):
-            if kind == "down_proj":
-                parts.append((f"{stem}.{e}.down_proj.weight",
+            if kind != "gate_up_proj":  # one projection: expert e is row block e
+                parts.append((f"{stem}.{e}.{kind}.weight",
                               None if shape is None else tuple(shape[1:]), e))
                 continue
             for i, proj in enumerate(("gate_proj", "up_proj")):

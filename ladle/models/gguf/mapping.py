@@ -10,12 +10,21 @@ converter (convert_hf_to_gguf.py) changed undone:
   computes it.
 - llama with Llama 3 rope scaling: the parameters survive only as per-frequency factors (the
   `rope_freqs` tensor); rope_scaling is rebuilt from them and checked against them.
+- qwen3moe, and llama with experts (Mixtral): each layer's experts were stacked into one tensor
+  per projection (ffn_gate_exps, ffn_up_exps (E, I, H), ffn_down_exps (E, H, I)); they come back
+  under `{layer}.mlp.experts.{gate,up,down}_proj.weight` stacked, and the MoE family's `unfused`
+  (models/moe.py) splits them per expert, as it splits transformers 5's stacked experts. The
+  routing is llama.cpp's for both: softmax, top k renormalised, every layer sparse.
 
-Two changes cannot be undone: gemma3's embedding rows past the tokenizer's vocabulary were
-dropped (vocab_size is the rows kept), and a bf16 checkpoint's norms had 1 added in bf16.
+Three changes cannot be undone: gemma3's embedding rows past the tokenizer's vocabulary were
+dropped (vocab_size is the rows kept), a bf16 checkpoint's norms had 1 added in bf16, and
+Qwen3-MoE's norm_topk_prob is not stored (llama.cpp renormalises always; a checkpoint that did
+not, transformers' default, runs as llama.cpp runs its file). A checkpoint with dense layers
+(mlp_only_layers) converts to a file llama.cpp refuses, and so does ladle (no place for them).
 
 HF names come from gguf-py's HF -> GGUF name map, inverted over the tensor names of the HF model
-class (built on the meta device, so nothing is allocated): exactly the names the converter read.
+class (built on the meta device, so nothing is allocated): exactly the names the converter read,
+save the experts, named as the converter stacked them.
 """
 
 from __future__ import annotations
@@ -39,7 +48,10 @@ HF_ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
+# llama.cpp stores Mixtral as `llama` with `llama.expert_count` set.
+MIXTRAL = ("MixtralForCausalLM", "mixtral")
 GELU_TANH = "gelu_pytorch_tanh"  # Gemma's MLP activation (llama.cpp: LLM_FFN_GELU)
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3 rope factors: read into the config, not a weight
 # Llama 3.x's published rope_scaling besides `factor`, the one set of values the factors in
@@ -52,7 +64,8 @@ def hf_config_from_gguf(gguf_file: GGUFFile) -> dict[str, Any]:
     """config.json of the HF checkpoint, in the flat style of transformers 4.5x (top-level
     rope_theta, rope_scaling, rope_local_base_freq)."""
     arch, hp = gguf_file.architecture, _HParams(gguf_file)
-    hf_class, model_type = HF_ARCHITECTURES[arch]
+    has_experts = arch == "qwen3moe" or (arch == "llama" and hp.get("expert_count"))
+    hf_class, model_type = MIXTRAL if arch == "llama" and has_experts else HF_ARCHITECTURES[arch]
     embedding = gguf_file.tensors.get("token_embd.weight")
     if embedding is None:
         raise ModelLoadError(f"{gguf_file.path}: no token_embd.weight tensor")
@@ -67,7 +80,6 @@ def hf_config_from_gguf(gguf_file: GGUFFile) -> dict[str, Any]:
         "model_type": model_type,
         "vocab_size": embedding.shape[0],
         "hidden_size": hidden,
-        "intermediate_size": hp.uniform("feed_forward_length"),
         "num_hidden_layers": hp.require("block_count"),
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
@@ -79,17 +91,23 @@ def hf_config_from_gguf(gguf_file: GGUFFile) -> dict[str, Any]:
         # llama.cpp ties the head to the embedding exactly when output.weight is absent.
         "tie_word_embeddings": "output.weight" not in gguf_file.tensors,
     }
+    # qwen3moe's dense MLP size is for layers without experts, which llama.cpp's qwen3moe does
+    # not have: the key is optional there.
+    if arch != "qwen3moe" or hp.get("feed_forward_length") is not None:
+        config["intermediate_size"] = hp.uniform("feed_forward_length")
     for key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                           ("pad_token_id", "padding_token_id")):
         if (token_id := gguf_file.metadata.get(f"tokenizer.ggml.{gguf_key}")) is not None:
             config[key] = token_id
-    if arch == "llama":
+    if arch == "llama" and not has_experts:
         config["attention_bias"] = "blk.0.attn_q.bias" in gguf_file.tensors
         config["mlp_bias"] = "blk.0.ffn_up.bias" in gguf_file.tensors
-    elif arch == "qwen3":
+    elif arch in ("qwen3", "qwen3moe"):
         config["attention_bias"] = "blk.0.attn_q.bias" in gguf_file.tensors
     elif arch in ("gemma2", "gemma3"):
         config.update(_gemma_fields(gguf_file, hp, config))
+    if has_experts:
+        config.update(_moe_fields(gguf_file, hp, config))
     return config
 
 
@@ -99,7 +117,7 @@ def hf_tensor_names(gguf_file: GGUFFile, hf_config: dict[str, Any]) -> dict[str,
     arch = gguf_file.architecture
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     name_map = gguf.get_tensor_name_map(arch_id, hf_config["num_hidden_layers"])
-    hf_shapes = _hf_parameter_shapes(hf_config)
+    hf_shapes = _stacked_experts(_hf_parameter_shapes(hf_config), hf_config)
     gguf_to_hf: dict[str, str] = {}
     for hf_name in hf_shapes:
         module, _, suffix = hf_name.rpartition(".")  # "weight" or "bias"
@@ -130,12 +148,17 @@ _METADATA_KEYS = {"hidden_size": ("embedding_length",),
                   "num_attention_heads x head_dim": ("attention.head_count",
                                                      "attention.key_length"),
                   "num_key_value_heads x head_dim": ("attention.head_count_kv",
-                                                     "attention.key_length")}
+                                                     "attention.key_length"),
+                  "moe_intermediate_size": ("expert_feed_forward_length",),
+                  "num_experts": ("expert_count",), "num_local_experts": ("expert_count",)}
+# HF model_type -> the GGUF architecture whose metadata keys describe it.
+_GGUF_ARCH = {model_type: arch for arch, (_, model_type) in HF_ARCHITECTURES.items()} | {
+    MIXTRAL[1]: "llama"}
 
 
 def gguf_field_names(names: list[str], hf_config: dict[str, Any]) -> list[str]:
     """config.json field names as the GGUF metadata keys they were read from, for errors."""
-    arch = hf_config.get("model_type", "").removesuffix("_text")
+    arch = _GGUF_ARCH.get(hf_config.get("model_type"), hf_config.get("model_type"))
     return [" x ".join(f"{arch}.{key}" for key in _METADATA_KEYS[n]) if n in _METADATA_KEYS
             else "token_embd.weight's rows" if n == "vocab_size" else n for n in names]
 
@@ -155,8 +178,9 @@ def _metadata_behind(shape: tuple, expected: tuple, hf_config: dict[str, Any],
 def iter_hf_tensors(gguf_file: GGUFFile, hf_config: dict[str, Any]
                     ) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
     """(HF name, load) for each weight, in file order; `load()` dequantizes it to float32 and
-    undoes the converter's change, so it equals the HF checkpoint's tensor. Names and shapes
-    are all checked before the first is yielded."""
+    undoes the converter's change, so it equals the HF checkpoint's tensor (a layer's experts:
+    stacked, one tensor per projection). Names and shapes are all checked before the first is
+    yielded."""
     names = hf_tensor_names(gguf_file, hf_config)
     for gguf_name, hf_name in names.items():
         yield hf_name, partial(_load, gguf_file.tensors[gguf_name], gguf_file.architecture,
@@ -264,6 +288,52 @@ def _llama3_factors(head_dim: int, theta: float, scaling: dict[str, Any]) -> tor
     blended = 1 / ((1 - smooth) / factor + smooth)
     return torch.where(wavelen < old_len / high, 1.0,
                        torch.where(wavelen > old_len / low, factor, blended))
+
+
+def _moe_fields(gguf_file: GGUFFile, hp: _HParams, config: dict[str, Any]) -> dict[str, Any]:
+    """The experts' block as llama.cpp runs qwen3moe and llama with experts (build_moe_ffn):
+    every layer sparse; a softmax over all experts, the top k kept and always renormalised
+    (its norm_w is true for both, whatever the checkpoint's norm_topk_prob was), no scale.
+    Mixtral's expert size is feed_forward_length; qwen3moe's expert_feed_forward_length, or
+    llama.cpp's fallback feed_forward_length / expert_used_count."""
+    arch = gguf_file.architecture
+    num_experts = hp.uniform("expert_count")
+    top_k = hp.uniform("expert_used_count")
+    if num_experts < 1:
+        raise ModelLoadError(f"{gguf_file.path}: {arch}.expert_count is {num_experts}; an MoE "
+                             "model needs at least one expert")
+    if not 1 <= top_k <= num_experts:
+        raise ModelLoadError(f"{gguf_file.path}: {arch}.expert_used_count is {top_k}; accepted: "
+                             f"1 to {arch}.expert_count ({num_experts})")
+    if arch == "llama":
+        return {"num_local_experts": num_experts, "num_experts_per_tok": top_k}
+    if hp.get("expert_feed_forward_length") is None and "intermediate_size" in config:
+        expert_size = config["intermediate_size"] // top_k
+    else:
+        expert_size = hp.uniform("expert_feed_forward_length")
+    return {"num_experts": num_experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": expert_size, "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
+def _stacked_experts(shapes: dict[str, tuple[int, ...]],
+                     hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The HF model's expert weights (transformers 5 holds a layer's as gate_up_proj (E, 2I, H)
+    and down_proj (E, H, I), 4.x one tensor per expert and projection) under the names and
+    shapes the converter stacks them to and moe.py's `unfused` splits per expert:
+    `{layer}.mlp.experts.{gate,up}_proj.weight` (E, I, H), `...down_proj.weight` (E, H, I)."""
+    experts = [name for name in shapes if ".experts." in name]
+    if not experts:
+        return shapes
+    num = hf_config.get("num_experts") or hf_config["num_local_experts"]
+    size = hf_config.get("moe_intermediate_size") or hf_config["intermediate_size"]
+    hidden = hf_config["hidden_size"]
+    out = {name: shape for name, shape in shapes.items() if ".experts." not in name}
+    for layer in dict.fromkeys(n.split(".experts.")[0].rpartition(".")[0] for n in experts):
+        stem = f"{layer}.mlp.experts"
+        out[f"{stem}.gate_proj.weight"] = out[f"{stem}.up_proj.weight"] = (num, size, hidden)
+        out[f"{stem}.down_proj.weight"] = (num, hidden, size)
+    return out
 
 
 def _gemma_fields(gguf_file: GGUFFile, hp: _HParams, config: dict[str, Any]) -> dict[str, Any]:

@@ -4,18 +4,22 @@ QuantWeight holding the file's bytes, installed on the meta-device model before 
 is allocated. A fused projection takes one part per file tensor (a Q4_K_M file stores attn_v as
 Q6_K beside Q4_K attn_q and attn_k). A tensor of another type inside such a projection is
 dequantized to the model dtype as a dense part; a projection with no kernel type at all stays a
-dense parameter for the usual loader. Norms and biases are always dense."""
+dense parameter for the usual loader. Norms and biases are always dense, and so is a router
+(`keep_dense`: its logits choose the experts). A layer's experts are stacked in one tensor per
+projection; each expert's rows are a contiguous run of its bytes, found through the family's
+`unfused` (as the loader splits them), and each expert's linear gets a QuantWeight of its run."""
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn as nn
 
 from ladle.models.gguf.mapping import _load, _unpermute_rotary, hf_tensor_names
+from ladle.models.gguf.quants import dequantize
 from ladle.models.gguf.reader import GGUFFile, GGUFTensor
 from ladle.models.loader import ModelLoadError, _target
 from ladle.runner.quant import (
@@ -36,32 +40,40 @@ def install_gguf_blocks(model: nn.Module, gguf_file: GGUFFile, hf_config: dict,
     the parameters left are loaded by loader.load_weights as usual."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
-    by_param: dict[str, dict[int, GGUFTensor]] = {}
+    unfused = getattr(model, "unfused", None)
+    # parameter -> shard -> (file tensor, index of the parameter's rows in it or None: all).
+    by_param: dict[str, dict[int, tuple[GGUFTensor, Any]]] = {}
     for gguf_name, hf_name in hf_tensor_names(gguf_file, hf_config).items():
-        target = _target(hf_name, model, params)
-        if target is None:
-            continue
-        pname, shard = target
-        by_param.setdefault(pname, {})[0 if shard is None else shard] = \
-            gguf_file.tensors[gguf_name]
-    kept: Counter[str] = Counter()
-    dense: Counter[str] = Counter()
+        tensor = gguf_file.tensors[gguf_name]
+        parts = None if unfused is None else unfused(hf_name, tensor.shape)
+        for name, _, index in parts or [(hf_name, None, None)]:
+            target = _target(name, model, params)
+            if target is None:
+                continue
+            pname, shard = target
+            by_param.setdefault(pname, {})[0 if shard is None else shard] = (tensor, index)
+    # ggml type -> names of the file tensors kept in blocks / dequantized (a stacked experts'
+    # tensor counts once, not once per expert).
+    kept: dict[str, set[str]] = {}
+    dense: dict[str, set[str]] = {}
     for pname, shards in by_param.items():
         owner, attr = pname.rsplit(".", 1)
         module = modules[owner]
-        if attr != "weight" or not isinstance(module, (nn.Linear, nn.Embedding)):
+        if attr != "weight" or not isinstance(module, (nn.Linear, nn.Embedding)) \
+                or getattr(module, "keep_dense", False):
             continue
-        tensors = [shards[i] for i in sorted(shards)]
+        pieces = [shards[i] for i in sorted(shards)]
+        tensors = [t for t, _ in pieces]
         if not any(int(t.ggml_type) in BLOCK_SIZES for t in tensors):
             continue
         param = params[pname]
-        parts = [_part(t, gguf_file, hf_config, dtype) for t in tensors]
+        parts = [_part(t, index, gguf_file, hf_config, dtype) for t, index in pieces]
         if sum(p.rows for p in parts) != param.shape[0]:
             raise ModelLoadError(f"{gguf_file.path}: tensors {', '.join(t.name for t in tensors)} "
                                  f"have {sum(p.rows for p in parts)} rows, {pname} needs "
                                  f"{param.shape[0]}")
         for t, p in zip(tensors, parts, strict=True):
-            (dense if p.kind == DENSE else kept)[t.ggml_type.name] += 1
+            (dense if p.kind == DENSE else kept).setdefault(t.ggml_type.name, set()).add(t.name)
         weight = QuantWeight(parts, param.shape[1], dtype)
         if isinstance(module, nn.Embedding):
             parent, _, child = owner.rpartition(".")
@@ -70,20 +82,29 @@ def install_gguf_blocks(model: nn.Module, gguf_file: GGUFFile, hf_config: dict,
             install(module, "weight", weight)
     if kept:
         logger.info("%s: GGUF blocks kept for the quantized kernels (%s)", gguf_file.path,
-                    ", ".join(f"{n} {name}" for name, n in sorted(kept.items())))
+                    ", ".join(f"{len(n)} {name}" for name, n in sorted(kept.items())))
     if dense:
         logger.info("%s: tensors of types without a quantized kernel dequantized to %s (%s)",
                     gguf_file.path, str(dtype).removeprefix("torch."),
-                    ", ".join(f"{n} {name}" for name, n in sorted(dense.items())))
+                    ", ".join(f"{len(n)} {name}" for name, n in sorted(dense.items())))
 
 
-def _part(tensor: GGUFTensor, gguf_file: GGUFFile, hf_config: dict,
+def _part(tensor: GGUFTensor, index: Any, gguf_file: GGUFFile, hf_config: dict,
           dtype: torch.dtype) -> QuantPart:
+    """The rows of `tensor` at `index` (None: all; else an index into its leading dimensions,
+    such as one expert of a stacked tensor) as one part: its bytes, or dense values."""
     kind = int(tensor.ggml_type)
-    if kind not in BLOCK_SIZES:
+    if index is None and kind not in BLOCK_SIZES:
         return QuantPart(DENSE, _load(tensor, gguf_file.architecture, hf_config).to(dtype))
-    rows = tensor.shape[0]
-    raw = torch.from_numpy(np.array(tensor.data, copy=True)).reshape(rows, -1)
+    # (..., rows, bytes per row): a row's blocks are contiguous, so an index into the leading
+    # dimensions picks whole rows; only those bytes are read out of the file.
+    rows = tensor.data.reshape(*tensor.shape[:-1], -1)
+    if index is not None:
+        rows = rows[index]
+    if kind not in BLOCK_SIZES:  # one expert's rows of a stacked tensor, dequantized alone
+        num_rows = rows.size // rows.shape[-1]
+        return QuantPart(DENSE, dequantize(rows, kind, (num_rows, tensor.shape[-1])).to(dtype))
+    raw = torch.from_numpy(np.array(rows, copy=True)).reshape(-1, rows.shape[-1])
     if gguf_file.architecture == "llama" and tensor.name.startswith("blk."):
         # The converter permuted the rows of q and k for its rotary layout; a row keeps its
         # blocks, so the inverse permutation moves whole rows of bytes.
