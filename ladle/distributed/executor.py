@@ -136,9 +136,29 @@ class TensorParallelModel:
         self._send(Command.STATES, (op, arg))
 
     def __call__(self, input_ids, positions, meta, kv_caches) -> torch.Tensor:
+        return self.forward_micro_batches([(input_ids, positions, meta)], kv_caches)
+
+    @property
+    def micro_batches(self) -> int:
+        """How many parts the runner may split a step into: one per stage, so that with
+        enough rows every stage has one to work on."""
+        return self.pp_size
+
+    def forward_micro_batches(self, parts: list, kv_caches) -> torch.Tensor:
+        """One step's forward over `parts` [(input_ids, positions, meta)], each a run of
+        whole rows, in order: every part goes to the workers first, so the first stage starts
+        on part 2 while the next stage runs part 1 (pipelined); the hidden states of the last
+        stage (this process) come back joined in part order."""
         cpu = torch.device("cpu")
-        self._send(Command.FORWARD, (input_ids.to(cpu), positions.to(cpu), move(meta, cpu)))
-        return self._guarded(self.model, input_ids, positions, meta, kv_caches)
+        for i, (input_ids, positions, meta) in enumerate(parts):
+            self._send(Command.FORWARD, (input_ids.to(cpu), positions.to(cpu), move(meta, cpu),
+                                         i))
+        hidden = []
+        for i, (input_ids, positions, meta) in enumerate(parts):
+            if self.stage is not None:
+                self.stage.micro_batch = i
+            hidden.append(self._guarded(self.model, input_ids, positions, meta, kv_caches))
+        return hidden[0] if len(hidden) == 1 else torch.cat(hidden)
 
     def copy_kv_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """The workers copy KV blocks in their shards (rank 0's own copy is the runner's)."""

@@ -22,9 +22,12 @@ step's input ids, with the FORWARD command.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -86,9 +89,28 @@ class PipelineStage:
     keeps_head: bool = True
     link: object = None
     timeout_s: float = 60.0
+    # The part of the step being run (executor.forward_micro_batches): its tensors travel
+    # under their own tags, so parts in flight between two stages never mix.
+    micro_batch: int = 0
     # Measured for docs/scaling.md: bytes this stage sent on, seconds spent waiting to receive.
     sent_bytes: int = 0
     recv_seconds: float = 0.0
+    # With LADLE_PP_TRACE=DIR: (start, end) wall-clock times of each part this stage computed,
+    # written to DIR/stage<index>-rank<column>.json when the stage closes
+    # (benchmarks/pipeline.py reads them for the stages' overlap).
+    trace: list | None = None
+    trace_dir: str | None = None
+    column: int = 0
+
+    def __post_init__(self):
+        self.trace_dir = os.environ.get("LADLE_PP_TRACE") or None
+        if self.trace_dir:
+            self.trace = []
+
+    def computed(self, start: float) -> None:
+        """A part's compute (between receiving and sending) ran from `start` until now."""
+        if self.trace is not None:
+            self.trace.append((start, time.time()))
 
     @property
     def first(self) -> bool:
@@ -101,6 +123,7 @@ class PipelineStage:
     def connect(self, store: dist.Store, column: int, device: torch.device,
                 hostname: str | None) -> None:
         """Join the link of tensor-parallel rank `column` (every stage's rank of that column)."""
+        self.column = column
         store = dist.PrefixStore(f"ladle-pp{column}", store)
         timeout = timedelta(seconds=self.timeout_s)
         if device.type == "cuda":
@@ -120,7 +143,7 @@ class PipelineStage:
                 continue
             t = t.contiguous()
             try:
-                self.link.send([t], self.index + 1, i).wait()
+                self.link.send([t], self.index + 1, 2 * self.micro_batch + i).wait()
             except RuntimeError as e:
                 raise WorkerGroupError(f"pipeline stage {self.index} could not send to stage "
                                        f"{self.index + 1} (it died or timed out): {e}") from e
@@ -134,7 +157,7 @@ class PipelineStage:
         for i in range(2 if with_residual else 1):
             t = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
             try:
-                self.link.recv([t], self.index - 1, i).wait()
+                self.link.recv([t], self.index - 1, 2 * self.micro_batch + i).wait()
             except RuntimeError as e:
                 raise WorkerGroupError(f"pipeline stage {self.index} got nothing from stage "
                                        f"{self.index - 1} (it died or timed out): {e}") from e
@@ -156,6 +179,10 @@ class PipelineStage:
         return True
 
     def close(self) -> None:
+        if self.trace is not None:
+            path = Path(self.trace_dir) / f"stage{self.index}-rank{self.column}.json"
+            path.write_text(json.dumps(self.trace))
+            self.trace = []
         if self.link is not None:
             try:
                 self.link.shutdown()

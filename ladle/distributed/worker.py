@@ -30,8 +30,8 @@ class Command(IntEnum):
     """Rank 0 -> worker. The payload follows in the same pickled tuple."""
 
     KV_CACHE = 0  # (num_blocks, block_size, num_state_slots): allocate this rank's caches
-    FORWARD = 1  # (input_ids, positions, AttentionMetadata), all on CPU: run the shard
-    LOGITS = 2  # indices (or None) into the last FORWARD's hidden states: join the gather
+    FORWARD = 1  # (input_ids, positions, AttentionMetadata, micro-batch index), all on CPU
+    LOGITS = 2  # indices (or None) into the step's hidden states (its micro-batches joined)
     SHUTDOWN = 3  # leave the loop and the group
     COPY_BLOCKS = 4  # (sources, destinations): copy KV blocks (a beam search fork)
     STATES = 5  # (operation, argument): a hybrid's state slots (model_runner.apply_state_op)
@@ -156,15 +156,19 @@ def _serve(model, sock: zmq.Socket, spec: WorkerSpec, device: torch.device) -> N
     from ladle.models.gated_deltanet import GatedDeltaNetState
     from ladle.runner.model_runner import allocate_kv_caches, apply_state_op, copy_kv_blocks
 
-    kv_caches, hidden = None, None
+    kv_caches, hidden = None, []
     while True:
         command, payload = pickle.loads(sock.recv())
         if command == Command.FORWARD:
-            input_ids, positions, meta = payload
-            hidden = model(input_ids.to(device), positions.to(device), move(meta, device),
-                           kv_caches)
-        elif command == Command.LOGITS:
-            model.compute_logits(hidden, None if payload is None else payload.to(device))
+            input_ids, positions, meta, micro_batch = payload
+            if model.pp is not None:
+                model.pp.micro_batch = micro_batch
+            out = model(input_ids.to(device), positions.to(device), move(meta, device),
+                        kv_caches)
+            hidden = [out] if micro_batch == 0 else [*hidden, out]
+        elif command == Command.LOGITS:  # the last stage's ranks only
+            joined = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
+            model.compute_logits(joined, None if payload is None else payload.to(device))
         elif command == Command.KV_CACHE:
             num_blocks, block_size, num_slots = payload
             kv_caches = allocate_kv_caches(model.config, model.num_local_kv_heads, num_blocks,

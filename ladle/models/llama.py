@@ -5,6 +5,7 @@ into sequences through the AttentionMetadata that the model runner builds once p
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,16 +34,21 @@ def decoder_forward(model, input_ids, positions, meta: AttentionMetadata,
             x, residual = model.run_layer(i, x, residual, positions, meta, kv_cache)
         return model.final_norm(x, residual)
     if stage.first:
+        start = time.time()
         x, residual = model.embed(input_ids), None
     else:
         x, residual = stage.recv(input_ids.shape[0], model.config.hidden_size,
                                  model.pp_dtype, input_ids.device, model.has_residual)
+        start = time.time()
     for i in stage.layers:
         x, residual = model.run_layer(i, x, residual, positions, meta, kv_caches[i])
     if not stage.last:
+        stage.computed(start)
         stage.send(x, residual)
         return None
-    return model.final_norm(x, residual)
+    x = model.final_norm(x, residual)
+    stage.computed(start)
+    return x
 
 
 @dataclass(slots=True)

@@ -183,7 +183,7 @@ class ModelRunner:
         # Grammar bitmasks are filled in a worker thread while the forward runs.
         samples_output = (num_computed + num_sched >= batch.num_tokens[:R]).tolist()
         mask_job = structured.submit_bitmask(reqs, samples_output) if structured else None
-        hidden = self.model(input_ids, pos, attn, self.kv_caches)
+        hidden = self._forward(input_ids, pos, attn, num_sched, num_computed, num_drafts)
         last = ends - 1 - num_drafts  # each row's last known token: it samples the next one
         logits = self.model.compute_logits(hidden, torch.from_numpy(last).to(self.device))
         self._keep_verify_logits(hidden, last, num_drafts)
@@ -294,6 +294,26 @@ class ModelRunner:
             out[req.req_id] = PromptLogprobs(s, ids.cpu().numpy(), vals.cpu().numpy(),
                                              target_vals.cpu().numpy(), ranks.cpu().numpy())
         return out
+
+    def _forward(self, input_ids, pos, attn, num_sched: np.ndarray, num_computed: np.ndarray,
+                 num_drafts: np.ndarray) -> torch.Tensor:
+        """The step's forward. Under pipeline parallelism (a model with `micro_batches` > 1)
+        the rows are cut into up to that many runs of about equal tokens, each with its own
+        inputs, so the stages work on different runs at once; the hidden states come back in
+        the flat layout of all rows. A hybrid's state slots are planned for the whole step, so
+        it runs as one part."""
+        parts = min(getattr(self.model, "micro_batches", 1), len(num_sched))
+        if parts <= 1 or self.states:
+            return self.model(input_ids, pos, attn, self.kv_caches)
+        ends = np.cumsum(num_sched)
+        # Row i starts a new run where the tokens before it first pass k / parts of the total.
+        cuts = np.searchsorted(ends, ends[-1] * np.arange(1, parts) / parts, side="left") + 1
+        cuts = np.unique(np.clip(cuts, 1, len(num_sched) - 1))
+        runs = np.split(np.arange(len(num_sched)), cuts)
+        drafted = num_drafts > 0
+        inputs = [self.flat_inputs(rows, num_sched[rows], num_computed[rows], drafted[rows])[:3]
+                  for rows in runs]
+        return self.model.forward_micro_batches(inputs, self.kv_caches)
 
     def flat_inputs(self, rows: np.ndarray, num_new: np.ndarray, start: np.ndarray,
                     drafted: np.ndarray | None = None):
