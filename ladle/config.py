@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ladle.distributed.kv_transfer import KVTransferConfig
 from ladle.sampling_params import DEFAULT_MAX_N, INT64_MAX, INT64_MIN
 from ladle.spec_decode.config import SpeculativeConfig
 
@@ -75,6 +76,9 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     pp_layer_partition: list[int] | None = None  # layers per stage; None: as even as possible
     distributed_executor_backend: str = "mp"  # mp (local processes) | ray (actors, multi-node)
+    # Prefill/decode disaggregation: vLLM's --kv-transfer-config (dict or JSON string:
+    # kv_connector, kv_role, kv_connector_extra_config); checked into a KVTransferConfig here.
+    kv_transfer_config: KVTransferConfig | None = None
     # Seconds one collective (or one command to a worker) may take before the engine gives up
     # on the group and stops; startup (workers loading their shards) gets ten times as long.
     distributed_timeout: float = 60.0
@@ -117,6 +121,7 @@ class EngineConfig:
             raise ValueError(f"structured_outputs_cache_bytes: must be an integer >= 0, got "
                              f"{self.structured_outputs_cache_bytes!r}")
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+        self.kv_transfer_config = KVTransferConfig.from_value(self.kv_transfer_config)
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size: must be an integer >= 1, got "
                              f"{self.tensor_parallel_size!r}")

@@ -19,6 +19,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # Beam search: the request ids its n best beams are reported under (default: req_id for
     # n = 1, else req_id-0 ... req_id-(n-1), the frontend's names for n choices).
     output_ids: list[str] | None = None
+    # Prefill/decode disaggregation (distributed/kv_transfer.py), checked by
+    # check_kv_transfer_params.
+    kv_transfer_params: dict | None = None
 
 
 class Logprobs(msgspec.Struct, array_like=True):
@@ -50,6 +53,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # log-probabilities and its length-penalised score.
     cumulative_logprob: float | None = None
     beam_score: float | None = None
+    # A prefill server's handle on the finished request's KV, for the decode server.
+    kv_transfer_params: dict | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -18,6 +18,7 @@ from ladle.config import (
     kv_cache_bytes_from_utilization,
 )
 from ladle.distributed.group import WorkerGroupError
+from ladle.distributed.kv_transfer import check_kv_transfer_params, make_connector
 from ladle.engine.beam_search import BeamGroup, Continuation
 from ladle.engine.kv_cache_manager import KVCacheManager
 from ladle.engine.request import FinishReason, Request, RequestStatus
@@ -162,9 +163,18 @@ class EngineCore:
         elif spec is not None:
             proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
                                      spec.num_speculative_tokens)
+        # Prefill/decode disaggregation: the connector reads and writes this process's cache.
+        self.kv_connector = None
+        if config.kv_transfer_config is not None:
+            if self.model_group is not None or self.hybrid:
+                raise ValueError(
+                    "kv_transfer_config: prefill/decode disaggregation needs the whole model in "
+                    "the engine process (no -tp / -pp) and a paged KV cache (not a hybrid "
+                    "model's state slots)")
+            self.kv_connector = make_connector(config.kv_transfer_config, bs)
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-            proposer,
+            proposer, self.kv_connector,
         )
         # Speculative decoding counters: drafts proposed and accepted, and accepted per draft
         # position (index 0 = the first draft of a step).
@@ -184,6 +194,8 @@ class EngineCore:
                                   self.max_model_len, config.seed, keep_logits,
                                   config.logits_processors, self.reasoning, drafter,
                                   config.batch_invariant, num_state_slots)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.runner.kv_caches)
         eos = _eos_ids(self.tokenizer, self.model_path)
         self.structured = StructuredOutputManager(
             self.tokenizer, self.vocab_size, eos, config.structured_outputs_backend,
@@ -251,6 +263,11 @@ class EngineCore:
             request.can_draft = self._can_draft(params)
         room = self.max_model_len - n_prompt
         request.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if req.kv_transfer_params is not None:
+            request.kv_transfer_params = check_kv_transfer_params(req.kv_transfer_params)
+            if self.kv_connector is None:
+                raise ValueError("kv_transfer_params: this server has no --kv-transfer-config "
+                                 "(start it as a prefill or decode server to use them)")
         if params.beam_width:
             self._add_beam_group(req, request)
         if params.structured_outputs is not None:
@@ -321,6 +338,13 @@ class EngineCore:
             return failed
         if sched.state_copies:  # prefix-cache hits of a hybrid: their state, before the step
             self.runner.copy_states(sched.state_copies)
+        if self.kv_connector is not None:  # the prefill server's KV, before the forward
+            for req_id, why in self.kv_connector.start_load_kv().items():
+                req = self.scheduler.requests[req_id]
+                failed += self._fail(req, RuntimeError(why))
+                sched = _sub_schedule(sched, [r for r in sched.scheduled if r is not req])
+            if sched.is_empty:
+                return failed
         outputs = self._execute_isolating(sched)
         self.num_steps += 1
         return failed + outputs
@@ -451,6 +475,7 @@ class EngineCore:
                     prompt_logprobs=_prompt_logprobs(req),
                     error=req.error,
                     is_server_error=req.is_server_error,
+                    kv_transfer_params=req.kv_transfer_params_out,
                 )
             else:  # a further position of a speculative step
                 o.new_token_ids.append(token)
@@ -458,6 +483,7 @@ class EngineCore:
                 o.stop_reason = req.stop_reason
                 o.ended_by_stop_token = by_token
                 o.error, o.is_server_error = req.error, req.is_server_error
+                o.kv_transfer_params = req.kv_transfer_params_out
                 if lp is not None:
                     for mine, more in ((o.logprobs.token_ids, lp.token_ids),
                                        (o.logprobs.values, lp.values),
@@ -669,7 +695,7 @@ class EngineCore:
             "num_preemptions": self.scheduler.num_preemptions,
             "prefill_tokens": self.scheduler.num_prefill_tokens,
             "latencies": self.scheduler.take_latencies(),  # drained: call once per message
-        } | self._spec_stats()
+        } | self._spec_stats() | (self.kv_connector.stats() if self.kv_connector else {})
 
     def _spec_stats(self) -> dict:
         """vLLM's spec_decode counters (only when speculative decoding is on)."""

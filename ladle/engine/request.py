@@ -64,6 +64,10 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)  # prompt + output, appended
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        # Prefill/decode disaggregation: the request's params, and the finished request's
+        # params for the other side (distributed/kv_transfer.py).
+        self.kv_transfer_params: dict | None = None
+        self.kv_transfer_params_out: dict | None = None
         self.num_cached_tokens = 0  # of the prompt, served from the prefix cache
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

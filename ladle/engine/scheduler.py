@@ -13,6 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from ladle.distributed.kv_transfer import KVConnector
 from ladle.engine.kv_cache_manager import KVCacheManager
 from ladle.engine.request import Request, RequestStatus
 from ladle.spec_decode.draft_model import DraftSlots
@@ -61,8 +62,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         proposer: NgramProposer | DraftSlots | None = None,
+        connector: KVConnector | None = None,
     ):
         self.kv_cache = kv_cache
+        self.connector = connector  # prefill/decode disaggregation, when configured
         self.proposer = proposer  # speculative decoding, when configured
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -148,12 +151,17 @@ class Scheduler:
                 if not ready:
                     break
                 req = min(ready)
-            computed_blocks, num_cached = [], 0
+            computed_blocks, num_cached, num_external = [], 0, 0
             if req.num_computed_tokens == 0:
                 computed_blocks, num_cached = self.kv_cache.get_computed_blocks(req)
-            num_new = min(req.num_tokens - num_cached, budget)
+                if self.connector is not None and req.kv_transfer_params \
+                        and req.num_preemptions == 0:
+                    # Prompt tokens past the local hit whose KV the prefill server holds: they
+                    # are loaded, not computed (only the missing blocks move).
+                    num_external = self.connector.get_num_new_matched_tokens(req, num_cached)
+            num_new = min(req.num_tokens - num_cached - num_external, budget)
             req.num_computed_tokens = num_cached
-            if not self.kv_cache.allocate_slots(req, num_new, computed_blocks):
+            if not self.kv_cache.allocate_slots(req, num_external + num_new, computed_blocks):
                 req.num_computed_tokens = 0
                 # Beams waiting for their group hold blocks that no step uses: the newest one
                 # gives them back (it has reported; it recomputes after its group's step).
@@ -165,6 +173,10 @@ class Scheduler:
                 break
             self.waiting.remove(req)
             heapq.heapify(self.waiting)
+            if num_external:
+                self.connector.update_state_after_alloc(
+                    req, self.kv_cache.get_blocks(req.req_id), num_cached, num_external)
+                req.num_computed_tokens = num_cached + num_external
             if req.num_preemptions == 0 or req.num_cached_tokens == 0:
                 req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
@@ -282,6 +294,10 @@ class Scheduler:
             self.waiting.remove(req)
             heapq.heapify(self.waiting)
         req.status = status
+        if self.connector is not None and req.kv_transfer_params:
+            # A prefill server hands the prompt's KV over before the blocks go back.
+            _, req.kv_transfer_params_out = self.connector.request_finished(
+                req, self.kv_cache.get_blocks(req.req_id))
         self.kv_cache.free(req)
         start = self._phase_start.pop(req.req_id, None)
         if start and start[1] is not None:

@@ -406,6 +406,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         pp_layer_partition=args.pp_layer_partition,
         distributed_executor_backend=args.distributed_executor_backend,
         distributed_timeout=args.distributed_timeout,
+        kv_transfer_config=args.kv_transfer_config,
     )
 
 

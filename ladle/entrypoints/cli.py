@@ -248,6 +248,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 3} or '
                         '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}')
 
+    g = p.add_argument_group("KVTransferConfig", "prefill/decode disaggregation "
+                             '(docs/scaling.md; README: "Prefill/decode disaggregation")')
+    g.add_argument("--kv-transfer-config", type=_kv_transfer_config, default=None,
+                   help='JSON as vLLM\'s, e.g. {"kv_connector": "SharedStorageConnector", '
+                        '"kv_role": "kv_both", "kv_connector_extra_config": '
+                        '{"shared_storage_path": "/tmp/ladle-kv"}}')
+
     g = p.add_argument_group("Limits and overload", 'README: "Limits and errors"')
     g.add_argument("--max-n", type=int, default=_DEFAULTS.max_n,
                    help="most choices per request (n, best_of); OpenAI's limit is 128")
@@ -307,6 +314,15 @@ def _speculative_config(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _kv_transfer_config(text: str):
+    from ladle.distributed.kv_transfer import KVTransferConfig
+
+    try:
+        return KVTransferConfig.from_value(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _run_script(name: str, argv: list[str]) -> None:
     """Run benchmarks/<name>.py's main() with argv (the scripts stay runnable on their own)."""
     path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
@@ -326,6 +342,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start the OpenAI-compatible server")
     add_serve_args(serve)
+    proxy = sub.add_parser("proxy", help="prefill/decode disaggregation: an OpenAI-compatible "
+                           "front for prefill and decode servers")
+    from ladle.entrypoints.proxy import add_proxy_args
+
+    add_proxy_args(proxy)
     bench = sub.add_parser("bench", help="benchmarks (benchmarks/*.py)")
     bench.add_argument("which", choices=["serve", "throughput"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags")
@@ -389,6 +410,10 @@ def _check_model_file(model: str, quantization: str | None, tensor_parallel_size
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["proxy"]:
+        from ladle.entrypoints.proxy import run_proxy
+
+        sys.exit(run_proxy(build_parser()[0].parse_args(argv)))
     if argv[:1] != ["serve"]:  # bench, --help, or a usage error
         args, unknown = build_parser()[0].parse_known_args(argv)
         _run_script(args.which, unknown + args.rest)

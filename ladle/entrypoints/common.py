@@ -114,6 +114,15 @@ def request_error_response(e: RequestError) -> JSONResponse:
                         status_code=e.status_code, headers=e.headers)
 
 
+def with_kv_transfer_params(body: dict, states) -> dict:
+    """A response body with the prefill server's `kv_transfer_params` (vLLM's top-level field),
+    when the engine gave them (a request sent with do_remote_decode to a prefill server)."""
+    for state in states:
+        if state.kv_transfer_params is not None:
+            return {**body, "kv_transfer_params": state.kv_transfer_params}
+    return body
+
+
 def as_request_error(e: ValueError) -> RequestError:
     """A ValueError from input processing (its message starts with the field name)."""
     if isinstance(e, RequestError):

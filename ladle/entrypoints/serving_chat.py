@@ -27,6 +27,7 @@ from ladle.entrypoints.common import (
     sse_error,
     unique_id,
     until_disconnect,
+    with_kv_transfer_params,
 )
 from ladle.entrypoints.harmony import HarmonyPrompt, harmony_constraint, render_harmony
 from ladle.entrypoints.logprobs import TokenNames, chat_logprobs, prompt_logprobs
@@ -168,7 +169,8 @@ def process_chat(server: ServerState, request: ChatCompletionRequest,
             params.skip_special_tokens = False
         processed = processor.process(unique_id(request_id),
                                       {"prompt": prompt, "prompt_token_ids": ids}, params,
-                                      priority=request.priority, cache_salt=request.cache_salt)
+                                      priority=request.priority, cache_salt=request.cache_salt,
+                                      kv_transfer_params=request.kv_transfer_params)
         return processed, plan
     except ValueError as e:
         raise as_request_error(e) from e
@@ -319,7 +321,7 @@ class _Writer:
             prompt_token_ids=(self.processed.prompt_token_ids if self.request.return_token_ids
                               else None),
         )
-        return JSONResponse(response.model_dump())
+        return JSONResponse(with_kv_transfer_params(response.model_dump(), [state]))
 
     # ---- streaming --------------------------------------------------------------------------
     def _chunk(self, choice: ChatCompletionResponseStreamChoice) -> ChatCompletionStreamResponse:

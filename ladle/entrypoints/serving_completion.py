@@ -23,6 +23,7 @@ from ladle.entrypoints.common import (
     sse_error,
     unique_id,
     until_disconnect,
+    with_kv_transfer_params,
 )
 from ladle.entrypoints.logprobs import TokenNames, completion_logprobs, prompt_logprobs
 from ladle.frontend.output_processor import RequestState, TokenLogprob
@@ -63,7 +64,11 @@ def process_completion(server: ServerState, request: CompletionRequest,
                 params.prompt_logprobs = params.logprobs  # echoed tokens carry logprobs too
             processed.append(processor.process(
                 f"{internal_id}-{i}", {"prompt": text, "prompt_token_ids": ids}, params,
-                priority=request.priority, cache_salt=request.cache_salt))
+                priority=request.priority, cache_salt=request.cache_salt,
+                kv_transfer_params=request.kv_transfer_params))
+        if request.kv_transfer_params is not None and len(processed) > 1:
+            raise ValueError("kv_transfer_params: with one prompt per request only (the "
+                             "prefill server's handle is one prompt's KV)")
     except ValueError as e:
         raise as_request_error(e) from e
     return processed
@@ -169,7 +174,7 @@ class _Writer:
         num_cached = sum(s.num_cached_tokens for s in states.values())
         response = CompletionResponse(id=self.request_id, created=self.created, model=self.model,
                                       choices=out, usage=self._usage(num_completion, num_cached))
-        return JSONResponse(response.model_dump())
+        return JSONResponse(with_kv_transfer_params(response.model_dump(), states.values()))
 
     # ---- streaming --------------------------------------------------------------------------
     async def stream(self):

@@ -221,6 +221,13 @@ _ENGINE_SERIES = (
      "grammar_cache_bytes", _G),
     ("ladle:grammar_compiles_abandoned", "Compiles still running that no request waits for "
      "(timed out or aborted); they hold no worker slot.", "grammar_compiles_abandoned", _G),
+    # Prefill/decode disaggregation (0 without --kv-transfer-config).
+    ("ladle:kv_transfer_loaded_tokens", "Prompt tokens whose KV a decode server loaded from a "
+     "prefill server instead of computing.", "kv_loaded_tokens", _C),
+    ("ladle:kv_transfer_saved_tokens", "Prompt tokens whose KV a prefill server handed over.",
+     "kv_saved_tokens", _C),
+    ("ladle:kv_transfer_expired", "Handed-over KV that no decode server read within the "
+     "connector's timeout (deleted).", "kv_transfers_expired", _C),
 )
 # vLLM's spec_decode series (with ladle's prefix), when the engine speculates.
 _SPEC_SERIES = (

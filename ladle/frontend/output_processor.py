@@ -129,6 +129,7 @@ class RequestState:
     first_token_time: float | None = None
     tokenizer: object = None  # decodes logprob tokens for the offline output
     num_returned: int | None = None  # choices handed out (n); None: every child
+    kv_transfer_params: dict | None = None  # a prefill server's handle on the prompt's KV
     _ranked: list[ChildState] | None = field(default=None, repr=False)
 
     @property
@@ -243,6 +244,8 @@ class OutputProcessor:
             state, child = entry
             try:
                 state.num_cached_tokens = out.num_cached_tokens
+                if out.kv_transfer_params is not None:
+                    state.kv_transfer_params = out.kv_transfer_params
                 if out.prompt_logprobs is not None:
                     self._add_prompt_logprobs(state, out.prompt_logprobs)
                 if stats is not None and out.new_token_ids:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ladle.config import check_priority
+from ladle.distributed.kv_transfer import check_kv_transfer_params
 from ladle.messages import EngineCoreRequest
 from ladle.sampling_params import RequestLimits, SamplingParams
 from ladle.tokenizer import eos_token_ids, generation_defaults
@@ -122,8 +123,10 @@ class InputProcessor:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> ProcessedRequest:
         """Raises ValueError naming the field for anything the engine would reject."""
+        kv_transfer_params = check_kv_transfer_params(kv_transfer_params)
         text, token_ids = self.tokenize(prompt, add_special_tokens)
         self.check_prompt(token_ids)
         params.verify_for_model(self.limits)
@@ -146,10 +149,12 @@ class InputProcessor:
             # One beam search in the engine (engine/beam_search.py); its n best beams come back
             # under the choices' ids.
             req = EngineCoreRequest(request_id, token_ids, params, self.eos_token_ids, now,
-                                    priority, cache_salt, output_ids=child_ids)
+                                    priority, cache_salt, output_ids=child_ids,
+                                    kv_transfer_params=kv_transfer_params)
             return ProcessedRequest(request_id, text, token_ids, params, child_ids, [req])
         reqs = [
-            EngineCoreRequest(cid, token_ids, cp, self.eos_token_ids, now, priority, cache_salt)
+            EngineCoreRequest(cid, token_ids, cp, self.eos_token_ids, now, priority, cache_salt,
+                              kv_transfer_params=kv_transfer_params)
             for cid, cp in zip(child_ids, children, strict=True)
         ]
         return ProcessedRequest(request_id, text, token_ids, params, child_ids, reqs)

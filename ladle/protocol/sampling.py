@@ -87,6 +87,9 @@ class SamplingFields(RequestModel):
     """Add prompt_token_ids and each choice's token_ids to the response."""
     vllm_xargs: dict[str, Any] | None = None
     """Free-form arguments for custom logits processors (SamplingParams.extra_args)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """Prefill/decode disaggregation (`ladle proxy` sets them): {"do_remote_decode": true} to a
+    prefill server; the prefill response's kv_transfer_params to the decode server."""
 
     thinking_token_budget: int | None = None
     """With the server's reasoning parser: end thinking (force </think>) after this many
