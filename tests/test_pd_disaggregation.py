@@ -1,5 +1,6 @@
 """Prefill/decode disaggregation on one machine: a prefill server (P), a decode server (D) and
-`ladle proxy` in front, over SharedStorageConnector, against one plain server (the reference),
+`ladle proxy` in front, over SharedStorageConnector and NixlConnector (when NIXL is installed), against one plain
+server (the reference),
 all with --batch-invariant so that a token computed as D's single-token step and as part of the
 reference's prefill chunk is the same number.
 
@@ -8,8 +9,8 @@ reference's prefill chunk is the same number.
 - D computes at most one prompt token per request (ladle:prefill_tokens), the rest comes from
   P (ladle:kv_transfer_loaded_tokens); with D's prefix cache holding the start of a prompt,
   only the rest moves. A prompt shorter than one block and a partial last block work.
-- P frees its blocks after every hand-over, writes nothing for an aborted request, and deletes
-  a hand-over that no D reads within its timeout."""
+- P frees its blocks after every hand-over (NIXL: after D's read), hands nothing over for an
+  aborted request, and drops a hand-over that no D reads within its timeout."""
 
 from __future__ import annotations
 
@@ -29,10 +30,12 @@ COMMON = ("--api-key", API_KEY, "--max-model-len", "1024", "--batch-invariant",
           "--disable-access-log")
 
 
-def kv_config(role: str, path: str, timeout_s: float = 120) -> str:
-    return json.dumps({"kv_connector": "SharedStorageConnector", "kv_role": role,
-                       "kv_connector_extra_config": {"shared_storage_path": path,
-                                                     "timeout_s": timeout_s}})
+def kv_config(connector: str, role: str, path: str, timeout_s: float = 120) -> str:
+    extra = {"timeout_s": timeout_s}
+    if connector == "SharedStorageConnector":
+        extra["shared_storage_path"] = path
+    return json.dumps({"kv_connector": connector, "kv_role": role,
+                       "kv_connector_extra_config": extra})
 
 
 class Proxy:
@@ -63,24 +66,44 @@ class Proxy:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def reference():
+    server = RemoteServer(*COMMON)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module", params=["SharedStorageConnector", "NixlConnector"])
+def cluster(request, reference, tmp_path_factory):
+    connector = request.param
+    if connector == "NixlConnector":
+        from ladle.distributed.kv_transfer import _nixl_api
+
+        if _nixl_api() is None:
+            pytest.skip("NIXL is not installed (pip install --no-deps nixl-cu12)")
     storage = str(tmp_path_factory.mktemp("kv"))
     servers = []
     try:
-        ref = RemoteServer(*COMMON)
-        servers.append(ref)
         prefill = RemoteServer(*COMMON, "--kv-transfer-config",
-                               kv_config("kv_producer", storage, timeout_s=3))
+                               kv_config(connector, "kv_producer", storage, timeout_s=3))
         servers.append(prefill)
-        decode = RemoteServer(*COMMON, "--kv-transfer-config", kv_config("kv_consumer", storage))
+        decode = RemoteServer(*COMMON, "--kv-transfer-config",
+                              kv_config(connector, "kv_consumer", storage))
         servers.append(decode)
         proxy = Proxy(prefill.url, decode.url)
         servers.append(proxy)
-        yield {"ref": ref, "prefill": prefill, "decode": decode, "proxy": proxy,
-               "storage": storage}
+        yield {"ref": reference, "prefill": prefill, "decode": decode, "proxy": proxy,
+               "storage": storage, "connector": connector}
     finally:
         for s in reversed(servers):
             s.stop()
+
+
+def wait_for(server, name: str, value: float, timeout: float = 10) -> float:
+    """The metric once it equals `value` (P frees held blocks within its idle poll, 1 s)."""
+    deadline = time.monotonic() + timeout
+    while (got := metric(server, name)) != value and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return got
 
 
 def client(url: str) -> openai.OpenAI:
@@ -137,10 +160,12 @@ def test_completions_through_the_proxy_equal_one_server(cluster, case):
     if kw["prompt"] != "Hi":
         assert loaded > 0
     assert not list_handovers(cluster)  # D consumed the hand-over
-    assert metric(cluster["prefill"], "ladle:num_used_kv_blocks") == 0  # P freed its blocks
+    # P freed its blocks (NIXL: once D's read notified it)
+    assert wait_for(cluster["prefill"], "ladle:num_used_kv_blocks", 0) == 0
 
 
 def list_handovers(cluster) -> list[str]:
+    """SharedStorageConnector's files not read yet."""
     import os
 
     return [n for n in os.listdir(cluster["storage"]) if n.endswith(".safetensors")]
@@ -206,13 +231,19 @@ def test_prefill_frees_on_abort_and_expires_unread_handovers(cluster):
     assert metric(prefill, "ladle:num_used_kv_blocks") == 0
     assert metric(prefill, "ladle:kv_transfer_saved_tokens") == saved_before
     assert not list_handovers(cluster)
-    # Unread: a hand-over with no decode request after it; P's next hand-over after its
-    # timeout (3 s) deletes it.
+    # Unread: a hand-over with no decode request after it is dropped after P's timeout (3 s):
+    # NIXL: P holds its blocks until then; shared storage: P's next hand-over deletes the file.
     body = {"model": MODEL, "prompt": "Unread", "max_tokens": 1,
             "kv_transfer_params": {"do_remote_decode": True}}
     params = httpx.post(prefill.url + "/v1/completions", headers=headers, json=body,
                         timeout=60).json()["kv_transfer_params"]
     assert params["do_remote_prefill"] and re.fullmatch(r"[0-9a-f]{32}", params["transfer_id"])
+    if cluster["connector"] == "NixlConnector":
+        assert params["remote_block_ids"] and params["remote_port"] > 0
+        assert metric(prefill, "ladle:num_used_kv_blocks") > 0  # held for the read
+        assert wait_for(prefill, "ladle:num_used_kv_blocks", 0) == 0
+        assert metric(prefill, "ladle:kv_transfer_expired") >= 1
+        return
     assert list_handovers(cluster) == [params["transfer_id"] + ".safetensors"]
     time.sleep(3.5)
     httpx.post(prefill.url + "/v1/completions", headers=headers,
@@ -226,7 +257,8 @@ def test_prefill_frees_on_abort_and_expires_unread_handovers(cluster):
 @pytest.mark.parametrize("params,message", [
     ({"do_remote_decode": "yes"}, "kv_transfer_params.do_remote_decode: must be a bool"),
     ({"transfer_id": "../../etc/passwd"}, "kv_transfer_params.transfer_id: must be 32"),
-    ({"remote_block_ids": [1]}, "kv_transfer_params.remote_block_ids: unknown"),
+    ({"remote_rank": 0}, "kv_transfer_params.remote_rank: unknown"),
+    ({"remote_block_ids": [1, -1]}, "kv_transfer_params.remote_block_ids: at most"),
 ])
 def test_bad_kv_transfer_params_are_400s_naming_the_key(cluster, params, message):
     r = httpx.post(cluster["decode"].url + "/v1/completions",

@@ -223,6 +223,8 @@ class EngineCore:
         """Stop the tensor-parallel workers, if any, and leave batch-invariant mode (process-wide:
         a later engine or kernel call in this process starts from the default). The engine
         cannot step afterwards."""
+        if getattr(self, "kv_connector", None) is not None:
+            self.kv_connector.close()
         if getattr(self, "runner", None) is not None and self.runner.batch_invariant:
             cpu_kernels.set_batch_invariant(False)
         if self.model_group is not None:
@@ -326,7 +328,13 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     # ---- the step ---------------------------------------------------------------------------
+    def release_transfers(self) -> bool:
+        """Blocks held for a decode server that has read them (or timed out) go back; whether
+        any did (the engine loop calls this while idle too)."""
+        return self.scheduler.release_transfers()
+
     def step(self) -> list[EngineCoreOutput]:
+        self.scheduler.release_transfers()
         sched = self.scheduler.schedule()
         failed = [EngineCoreOutput(req_id=r.req_id, new_token_ids=[],
                                    finish_reason=int(FinishReason.ERROR), error=r.error,

@@ -139,6 +139,8 @@ class EngineCoreLoop:
                     self._send([])  # aborts freed blocks: report the idle gauges once
                 while not self.poller.poll(_IDLE_POLL_MS):
                     engine.check_health()  # a dead TP worker ends the engine even when idle
+                    if engine.release_transfers():  # a decode server read a prefill's KV
+                        self._send([])
             self._drain_input()
             outputs = engine.step() if engine.has_unfinished_requests() else []
             # Steps without outputs (a beam search's steps, long prefill chunks) still refresh

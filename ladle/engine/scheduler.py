@@ -66,6 +66,8 @@ class Scheduler:
     ):
         self.kv_cache = kv_cache
         self.connector = connector  # prefill/decode disaggregation, when configured
+        # Finished requests whose blocks a decode server has yet to read (NixlConnector).
+        self.held_for_transfer: dict[str, Request] = {}
         self.proposer = proposer  # speculative decoding, when configured
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -279,6 +281,18 @@ class Scheduler:
                 start[1] = now  # the prompt is in: this step samples the first token
                 self.latencies["prefill"].append(now - start[0])
 
+    def release_transfers(self) -> bool:
+        """Free the blocks of finished requests whose KV was read, or waited past the
+        connector's timeout; whether any were."""
+        if not self.held_for_transfer:
+            return False
+        done, _ = self.connector.get_finished()
+        for req_id in done:
+            req = self.held_for_transfer.pop(req_id, None)
+            if req is not None:
+                self.kv_cache.free(req)
+        return bool(done)
+
     def take_latencies(self) -> dict[str, list[float]]:
         """Phase times finished since the last call (queue, prefill, decode, inference)."""
         taken, self.latencies = self.latencies, _new_latencies()
@@ -294,11 +308,16 @@ class Scheduler:
             self.waiting.remove(req)
             heapq.heapify(self.waiting)
         req.status = status
+        delay_free = False
         if self.connector is not None and req.kv_transfer_params:
-            # A prefill server hands the prompt's KV over before the blocks go back.
-            _, req.kv_transfer_params_out = self.connector.request_finished(
+            # A prefill server hands the prompt's KV over before the blocks go back (or keeps
+            # them until the decode server has read them: release_transfers).
+            delay_free, req.kv_transfer_params_out = self.connector.request_finished(
                 req, self.kv_cache.get_blocks(req.req_id))
-        self.kv_cache.free(req)
+        if delay_free:
+            self.held_for_transfer[req.req_id] = req
+        else:
+            self.kv_cache.free(req)
         start = self._phase_start.pop(req.req_id, None)
         if start and start[1] is not None:
             now = time.monotonic()

@@ -115,8 +115,19 @@ def build_app(prefill: list[str], decode: list[str], timeout_s: float):
         return await forward(request, next(decodes) + request.url.path,
                              json.dumps(body).encode())
 
+    async def guarded(request: Request):
+        """An upstream server that cannot be reached or breaks off is a 502 naming it."""
+        try:
+            return await generate(request)
+        except httpx.HTTPError as e:
+            url = str(e.request.url) if getattr(e, "_request", None) is not None else "upstream"
+            logger.warning("upstream %s failed: %s: %s", url, type(e).__name__, e)
+            return JSONResponse({"error": {
+                "message": f"ladle proxy: {url} failed ({type(e).__name__}: {e})",
+                "type": "BadGatewayError", "param": None, "code": 502}}, status_code=502)
+
     for route in GENERATION_ROUTES:
-        app.add_api_route(route, generate, methods=["POST"])
+        app.add_api_route(route, guarded, methods=["POST"])
 
     @app.get("/proxy/stats")
     async def stats():
