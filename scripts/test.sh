@@ -6,6 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0 -e '.[test]'
+# NixlConnector (prefill/decode disaggregation) on NIXL's UCX backend: the CUDA 12 build's
+# Python package runs on CPU too; --no-deps keeps the CPU torch (its deps pull a CUDA torch).
+.venv/bin/pip install -q --disable-pip-version-check --no-deps nixl-cu12==1.5.1
 # The playground's browser test drives Debian's chromium through Playwright (Playwright cannot
 # download its own browsers here).
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then

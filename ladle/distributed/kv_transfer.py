@@ -18,6 +18,8 @@ The flow (vLLM's disaggregated-serving proxy; ladle's is `ladle proxy`):
    max_tokens) starts on D exactly as on a single server, and P's sampled token is never used.
 
 Connectors here:
+- `NixlConnector` (below): D pulls the blocks straight out of P's cache memory with NIXL; P holds
+  them until D's read notifies it (delayed free), or its timeout.
 - `SharedStorageConnector` (vLLM's first example connector of that name): P writes each
   finished request's prompt KV to one safetensors file in a directory both servers see
   (`kv_connector_extra_config.shared_storage_path`), with the prompt's token ids; D reads the
