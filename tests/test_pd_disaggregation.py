@@ -52,6 +52,8 @@ class Proxy:
                 raise RuntimeError(f"proxy did not start:\n{self.log()}")
             time.sleep(0.1)
         self.url = f"http://127.0.0.1:{m.group(1)}"
+        # The port listens from the log line on, so the first request waits, never refused.
+        assert httpx.get(self.url + "/proxy/stats", timeout=30).status_code == 200
 
     def log(self) -> str:
         return open(self.log_file.name).read()

@@ -185,6 +185,17 @@ def test_ray_backend_gives_the_same_tokens_as_mp(local_ray, tp1_outputs):
     assert_same_outputs(ours, tp1_outputs)
 
 
+def test_ray_backend_runs_pipeline_stages(local_ray, tp1_outputs):
+    """-pp 2 with the first stage a Ray actor: the same outputs as one process."""
+    llm = LLM(MODEL, dtype="float32", max_model_len=512, pipeline_parallel_size=2,
+              distributed_executor_backend="ray")
+    try:
+        ours = generate(llm)
+    finally:
+        llm.close()
+    assert_same_outputs(ours, tp1_outputs)
+
+
 def test_killed_worker_fails_requests_and_ends_the_server():
     """SIGKILL of rank 1 mid-stream: the same checks as an engine's death (errors within
     seconds, /health fails, non-zero exit), and neither the engine nor a worker outlives it."""

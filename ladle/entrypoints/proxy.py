@@ -156,6 +156,9 @@ def run_proxy(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"ladle proxy: error: {e}")
         return 2
+    # Listening from now on: a client that connects while the app starts waits in the backlog
+    # instead of being refused (the log line below is what scripts wait for).
+    sock.listen(2048)
     host, port = sock.getsockname()[:2]
     logger.info("proxy serving on http://%s:%d (prefill %s; decode %s)", host, port,
                 ", ".join(args.prefill), ", ".join(args.decode))
