@@ -3,10 +3,11 @@ tests check against transformers. Each stage holds only its layers' weights and 
 engine process is the last stage and samples.
 
 - Greedy tokens equal and per-step logits within TP's float32 tolerance (measured: equal to
-  the bit) for a dense family, Gemma 3 (sliding windows, its own embedding scale and rope per
-  layer type), Qwen3-MoE (experts), OLMo 2 (no residual stream between layers) and a
-  Qwen3.5 hybrid (linear-attention state slots), through 16-token prefill chunks and
-  prefix-cache hits.
+  the bit), and seeded sampling with penalties, logit_bias, top-k/top-p, min_tokens and
+  logprobs (within 1e-5) token-identical, for a dense family, Gemma 3 (sliding windows, its own
+  embedding scale and rope per layer type), Qwen3-MoE (experts), OLMo 2 (no residual stream
+  between layers) and a Qwen3.5 hybrid (linear-attention state slots), through 16-token prefill
+  chunks and prefix-cache hits.
 - A mixed batch (penalties, logit_bias, json_schema, logprobs, prompt logprobs, seeds) gives
   the same tokens as -pp 1, logprobs within 1e-5, with -pp 2 and -pp 2 -tp 2.
 - A layer partition that does not fit is an error naming the flag; a killed stage worker ends
@@ -32,6 +33,8 @@ from ladle.config import EngineConfig
 from ladle.distributed.pipeline import stage_layers
 from ladle.engine.core import EngineCore
 from ladle.llm import LLM
+from ladle.messages import EngineCoreRequest
+from ladle.sampling_params import SamplingParams
 
 _gen = torch.Generator().manual_seed(5)
 # The third and fourth share a 40-token prefix with the first (prefix-cache hits on blocks of
@@ -66,6 +69,34 @@ def run_staggered(eng: EngineCore) -> tuple[list, list]:
     return tok0 + toks, log0 + logs
 
 
+# Seeded sampling with penalties, logit_bias, top-k/top-p, min_tokens and logprobs, one per
+# prompt, all in one batch (json_schema needs a tokenizer: the mixed-batch test below has it).
+SAMPLED = [
+    SamplingParams(temperature=0.9, seed=7, max_tokens=NUM_DECODE, presence_penalty=0.5,
+                   frequency_penalty=0.3, repetition_penalty=1.2, ignore_eos=True),
+    SamplingParams(temperature=0.7, seed=11, max_tokens=NUM_DECODE, logit_bias={15: 5.0},
+                   logprobs=2, ignore_eos=True),
+    SamplingParams(temperature=1.0, seed=5, max_tokens=NUM_DECODE, top_k=20, top_p=0.9,
+                   min_tokens=NUM_DECODE, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=NUM_DECODE, logprobs=3, ignore_eos=True),
+]
+
+
+def run_sampled(eng: EngineCore) -> tuple[dict, dict]:
+    """SAMPLED over PROMPTS as one batch: tokens and every logprob value by request."""
+    for i, (prompt, params) in enumerate(zip(PROMPTS, SAMPLED, strict=True)):
+        eng.add_request(EngineCoreRequest(f"s{i}", prompt, params, [], 0.0))
+    tokens: dict[str, list[int]] = {}
+    values: dict[str, list[float]] = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            tokens.setdefault(o.req_id, []).extend(o.new_token_ids)
+            if o.logprobs is not None:
+                values.setdefault(o.req_id, []).extend(
+                    [*o.logprobs.sampled_values, *(v for row in o.logprobs.values for v in row)])
+    return tokens, values
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_pp2_equals_pp1(family, tmp_path):
     FAMILIES[family](tmp_path)
@@ -73,7 +104,7 @@ def test_pp2_equals_pp1(family, tmp_path):
     for pp in (1, 2):
         eng = engine(tmp_path, pp, enable_prefix_caching=True)
         try:
-            results[pp] = run_staggered(eng)
+            results[pp] = (*run_staggered(eng), *run_sampled(eng))
             caches = eng.runner.kv_caches
             held = [c is not None for c in caches]
             if pp == 1:
@@ -83,11 +114,15 @@ def test_pp2_equals_pp1(family, tmp_path):
                 assert held == [i >= n - n // 2 for i in range(n)], held
         finally:
             eng.close()
-    (tok1, log1), (tok2, log2) = results[1], results[2]
+    (tok1, log1, sampled1, lp1), (tok2, log2, sampled2, lp2) = results[1], results[2]
     assert tok2 == tok1
     for a, b in zip(log1, log2, strict=True):
         assert a.shape == b.shape
         assert (a - b).abs().max().item() <= TOL * max(1.0, a.abs().max().item())
+    assert sampled2 == sampled1 and all(len(t) == NUM_DECODE for t in sampled1.values())
+    assert lp2.keys() == lp1.keys() == {"s1", "s3"}
+    for req_id, values in lp1.items():
+        assert max(abs(a - b) for a, b in zip(values, lp2[req_id], strict=True)) <= 1e-5
 
 
 @pytest.fixture(scope="module")
