@@ -143,7 +143,7 @@ def tp1_outputs():
     return generate(llm)
 
 
-def assert_same_outputs(ours, ref):
+def assert_same_outputs(ours, ref, tol: float = 1e-4):
     for (toks, lps, plps), (ref_toks, ref_lps, ref_plps) in zip(ours, ref, strict=True):
         assert list(toks) == list(ref_toks)
         for a, b in ((lps, ref_lps), (plps, ref_plps)):
@@ -154,7 +154,7 @@ def assert_same_outputs(ours, ref):
                     continue
                 assert pos_a.keys() == pos_b.keys()
                 for t in pos_a:
-                    assert abs(pos_a[t].logprob - pos_b[t].logprob) <= 1e-4
+                    assert abs(pos_a[t].logprob - pos_b[t].logprob) <= tol
 
 
 def test_mixed_batch_tokens_identical_to_tp1(tp1_outputs):
@@ -174,21 +174,12 @@ def local_ray():
     ray.shutdown()
 
 
-def test_ray_backend_gives_the_same_tokens_as_mp(local_ray, tp1_outputs):
-    """mp -tp 2 equals -tp 1 (above); ray -tp 2 must equal the same outputs."""
-    llm = LLM(MODEL, dtype="float32", max_model_len=512, tensor_parallel_size=2,
-              distributed_executor_backend="ray")
-    try:
-        ours = generate(llm)
-    finally:
-        llm.close()
-    assert_same_outputs(ours, tp1_outputs)
-
-
-def test_ray_backend_runs_pipeline_stages(local_ray, tp1_outputs):
-    """-pp 2 with the first stage a Ray actor: the same outputs as one process."""
-    llm = LLM(MODEL, dtype="float32", max_model_len=512, pipeline_parallel_size=2,
-              distributed_executor_backend="ray")
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_ray_backend_gives_the_same_tokens_as_mp(local_ray, tp1_outputs, tp, pp):
+    """mp -tp 2 equals -tp 1 (above); ray -tp 2, and -pp 2 with the first stage a Ray actor,
+    must equal the same outputs."""
+    llm = LLM(MODEL, dtype="float32", max_model_len=512, tensor_parallel_size=tp,
+              pipeline_parallel_size=pp, distributed_executor_backend="ray")
     try:
         ours = generate(llm)
     finally:
