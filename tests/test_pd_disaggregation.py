@@ -273,3 +273,22 @@ def test_bad_kv_transfer_params_are_400s_naming_the_key(cluster, params, message
                    json={"model": MODEL, "prompt": "x", "max_tokens": 1,
                          "kv_transfer_params": {"do_remote_decode": True}})
     assert r.status_code == 400 and "no --kv-transfer-config" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("value,message", [
+    ("{bad", "kv_transfer_config: not JSON"),
+    ('{"kv_connector": "P2pNcclConnector", "kv_role": "kv_both"}',
+     "kv_connector: 'P2pNcclConnector'; accepted: SharedStorageConnector, NixlConnector"),
+    ('{"kv_connector": "SharedStorageConnector", "kv_role": "kv_both"}',
+     "shared_storage_path: required"),
+    ('{"kv_connector": "NixlConnector", "kv_role": "sender"}', "kv_role: 'sender'; accepted"),
+    ('{"kv_connector": "NixlConnector", "kv_role": "kv_both", '
+     '"kv_connector_extra_config": {"timeout_s": -1}}', "timeout_s: must be a positive number"),
+])
+def test_bad_kv_transfer_config_is_a_usage_error(capsys, value, message):
+    from ladle.entrypoints.cli import parse_serve_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_serve_args(["--kv-transfer-config", value])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
