@@ -42,6 +42,7 @@ FAIL_FAST_S = 10.0
 FP16_FIELDS = {
     T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2),
     T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+    T.MXFP4: (),  # its scale is the E8M0 byte 0 (set below)
 }
 
 
@@ -57,6 +58,8 @@ def random_rows(ggml_type: GGMLQuantizationType, num_rows: int, blocks_per_row: 
             scale = rng.standard_normal((num_rows, blocks_per_row)) * 2.0 ** exponent
             raw[:, :, start:start + 2] = scale.astype(np.float16).view(np.uint8).reshape(
                 num_rows, blocks_per_row, 2)
+        if ggml_type == T.MXFP4:  # powers of two 2^-128 (subnormal) .. 2^30, no overflow
+            raw[:, :, 0] = rng.integers(0, 158, (num_rows, blocks_per_row))
         return raw.reshape(num_rows, -1)
     values = rng.standard_normal((num_rows, blocks_per_row * block_size)).astype(np.float32)
     if ggml_type == T.F16:
@@ -266,7 +269,8 @@ def test_unsupported_tensor_type_names_the_tensor(tmp_path, ggml_type):
     path = write_gguf(tmp_path / "q.gguf", tensors=[f32_tensor(), ("blk.0.attn_q.weight", raw,
                                                                     ggml_type)])
     refused(path, f"tensor 'blk.0.attn_q.weight' is {ggml_type.name}",
-            "supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K")
+            "supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, "
+            "Q6_K")
 
 
 def test_unknown_tensor_type_id(tmp_path):

@@ -5,6 +5,9 @@ scaling's rounding, with no room for a wrong bit or a misplaced block), rows deq
 as gguf-py's layout, and a fused weight of mixed parts (blocks of two types and a dense part)
 giving the twin's result."""
 
+import gguf
+import gguf.quants
+import numpy as np
 import pytest
 import torch
 
@@ -17,16 +20,19 @@ needs_kernels = pytest.mark.skipif(kernels is None or not hasattr(kernels, "quan
                                    reason="no compiled CPU kernels here")
 
 # Byte offsets of each type's fp16 scale fields (d; Q4_K also dmin), as gguf-py lays blocks out.
-F16_FIELDS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q5_0: [0], Q.Q4_K: [0, 2], Q.Q6_K: [208]}
+F16_FIELDS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q5_0: [0], Q.Q4_K: [0, 2], Q.Q6_K: [208], Q.MXFP4: []}
 
 
 def random_blocks(kind: int, rows: int, k: int, g: torch.Generator) -> torch.Tensor:
-    """Random bytes (every bit pattern of quants, sub-scales, high bits) with sane fp16 scales."""
+    """Random bytes (every bit pattern of quants, sub-scales, high bits) with sane fp16 scales
+    (MXFP4: E8M0 exponents around 2^0, scales 2^-13 .. 2^6)."""
     values, size = Q.BLOCK_SIZES[kind]
     raw = torch.randint(0, 256, (rows, k // values, size), dtype=torch.uint8, generator=g)
     for off in F16_FIELDS[kind]:
         scale = (torch.rand(rows, k // values, generator=g) * 0.02 + 1e-3).half()
         raw[:, :, off:off + 2] = scale.view(torch.uint8).reshape(rows, k // values, 2)
+    if kind == Q.MXFP4:
+        raw[:, :, 0] = torch.randint(115, 135, (rows, k // values), dtype=torch.uint8, generator=g)
     return raw.reshape(rows, -1).contiguous()
 
 
@@ -57,8 +63,9 @@ def test_activations_quantize_like_the_twin(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_block_linear_equals_the_dequantized_product(kind, dtype):
     g = torch.Generator().manual_seed(kind)
-    # M: decode (1), register-tile remainders (3, 5), prefill; N: tile remainders.
-    for m, n, k in [(1, 37, 256), (3, 8, 512), (5, 9, 768), (17, 6, 256), (64, 33, 1024)]:
+    # M: decode (1), register-tile remainders (2, 3, 5), prefill; N: tile remainders.
+    for m, n, k in [(1, 37, 256), (2, 7, 256), (3, 8, 512), (4, 11, 256), (5, 9, 768),
+                    (17, 6, 256), (37, 13, 512), (64, 33, 1024)]:
         w = Q.QuantWeight([Q.QuantPart(kind, random_blocks(kind, n, k, g))], k, dtype)
         x = torch.randn(m, k, generator=g).to(dtype)
         y = Q.quant_linear(x, w).float()
@@ -96,7 +103,7 @@ def test_int8_rows_linear(dtype):
 
 @needs_kernels
 def test_one_call_runs_every_part_into_its_columns():
-    """q|k|v-like parts of four kinds, each rows not a multiple of the tile, for decode (1 row)
+    """q|k|v-like parts of five kinds, each rows not a multiple of the tile, for decode (1 row)
     and prefill rows: each column block is its own part's product, nothing written twice or
     skipped (the output starts as NaN)."""
     g = torch.Generator().manual_seed(6)
@@ -104,6 +111,7 @@ def test_one_call_runs_every_part_into_its_columns():
     parts = [Q.QuantPart(Q.Q5_0, random_blocks(Q.Q5_0, 13, k, g)),
              Q.quantize_weight_rows(torch.randn(7, k, generator=g)),
              Q.QuantPart(Q.Q8_0, random_blocks(Q.Q8_0, 5, k, g)),
+             Q.QuantPart(Q.MXFP4, random_blocks(Q.MXFP4, 11, k, g)),
              Q.QuantPart(Q.Q6_K, random_blocks(Q.Q6_K, 3, k, g))]
     w = Q.QuantWeight(parts, k, torch.float32)
     for m in (1, 2, 9):
@@ -132,6 +140,74 @@ def test_mixed_parts_match_the_twin(monkeypatch):
     torch.testing.assert_close(y.float(), twin.float(), rtol=1e-2, atol=2e-2)
     ref = Q.linear_reference(x.reshape(6, k), w) + bias.double()
     torch.testing.assert_close(y.reshape(6, 40).double(), ref, rtol=1e-2, atol=2e-2)
+
+
+# MXFP4 by its definition (the OCP MX spec's e2m1, as ggml stores it): the e2m1 value of each
+# nibble code 0..15 (sign bit 3), and the block scale 2^(e - 127) of the E8M0 byte e.
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+MXFP4_EXPONENTS = [0, 1, 127, 200]  # subnormal 2^-128 and 2^-127 (halved), 2^-1, 2^72
+
+
+def mxfp4_spec_blocks() -> tuple[torch.Tensor, torch.Tensor]:
+    """One row per exponent, 8 blocks each, with every nibble code in every position of a byte:
+    block b's byte j (0..15) has low nibble (j + b) % 16 (value j) and high nibble (5 j + 3 b + 1)
+    % 16 (value j + 16). -> (raw uint8 (4, 8 * 17), float64 values (4, 256) by the spec)."""
+    raw = torch.zeros(len(MXFP4_EXPONENTS), 8, 17, dtype=torch.uint8)
+    values = torch.zeros(len(MXFP4_EXPONENTS), 8, 32, dtype=torch.float64)
+    for r, e in enumerate(MXFP4_EXPONENTS):
+        for b in range(8):
+            raw[r, b, 0] = e
+            for j in range(16):
+                lo, hi = (j + b) % 16, (5 * j + 3 * b + 1) % 16
+                raw[r, b, 1 + j] = lo | hi << 4
+                values[r, b, j] = E2M1[lo] * 2.0 ** (e - 127)
+                values[r, b, j + 16] = E2M1[hi] * 2.0 ** (e - 127)
+    return raw.reshape(len(MXFP4_EXPONENTS), -1), values.reshape(len(MXFP4_EXPONENTS), -1)
+
+
+@needs_kernels
+def test_mxfp4_rows_follow_the_spec():
+    """Every nibble code in both halves of a byte, at exponents 0 and 1 (float32 subnormal
+    scales), 127 and 200: the kernel's rows, quants.py's dequantizer and gguf-py's all give the
+    e2m1 values times 2^(e - 127), exactly."""
+    raw, spec = mxfp4_spec_blocks()
+    expected = spec.float()
+    assert torch.equal(expected.double(), spec)  # every value exact in float32
+    assert expected[0].abs().min() == 0 and 0 < expected[0].abs()[expected[0] != 0].min() < 1e-38
+    ids = torch.tensor([3, 0, 1, 2, 0])
+    w = Q.QuantWeight([Q.QuantPart(Q.MXFP4, raw)], 256, torch.float32)
+    assert torch.equal(Q.quant_rows(w, ids), expected[ids])
+    assert torch.equal(dequantize(raw, Q.MXFP4, (4, 256)), expected)
+    theirs = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType.MXFP4)
+    assert np.array_equal(theirs, expected.numpy())
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_linear_at_extreme_exponents(dtype, monkeypatch):
+    """The spec blocks' rows (each row one exponent: 0, 1, 127, 200) and their sign-flipped and
+    shuffled copies, 13 rows (odd N) by 256, for decode and prefill row counts: each row equal to
+    the float64 product, and the twin's result the kernel's. The activations are large (d_x ~ 20)
+    so that the subnormal weight scales times d_x are normal floats, as the check needs."""
+    raw, _ = mxfp4_spec_blocks()
+    g = torch.Generator().manual_seed(8)
+    blocks = raw.view(4, 8, 17)
+    more = blocks[torch.randint(0, 4, (9,), generator=g)].clone()
+    more[:, :, 1:] ^= 0x88  # flip the sign bit of every nibble
+    more = more[:, torch.randperm(8, generator=g)]
+    w = Q.QuantWeight([Q.QuantPart(Q.MXFP4, torch.cat([blocks, more]).reshape(13, -1))], 256,
+                      dtype)
+    for m in (1, 2, 3, 4, 5, 37):
+        x = (torch.randn(m, 256, generator=g) * 1000).to(dtype)
+        y = Q.quant_linear(x, w)
+        tol = 1e-5 if dtype == torch.float32 else 4e-3
+        err = relative_error(y.float(), x, w)
+        assert err < tol, (m, err)
+        with monkeypatch.context() as mp:
+            mp.setattr(Q, "_kernels", lambda x: None)
+            twin = Q.quant_linear(x, w)
+        bound = Q.dequantized_activations(x).abs() @ w.dequantize().double().abs().T
+        assert ((y.double() - twin.double()).abs() / bound).max() < 2 * tol, m
 
 
 def test_weight_shapes_are_checked():

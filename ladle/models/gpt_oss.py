@@ -9,10 +9,14 @@ layers as `layer_types` alternates them, YaRN rope, and on every layer a mixture
 
 Checkpoints stack each layer's experts in one tensor, stored transposed (`experts.gate_up_proj`
 (E, hidden, 2I), `experts.down_proj` (E, I, hidden), and their biases); `unfused` serves them as
-per-expert nn.Linear weights. The published gpt-oss-20b/120b files hold the expert weights in
-MXFP4 instead (`*_blocks` (E, out, in / 32, 16): 32 four-bit e2m1 values per block, low nibble
-first; `*_scales` (E, out, in / 32): a power of two, 2^(s - 127), per block), dequantized at
-load. Harmony, the format gpt-oss speaks, is the output side's (entrypoints/harmony.py,
+per-expert tensors. An expert holds its gate rows and its up rows as the two halves of one
+`gate_up_proj` (the checkpoint's interleaved rows are split at load), as every gated MLP in
+ladle does, so the loader's fused shards, tensor parallelism and quantized parts apply
+unchanged. The published gpt-oss-20b/120b files hold the expert weights in MXFP4 instead
+(`*_blocks` (E, out, in / 32, 16): 32 four-bit e2m1 values per block, low nibble first;
+`*_scales` (E, out, in / 32): a power of two, 2^(s - 127), per block), dequantized at load. A
+GGUF file (models/gguf/mapping.py) stores gate, up and down as separate stacked tensors with
+separate biases, the MXFP4 blocks kept for the quantized kernels. Harmony, the format gpt-oss speaks, is the output side's (entrypoints/harmony.py,
 parsers/harmony.py)."""
 
 from __future__ import annotations
@@ -56,21 +60,23 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> t
 
 
 class GptOssExpert(nn.Module):
-    """One expert: `gate_up` (rows interleaved gate, up) and `down`, both with biases. Under
-    tensor parallelism only rank 0 adds the down bias, so the all-reduce counts it once."""
+    """One expert: `gate_up_proj` (the gate's rows, then the up's) and `down_proj`, both with
+    biases. Under tensor parallelism only rank 0 adds the down bias, so the all-reduce counts it
+    once."""
 
     def __init__(self, hidden: int, inter: int, alpha: float, limit: float, down_bias: bool):
         super().__init__()
-        self.gate_up = nn.Linear(hidden, 2 * inter)
-        self.down = nn.Linear(inter, hidden)
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter)
+        self.down_proj = nn.Linear(inter, hidden)
         self.alpha, self.limit, self.down_bias = alpha, limit, down_bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, self.gate_up.weight, self.gate_up.bias)
-        gate = gate_up[:, ::2].clamp(max=self.limit)
-        up = gate_up[:, 1::2].clamp(-self.limit, self.limit)
+        gate_up = linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
         h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-        return linear(h, self.down.weight, self.down.bias if self.down_bias else None)
+        return linear(h, self.down_proj.weight, self.down_proj.bias if self.down_bias else None)
 
 
 class GptOssMoe(RoutedExperts):
@@ -128,59 +134,73 @@ class GptOssForCausalLM(MoeForCausalLM):
         return GptOssMoe(self.config.hidden_size, self.moe, self.expert_slice(), *self.swiglu,
                          self.tp)
 
-    # Stacked checkpoint tensor -> (per-expert parameter, stored transposed).
-    _STACKED = {"gate_up_proj": ("gate_up.weight", True),
-                "gate_up_proj_bias": ("gate_up.bias", False),
-                "down_proj": ("down.weight", True), "down_proj_bias": ("down.bias", False)}
-
     def unfused(self, name: str, shape: tuple | None, sibling=None) -> list | None:
-        """A layer's stacked experts (E, ...) as per-expert tensors: weights transposed to
-        nn.Linear's (out, in), biases as they are, MXFP4 blocks dequantized with their scales
-        (read beside them through `sibling`)."""
+        """A layer's stacked experts as per-expert tensors, from either layout:
+
+        - the HF checkpoint's `experts.gate_up_proj` (E, hidden, 2I) with gate and up columns
+          interleaved, `down_proj` (E, I, hidden), their biases (E, 2I) and (E, hidden), or the
+          weights as MXFP4 `*_blocks` with `*_scales` (read beside them through `sibling`);
+        - a GGUF file's `experts.{gate,up,down}_proj.{weight,bias}` (E, out, in) and (E, out),
+          as models/gguf/mapping.py names them.
+
+        Weights come out as nn.Linear's (out, in): gate and up as the two shards of the
+        expert's gate_up_proj."""
         stem, _, kind = name.rpartition(".")
+        if kind in ("weight", "bias") and stem.endswith(("experts.gate_proj", "experts.up_proj",
+                                                         "experts.down_proj")):
+            stem, _, proj = stem.rpartition(".")  # GGUF: expert e is row block e
+            num = self.moe.num_experts if shape is None else shape[0]
+            sub = None if shape is None else tuple(shape[1:])
+            return [(f"{stem}.{e}.{proj}.{kind}", sub, e) for e in range(num)]
         if not stem.endswith(".experts"):
             return None
         if kind in ("gate_up_proj_scales", "down_proj_scales"):
             return []  # read with their blocks
-        if kind in ("gate_up_proj_blocks", "down_proj_blocks"):
-            return self._mxfp4_parts(stem, kind.removesuffix("_blocks"), shape, sibling)
-        if kind not in self._STACKED:
-            return None
-        target, transposed = self._STACKED[kind]
         num = self.moe.num_experts if shape is None else shape[0]
-        parts = []
-        for e in range(num):
-            sub_shape = None if shape is None else (
-                (shape[2], shape[1]) if transposed else tuple(shape[1:]))
-            index = (lambda t, e=e: t[e].t()) if transposed else e
-            parts.append((f"{stem}.{e}.{target}", sub_shape, index))
-        return parts
+        if kind in ("gate_up_proj_blocks", "down_proj_blocks"):
+            return self._mxfp4_parts(stem, kind.removesuffix("_blocks"), num, shape, sibling)
+        if kind == "gate_up_proj":  # (E, hidden, 2I): column 2i is gate row i, 2i + 1 up row i
+            sub = None if shape is None else (shape[2] // 2, shape[1])
+            return [(f"{stem}.{e}.{proj}.weight", sub, lambda t, e=e, i=i: t[e][:, i::2].t())
+                    for e in range(num) for i, proj in enumerate(("gate_proj", "up_proj"))]
+        if kind == "gate_up_proj_bias":
+            sub = None if shape is None else (shape[1] // 2,)
+            return [(f"{stem}.{e}.{proj}.bias", sub, lambda t, e=e, i=i: t[e][i::2])
+                    for e in range(num) for i, proj in enumerate(("gate_proj", "up_proj"))]
+        if kind == "down_proj":  # (E, I, hidden)
+            sub = None if shape is None else (shape[2], shape[1])
+            return [(f"{stem}.{e}.down_proj.weight", sub, lambda t, e=e: t[e].t())
+                    for e in range(num)]
+        if kind == "down_proj_bias":
+            sub = None if shape is None else (shape[1],)
+            return [(f"{stem}.{e}.down_proj.bias", sub, e) for e in range(num)]
+        return None
 
-    def _mxfp4_parts(self, stem: str, base: str, shape: tuple | None, sibling) -> list:
-        target = self._STACKED[base][0]
+    def _mxfp4_parts(self, stem: str, base: str, num: int, shape: tuple | None,
+                     sibling) -> list:
+        """MXFP4 `{base}_blocks` (E, out, in / 32, 16): each expert's rows dequantized with
+        their scales; gate_up's interleaved rows split into the gate and up shards."""
         scales: list[torch.Tensor] = []  # read once, for all experts
 
-        def expert(blocks: torch.Tensor, e: int) -> torch.Tensor:
+        def rows(blocks: torch.Tensor, e: int, pick: slice) -> torch.Tensor:
             if not scales:
                 scales.append(sibling(f"{stem}.{base}_scales"))
-            return dequantize_mxfp4(blocks[e], scales[0][e], f"{stem}.{base}_blocks")
+            return dequantize_mxfp4(blocks[e][pick], scales[0][e][pick],
+                                    f"{stem}.{base}_blocks")
 
-        num = self.moe.num_experts if shape is None else shape[0]
-        sub_shape = None if shape is None or len(shape) != 4 else (shape[1], shape[2] * 32)
-        return [(f"{stem}.{e}.{target}", sub_shape, lambda t, e=e: expert(t, e))
-                for e in range(num)]
+        full = None if shape is None or len(shape) != 4 else shape[2] * 32
+        if base == "down_proj":
+            sub = None if full is None else (shape[1], full)
+            return [(f"{stem}.{e}.down_proj.weight", sub,
+                     lambda t, e=e: rows(t, e, slice(None))) for e in range(num)]
+        sub = None if full is None else (shape[1] // 2, full)
+        return [(f"{stem}.{e}.{proj}.weight", sub, lambda t, e=e, i=i: rows(t, e, slice(i, None, 2)))
+                for e in range(num) for i, proj in enumerate(("gate_proj", "up_proj"))]
 
     def checkpoint_slice(self, pname: str, shard: int | None):
-        if self.layout is None:
-            return None
-        r, n = self.tp.rank, self.moe.intermediate_size // self.tp.world_size
-        if pname.endswith(("gate_up.weight", "gate_up.bias")):  # interleaved: a contiguous 2n
-            return 0, 2 * r * n, 2 * n
-        if pname.endswith("down.weight"):
-            return 1, r * n, n
-        if pname.endswith("down.bias"):
-            return None
-        if pname.endswith("self_attn.sinks"):
+        if self.layout is not None and pname.endswith("self_attn.sinks"):
             h = self.layout.num_heads
-            return 0, r * h, h
-        return super(MoeForCausalLM, self).checkpoint_slice(pname, shard)
+            return 0, self.tp.rank * h, h
+        # Experts: gate/up shards split by rows (weights and biases), down by columns, the down
+        # bias whole (added on rank 0 only); the rest as the Llama decoder.
+        return super().checkpoint_slice(pname, shard)

@@ -3,8 +3,8 @@
 A `QuantWeight` stands where a linear's (N, K) weight tensor would be. Its rows are a list of
 `QuantPart`s, because a fused projection (q|k|v, gate|up) may hold tensors of different types
 (a Q4_K_M file stores attn_v as Q6_K beside a Q4_K attn_q). A part is one of:
-  - GGUF blocks kept as they are in the file (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K): uint8 (rows,
-    row_bytes);
+  - GGUF blocks kept as they are in the file (Q8_0, Q4_0, Q5_0, MXFP4, Q4_K, Q6_K): uint8
+    (rows, row_bytes);
   - INT8_ROW: symmetric int8 per output channel, int8 (rows, K) with a float32 scale per row
     (`--quantization int8`, compressed-tensors W8A8 checkpoints);
   - DENSE: the model dtype (rows, K), for a GGUF type the kernels do not run (dequantized at
@@ -38,11 +38,12 @@ import torch
 import torch.nn as nn
 
 # GGML type ids of the block formats the kernels run (gguf's GGMLQuantizationType values).
-Q4_0, Q5_0, Q8_0, Q4_K, Q6_K = 2, 6, 8, 12, 14
-BLOCK_TYPES = {Q4_0: "Q4_0", Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K"}
+Q4_0, Q5_0, Q8_0, Q4_K, Q6_K, MXFP4 = 2, 6, 8, 12, 14, 39
+BLOCK_TYPES = {Q4_0: "Q4_0", Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K",
+               MXFP4: "MXFP4"}
 # (values per block, bytes per block): gguf's GGML_QUANT_SIZES for the types above.
 BLOCK_SIZES = {Q4_0: (32, 18), Q5_0: (32, 22), Q8_0: (32, 34), Q4_K: (256, 144),
-               Q6_K: (256, 210)}
+               Q6_K: (256, 210), MXFP4: (32, 17)}
 INT8_ROW = -1  # int8 rows with a float32 scale per row
 DENSE = -2  # the model dtype
 

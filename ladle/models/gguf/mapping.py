@@ -15,6 +15,13 @@ converter (convert_hf_to_gguf.py) changed undone:
   under `{layer}.mlp.experts.{gate,up,down}_proj.weight` stacked, and the MoE family's `unfused`
   (models/moe.py) splits them per expert, as it splits transformers 5's stacked experts. The
   routing is llama.cpp's for both: softmax, top k renormalised, every layer sparse.
+- gpt-oss: the experts' interleaved gate_up_proj was split into ffn_gate_exps and ffn_up_exps
+  (E, I, H), each with its bias (E, I), and down_proj transposed to ffn_down_exps (E, H, I); the
+  published MXFP4 blocks were repacked to ggml's MXFP4 (kept 4-bit for the quantized kernels).
+  They come back as `{layer}.mlp.experts.{gate,up,down}_proj.{weight,bias}`, which gpt_oss.py's
+  `unfused` splits per expert. The per-head sinks were stored as `attn_sinks.weight`. What the
+  file cannot hold is gpt-oss's fixed (transformers' defaults, llama.cpp's constants): the
+  SwiGLU alpha 1.702 and limit 7.0, YaRN without truncation.
 
 Three changes cannot be undone: gemma3's embedding rows past the tokenizer's vocabulary were
 dropped (vocab_size is the rows kept), a bf16 checkpoint's norms had 1 added in bf16, and
@@ -49,6 +56,7 @@ HF_ARCHITECTURES = {
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
 }
 # llama.cpp stores Mixtral as `llama` with `llama.expert_count` set.
 MIXTRAL = ("MixtralForCausalLM", "mixtral")
@@ -64,7 +72,7 @@ def hf_config_from_gguf(gguf_file: GGUFFile) -> dict[str, Any]:
     """config.json of the HF checkpoint, in the flat style of transformers 4.5x (top-level
     rope_theta, rope_scaling, rope_local_base_freq)."""
     arch, hp = gguf_file.architecture, _HParams(gguf_file)
-    has_experts = arch == "qwen3moe" or (arch == "llama" and hp.get("expert_count"))
+    has_experts = arch in ("qwen3moe", "gpt-oss") or (arch == "llama" and hp.get("expert_count"))
     hf_class, model_type = MIXTRAL if arch == "llama" and has_experts else HF_ARCHITECTURES[arch]
     embedding = gguf_file.tensors.get("token_embd.weight")
     if embedding is None:
@@ -93,7 +101,7 @@ def hf_config_from_gguf(gguf_file: GGUFFile) -> dict[str, Any]:
     }
     # qwen3moe's dense MLP size is for layers without experts, which llama.cpp's qwen3moe does
     # not have: the key is optional there.
-    if arch != "qwen3moe" or hp.get("feed_forward_length") is not None:
+    if arch not in ("qwen3moe", "gpt-oss") or hp.get("feed_forward_length") is not None:
         config["intermediate_size"] = hp.uniform("feed_forward_length")
     for key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                           ("pad_token_id", "padding_token_id")):
@@ -106,6 +114,8 @@ def hf_config_from_gguf(gguf_file: GGUFFile) -> dict[str, Any]:
         config["attention_bias"] = "blk.0.attn_q.bias" in gguf_file.tensors
     elif arch in ("gemma2", "gemma3"):
         config.update(_gemma_fields(gguf_file, hp, config))
+    elif arch == "gpt-oss":
+        config.update(_gpt_oss_fields(gguf_file, hp, config))
     if has_experts:
         config.update(_moe_fields(gguf_file, hp, config))
     return config
@@ -123,6 +133,9 @@ def hf_tensor_names(gguf_file: GGUFFile, hf_config: dict[str, Any]) -> dict[str,
         module, _, suffix = hf_name.rpartition(".")  # "weight" or "bias"
         if (gguf_module := name_map.get_name(module)) is not None:
             gguf_to_hf[f"{gguf_module}.{suffix}"] = hf_name
+        elif (gguf_module := name_map.get_name(hf_name)) is not None:
+            # A bare parameter (gpt-oss's self_attn.sinks): the converter named it NAME.weight.
+            gguf_to_hf[f"{gguf_module}.weight"] = hf_name
     hf_class = hf_config["architectures"][0]
     names: dict[str, str] = {}
     for gguf_name, tensor in gguf_file.tensors.items():
@@ -307,6 +320,9 @@ def _moe_fields(gguf_file: GGUFFile, hp: _HParams, config: dict[str, Any]) -> di
                              f"1 to {arch}.expert_count ({num_experts})")
     if arch == "llama":
         return {"num_local_experts": num_experts, "num_experts_per_tok": top_k}
+    if arch == "gpt-oss":  # top k by logit, then a softmax over those k: gpt-oss's own routing
+        return {"num_local_experts": num_experts, "num_experts_per_tok": top_k,
+                "intermediate_size": hp.uniform("expert_feed_forward_length")}
     if hp.get("expert_feed_forward_length") is None and "intermediate_size" in config:
         expert_size = config["intermediate_size"] // top_k
     else:
@@ -325,6 +341,8 @@ def _stacked_experts(shapes: dict[str, tuple[int, ...]],
     experts = [name for name in shapes if ".experts." in name]
     if not experts:
         return shapes
+    if hf_config["model_type"] == "gpt_oss":
+        return _gpt_oss_experts(shapes, experts)
     num = hf_config.get("num_experts") or hf_config["num_local_experts"]
     size = hf_config.get("moe_intermediate_size") or hf_config["intermediate_size"]
     hidden = hf_config["hidden_size"]
@@ -334,6 +352,45 @@ def _stacked_experts(shapes: dict[str, tuple[int, ...]],
         out[f"{stem}.gate_proj.weight"] = out[f"{stem}.up_proj.weight"] = (num, size, hidden)
         out[f"{stem}.down_proj.weight"] = (num, hidden, size)
     return out
+
+
+def _gpt_oss_experts(shapes: dict[str, tuple[int, ...]],
+                     experts: list[str]) -> dict[str, tuple[int, ...]]:
+    """gpt-oss's stacked experts (`experts.gate_up_proj` (E, H, 2I) interleaved, its bias
+    (E, 2I), `down_proj` (E, I, H), its bias (E, H)) as the converter stores them: gate, up and
+    down apart, weights (E, out, in), biases (E, out)."""
+    out = {name: shape for name, shape in shapes.items() if name not in experts}
+    for name in experts:
+        stem, _, kind = name.rpartition(".")
+        if kind == "gate_up_proj":
+            num, hidden, double = shapes[name]
+            for proj in ("gate_proj", "up_proj"):
+                out[f"{stem}.{proj}.weight"] = (num, double // 2, hidden)
+                out[f"{stem}.{proj}.bias"] = (num, double // 2)
+        elif kind == "down_proj":
+            num, inter, hidden = shapes[name]
+            out[f"{stem}.down_proj.weight"] = (num, hidden, inter)
+            out[f"{stem}.down_proj.bias"] = (num, hidden)
+    return out
+
+
+def _gpt_oss_fields(gguf_file: GGUFFile, hp: _HParams, config: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's attention as llama.cpp's loader reads it: q/k/v/o biases, the sliding window
+    on every other layer from the first (its swa pattern 2, or the per-layer list when the file
+    has one), YaRN without truncation (gpt-oss's rope; the file keeps factor and betas)."""
+    num_layers = config["num_hidden_layers"]
+    window = hp.require("attention.sliding_window")
+    pattern = hp.get("attention.sliding_window_pattern", 2)
+    if isinstance(pattern, list):
+        sliding = [bool(p) for p in pattern[:num_layers]]
+    else:
+        sliding = [i % pattern < pattern - 1 for i in range(num_layers)]
+    fields: dict[str, Any] = {
+        "attention_bias": True, "sliding_window": window,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding]}
+    if config["rope_scaling"] is not None and config["rope_scaling"]["rope_type"] == "yarn":
+        fields["rope_scaling"] = {**config["rope_scaling"], "truncate": False}
+    return fields
 
 
 def _gemma_fields(gguf_file: GGUFFile, hp: _HParams, config: dict[str, Any]) -> dict[str, Any]:

@@ -1,12 +1,12 @@
 """A GGUF file's weights kept in their blocks: every linear (and the embedding) whose tensors are
-of a type the quantized kernels run (runner/quant.py: Q8_0, Q4_0, Q5_0, Q4_K, Q6_K) becomes a
-QuantWeight holding the file's bytes, installed on the meta-device model before any dense memory
-is allocated. A fused projection takes one part per file tensor (a Q4_K_M file stores attn_v as
-Q6_K beside Q4_K attn_q and attn_k). A tensor of another type inside such a projection is
-dequantized to the model dtype as a dense part; a projection with no kernel type at all stays a
-dense parameter for the usual loader. Norms and biases are always dense, and so is a router
-(`keep_dense`: its logits choose the experts). A layer's experts are stacked in one tensor per
-projection; each expert's rows are a contiguous run of its bytes, found through the family's
+of a type the quantized kernels run (runner/quant.py: Q8_0, Q4_0, Q5_0, MXFP4, Q4_K, Q6_K)
+becomes a QuantWeight holding the file's bytes, installed on the meta-device model before any
+dense memory is allocated. A fused projection takes one part per file tensor (a Q4_K_M file
+stores attn_v as Q6_K beside Q4_K attn_q and attn_k). A tensor of another type inside such a
+projection is dequantized to the model dtype as a dense part; a projection with no kernel type at
+all stays a dense parameter for the usual loader. Norms and biases are always dense, and so is a
+router (`keep_dense`: its logits choose the experts). A layer's experts are stacked in one tensor
+per projection; each expert's rows are a contiguous run of its bytes, found through the family's
 `unfused` (as the loader splits them), and each expert's linear gets a QuantWeight of its run."""
 
 from __future__ import annotations

@@ -136,6 +136,19 @@ def _dequantize_q5_1(b: torch.Tensor) -> torch.Tensor:
     return q.float() * _f16(b, 0) + _f16(b, 2)
 
 
+# MXFP4 (gpt-oss's experts): a block's 32 values are e2m1 codes (1 sign, 2 exponent, 1 mantissa
+# bits) as ggml stores them, times 2 (integers): 0, 1, 2, 3, 4, 6, 8, 12 and their negatives.
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def _dequantize_mxfp4(b: torch.Tensor) -> torch.Tensor:
+    # 17 bytes: e (E8M0), qs[16] (nibbles, ggml's order).  y = value(q) * 2^(e - 128): the
+    # doubled e2m1 values times half the block's power of two, as ggml_e8m0_to_fp32_half (for
+    # e = 0 and 1 a float32 subnormal, which ldexp gives exactly).
+    q = torch.tensor(MXFP4_VALUES, dtype=torch.float32)[_nibbles(b[:, 1:]).long()]
+    return torch.ldexp(q, b[:, :1].to(torch.int32) - 128)
+
+
 # ---- k-quants: 256-value super-blocks of 16 or 8 sub-blocks ---------------------------------
 
 def _dequantize_q2_k(b: torch.Tensor) -> torch.Tensor:
@@ -228,6 +241,7 @@ _DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]
     GGMLQuantizationType.Q4_1: _dequantize_q4_1,
     GGMLQuantizationType.Q5_0: _dequantize_q5_0,
     GGMLQuantizationType.Q5_1: _dequantize_q5_1,
+    GGMLQuantizationType.MXFP4: _dequantize_mxfp4,
     GGMLQuantizationType.Q2_K: _dequantize_q2_k,
     GGMLQuantizationType.Q3_K: _dequantize_q3_k,
     GGMLQuantizationType.Q4_K: _dequantize_q4_k,

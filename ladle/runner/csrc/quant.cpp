@@ -1,21 +1,21 @@
 // Quantized linears: y (M, N) = x (M, K) @ W (N, K)^T where W's rows are parts, each in GGUF
-// blocks (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K) or int8 with a scale per row, and x is quantized to int8
-// once per call for all parts. One call, one parallel region: a decode step's small matmuls
-// (0.2-2 MB of weights, 10-100 us) would otherwise spend a third of their time in Python and in
-// the threads' wake-ups and joins. The pure-torch twin is in ladle/runner/quant.py; the tests
-// compare the two.
+// blocks (Q8_0, Q4_0, Q5_0, MXFP4, Q4_K, Q6_K) or int8 with a scale per row, and x is quantized
+// to int8 once per call for all parts. One call, one parallel region: a decode step's small
+// matmuls (0.2-2 MB of weights, 10-100 us) would otherwise spend a third of their time in Python
+// and in the threads' wake-ups and joins. The pure-torch twin is in ladle/runner/quant.py; the
+// tests compare the two.
 //
 // The scheme (ggml's, written afresh): the activations are int8 per block of 32 values with a
 // float scale (d = max|x| / 127); a weight block of 32 is unpacked in registers to 32 int8
 // values; the 32 products are summed in integers (AVX2 vpmaddubsw + vpmaddwd, or VNNI vpdpbusd),
 // converted once and scaled by d_w * d_x. vpmaddubsw multiplies unsigned by signed bytes, so the
-// signed weights of Q8_0, Q4_0 and Q5_0 go in as |w| with the sign moved onto x (vpsignb). The
-// K-quants' values go in unsigned (Q4_K's nibbles, Q6_K's q before its -32), their sub-block
-// scales multiply the integer sums in the vpmaddwd, and what the unsigned form adds (Q4_K's
-// mins, Q6_K's offset) is taken off once per super-block from the activations' integer sums
-// kept beside their scales. An int8 row is read as Q8_0 blocks with scale 1, and its row scale
-// multiplies the sum at the end. Everything is exact in integers up to the float32 scaling: the
-// result equals the float64 product of the dequantized weights and activations to ~1e-6
+// signed weights of Q8_0, Q4_0, Q5_0 and MXFP4 go in as |w| with the sign moved onto x
+// (vpsignb). The K-quants' values go in unsigned (Q4_K's nibbles, Q6_K's q before its -32), their
+// sub-block scales multiply the integer sums in the vpmaddwd, and what the unsigned form adds
+// (Q4_K's mins, Q6_K's offset) is taken off once per super-block from the activations' integer
+// sums kept beside their scales. An int8 row is read as Q8_0 blocks with scale 1, and its row
+// scale multiplies the sum at the end. Everything is exact in integers up to the float32 scaling:
+// the result equals the float64 product of the dequantized weights and activations to ~1e-6
 // relative.
 //
 // The K-quants' activations stay in blocks of 32, not ggml's super-blocks of 256 (Q8_K, whose
@@ -42,7 +42,7 @@
 
 namespace {
 
-constexpr int kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;
+constexpr int kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kMXFP4 = 39;
 constexpr int kI8 = -1;  // int8 rows with a float scale per row (quant.py's INT8_ROW)
 
 // (values per block, bytes per block), as gguf's GGML_QUANT_SIZES.
@@ -52,6 +52,7 @@ inline int64_t block_bytes(int type) {
     case kQ4_0: return 18;
     case kQ5_0: return 22;
     case kQ8_0: return 34;
+    case kMXFP4: return 17;
     case kQ4_K: return 144;
     case kQ6_K: return 210;
     case kI8: return 32;
@@ -68,6 +69,33 @@ inline float f16(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 #endif
 }
+
+// MXFP4 (gpt-oss's experts): 17 bytes, e (E8M0) then 16 bytes of nibbles in Q4_0's order (value
+// i the low nibble of byte i, value i + 16 its high nibble). A nibble is an e2m1 code (sign,
+// 2 exponent bits, 1 mantissa bit), whose value doubled is an integer of this table, and the
+// block's scale is half of 2^(e - 127): 2^(e - 128), as ggml's GGML_E8M0_TO_FP32_HALF (for e = 0
+// and 1 a float32 subnormal). So w = kMxfp4Values[q] * 2^(e - 128), an int8 times a float scale
+// as Q4_0's (q - 8) * d: the same integer dot products (|w| <= 12). As in ggml, a block's sum is
+// scaled by the float32 product 2^(e - 128) * d_x, which for e <= 1 and small activations is a
+// subnormal with fewer bits (trained weights are far above that: |w| ~ 0.01 has e ~ 120).
+constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// The scale 2^(e - 128) of every E8M0 byte e, looked up: one load, where computing it from e's
+// bits took 9 instructions per block (AVX2 EPYC, both cores, one activation row, 2048 x 2048:
+// 126 us computed, 113 looked up, Q4_0 126). Halving and doubling are exact, subnormals included.
+struct E8m0Half {
+  float v[256];
+  constexpr E8m0Half() : v() {
+    v[128] = 1.f;
+    for (int e = 129; e < 256; e++) v[e] = v[e - 1] * 2.f;
+    for (int e = 127; e >= 0; e--) v[e] = v[e + 1] * 0.5f;
+  }
+};
+constexpr E8m0Half kE8m0Half{};
+static_assert(kE8m0Half.v[0] == 0x1p-128f && kE8m0Half.v[1] == 0x1p-127f &&
+              kE8m0Half.v[127] == 0.5f && kE8m0Half.v[255] == 0x1p127f);
+
+inline float e8m0_half(uint8_t e) { return kE8m0Half.v[e]; }
 
 // Q4_K's 6-bit scale and min of sub-block j (0..7) from its 12 packed bytes: sub-blocks 0-3
 // keep them in the low 6 bits of bytes j and j+4; 4-7 have the low 4 bits in byte j+4 (scale
@@ -115,6 +143,13 @@ inline void unpack_scalar(const uint8_t* row, int64_t sb, Sub& o) {
       o.q[i] = int8_t(((b[6 + i] & 0xF) | (((qh >> i) & 1) << 4)) - 16);
       o.q[i + 16] = int8_t(((b[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16);
     }
+  } else if constexpr (TYPE == kMXFP4) {
+    const uint8_t* b = row + sb * 17;
+    o.s0 = o.s1 = e8m0_half(b[0]);
+    for (int i = 0; i < 16; i++) {
+      o.q[i] = kMxfp4Values[b[1 + i] & 0xF];
+      o.q[i + 16] = kMxfp4Values[b[1 + i] >> 4];
+    }
   } else if constexpr (TYPE == kQ4_K) {
     const uint8_t* b = row + (sb >> 3) * 144;
     const int j = int(sb & 7);
@@ -144,6 +179,7 @@ inline void unpack_any(int type, const uint8_t* row, int64_t sb, Sub& o) {
     case kQ8_0: return unpack_scalar<kQ8_0>(row, sb, o);
     case kQ4_0: return unpack_scalar<kQ4_0>(row, sb, o);
     case kQ5_0: return unpack_scalar<kQ5_0>(row, sb, o);
+    case kMXFP4: return unpack_scalar<kMXFP4>(row, sb, o);
     case kQ4_K: return unpack_scalar<kQ4_K>(row, sb, o);
     case kI8: return unpack_scalar<kI8>(row, sb, o);
     default: return unpack_scalar<kQ6_K>(row, sb, o);
@@ -182,14 +218,15 @@ inline __m256i bit_bytes(uint32_t bits) {
   return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 
-// A block of 32 values with one scale (Q8_0, Q4_0, Q5_0, and int8 rows as blocks of scale 1),
-// its values unpacked to signed int8. (The K-quants have tiles of their own, below.)
+// A block of 32 values with one scale (Q8_0, Q4_0, Q5_0, MXFP4, and int8 rows as blocks of
+// scale 1), its values unpacked to signed int8. (The K-quants have tiles of their own, below.)
 template <int TYPE> constexpr int64_t kBlockBytes =
-    TYPE == kI8 ? 32 : TYPE == kQ8_0 ? 34 : TYPE == kQ4_0 ? 18 : 22;
+    TYPE == kI8 ? 32 : TYPE == kQ8_0 ? 34 : TYPE == kQ4_0 ? 18 : TYPE == kMXFP4 ? 17 : 22;
 
 template <int TYPE>
 inline float block_scale(const uint8_t* b) {
   if constexpr (TYPE == kI8) return 1.f;
+  else if constexpr (TYPE == kMXFP4) return e8m0_half(b[0]);
   else return f16(b);
 }
 
@@ -201,6 +238,9 @@ inline __m256i block_quants(const uint8_t* b) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
   } else if constexpr (TYPE == kQ4_0) {
     return _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8));
+  } else if constexpr (TYPE == kMXFP4) {  // the nibbles through the table, one vpshufb
+    const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values));
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(table), nibbles(b + 1));
   } else {  // Q5_0
     uint32_t qh;
     std::memcpy(&qh, b + 2, 4);
@@ -490,6 +530,7 @@ inline int64_t rows_per_tile(int type, int64_t M) {
     case kQ4_K: return kDecodeRows<kQ4_K>;
     case kQ4_0: return kDecodeRows<kQ4_0>;
     case kQ5_0: return kDecodeRows<kQ5_0>;
+    case kMXFP4: return kDecodeRows<kMXFP4>;
     default: return 1;
   }
 }
@@ -547,6 +588,7 @@ void part_tiles_any(const Part& p, int64_t t0, int64_t t1, const Act& a, int64_t
     case kQ8_0: return part_tiles<kQ8_0>(p, t0, t1, a, M, y, ldy);
     case kQ4_0: return part_tiles<kQ4_0>(p, t0, t1, a, M, y, ldy);
     case kQ5_0: return part_tiles<kQ5_0>(p, t0, t1, a, M, y, ldy);
+    case kMXFP4: return part_tiles<kMXFP4>(p, t0, t1, a, M, y, ldy);
     case kQ4_K: return part_tiles<kQ4_K>(p, t0, t1, a, M, y, ldy);
     case kQ6_K: return part_tiles<kQ6_K>(p, t0, t1, a, M, y, ldy);
     default: return part_tiles<kI8>(p, t0, t1, a, M, y, ldy);
@@ -554,7 +596,8 @@ void part_tiles_any(const Part& p, int64_t t0, int64_t t1, const Act& a, int64_t
 }
 
 bool is_kernel_type(int64_t t) {
-  return t == kQ4_0 || t == kQ5_0 || t == kQ8_0 || t == kQ4_K || t == kQ6_K || t == kI8;
+  return t == kQ4_0 || t == kQ5_0 || t == kQ8_0 || t == kMXFP4 || t == kQ4_K || t == kQ6_K ||
+         t == kI8;
 }
 
 // Per block of 32 of x (M, K): d = max|x| / 127, q = round-half-even(x * (127 / max|x|)) (0 for
