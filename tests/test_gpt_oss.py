@@ -123,11 +123,19 @@ def to_mxfp4(w: torch.Tensor):
 
 
 def test_mxfp4_experts_load_as_the_values_they_encode(checkpoint, tmp_path):
-    """The published files' MXFP4 experts: a checkpoint holding them as blocks and scales runs
-    exactly (bit for bit) as one holding the float values those blocks encode."""
+    """The published files' MXFP4 experts (config.json with their quantization_config, as
+    published). Dequantized at load (`--quantization none`), a checkpoint holding them as blocks
+    and scales runs exactly (bit for bit) as one holding the float values those blocks encode.
+    By default they stay 4-bit: every expert's gate|up and down are QuantWeights of MXFP4 rows
+    repacked from the checkpoint's, and predict as the dense values do up to the activations'
+    int8 rounding (gate and up, or two experts, swapped would not)."""
+    import json
     import shutil
 
     from safetensors.torch import load_file, save_file
+
+    from ladle.models.gpt_oss import GptOssMoe
+    from ladle.runner.quant import QuantWeight
 
     path, _ = checkpoint
     flat = load_file(path / "model.safetensors")
@@ -138,22 +146,54 @@ def test_mxfp4_experts_load_as_the_values_they_encode(checkpoint, tmp_path):
             del mxfp4[name]
             mxfp4[name + "_blocks"], mxfp4[name + "_scales"] = blocks, scales
             dense[name] = values.transpose(1, 2).contiguous()
+    config = json.loads((path / "config.json").read_text())
+    published = {**config, "quantization_config": {
+        "quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+            "lm_head"]}}
     runs = []
-    for kind, tensors in (("mxfp4", mxfp4), ("dense", dense)):
+    for kind, tensors, cfg in (("mxfp4", mxfp4, published), ("dense", dense, config)):
         (tmp_path / kind).mkdir()
         save_file(tensors, tmp_path / kind / "model.safetensors")
-        shutil.copy(path / "config.json", tmp_path / kind / "config.json")
-        runs.append(run(engine(tmp_path / kind), PROMPTS[:2], max_tokens=16))
+        (tmp_path / kind / "config.json").write_text(json.dumps(cfg))
+        runs.append(run(engine(tmp_path / kind, quantization="none"), PROMPTS[:2],
+                        max_tokens=16))
     (tok_q, log_q), (tok_d, log_d) = runs
     assert tok_q == tok_d
     assert all(torch.equal(a, b) for a, b in zip(log_q, log_d, strict=True))
-    # Scales that do not match their blocks: a startup error naming the file and the tensor.
+
+    # Kept 4-bit: ladle's logits at each greedy step against transformers teacher-forced on
+    # the same tokens with the dense values, over 4 prompts x 16 steps.
+    from transformers import AutoModelForCausalLM
+
+    dense_ref = AutoModelForCausalLM.from_pretrained(tmp_path / "dense",
+                                                     dtype=torch.float32).eval()
+    eng = engine(tmp_path / "mxfp4")
+    blocks = [m for m in eng.runner.model.modules() if isinstance(m, GptOssMoe)]
+    assert len(blocks) == 4
+    for b in blocks:
+        for e in b.experts:
+            for w in (e.gate_up_proj.weight, e.down_proj.weight):
+                assert isinstance(w, QuantWeight)
+                assert {p.name() for p in w.parts} == {"MXFP4"}
+    toks, logs = run(eng, PROMPTS, max_tokens=16)
+    got = torch.cat(logs)
+    want = torch.cat([reference_logits(dense_ref, p, t)
+                      for p, t in zip(PROMPTS, toks, strict=True)])
+    diff = (got - want).norm() / want.std() / want.numel() ** 0.5
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    print(f"4-bit MXFP4: relative logit error {diff:.5f}, top-1 agreement {agree:.3f}")
+    assert diff < 0.12 and agree >= 0.85
+
+    # Scales that do not match their blocks: a startup error naming the file and the tensor,
+    # whether the blocks are kept or dequantized.
     name = next(n for n in mxfp4 if n.endswith("down_proj_scales"))
     mxfp4[name] = mxfp4[name][..., :-1].contiguous()
     (tmp_path / "broken").mkdir()
     save_file(mxfp4, tmp_path / "broken" / "model.safetensors")
     shutil.copy(path / "config.json", tmp_path / "broken" / "config.json")
-    with pytest.raises(ModelLoadError) as err:
-        engine(tmp_path / "broken")
-    assert str(tmp_path / "broken" / "model.safetensors") in str(err.value)
-    assert name.removesuffix("_scales") in str(err.value) and "accepted" in str(err.value)
+    for quantization in (None, "none"):
+        with pytest.raises(ModelLoadError) as err:
+            engine(tmp_path / "broken", quantization=quantization)
+        assert str(tmp_path / "broken") in str(err.value)
+        assert name.removesuffix("_scales") in str(err.value) and "accepted" in str(err.value)

@@ -14,7 +14,11 @@ per-expert tensors. An expert holds its gate rows and its up rows as the two hal
 ladle does, so the loader's fused shards, tensor parallelism and quantized parts apply
 unchanged. The published gpt-oss-20b/120b files hold the expert weights in MXFP4 instead
 (`*_blocks` (E, out, in / 32, 16): 32 four-bit e2m1 values per block, low nibble first;
-`*_scales` (E, out, in / 32): a power of two, 2^(s - 127), per block), dequantized at load. A
+`*_scales` (E, out, in / 32): a power of two, 2^(s - 127), per block). On one CPU process they
+stay 4-bit: `keep_mxfp4` repacks each expert's rows into ggml's MXFP4 blocks (the same E8M0
+scale byte, the nibbles in ggml's order) as QuantWeights for the quantized kernels, before any
+dense memory is allocated; elsewhere (`--quantization none`, `-tp`, another device) they are
+dequantized at load. A
 GGUF file (models/gguf/mapping.py) stores gate, up and down as separate stacked tensors with
 separate biases, the MXFP4 blocks kept for the quantized kernels. Harmony, the format gpt-oss speaks, is the output side's (entrypoints/harmony.py,
 parsers/harmony.py)."""
@@ -43,6 +47,16 @@ DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_sl
 # The 16 values of an e2m1 (FP4) nibble.
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0,
               -6.0)
+
+
+def mxfp4_to_ggml(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """HF MXFP4 rows, blocks (R, G, 16) uint8 (byte k: value 2k in its low nibble, 2k + 1 in
+    its high one) and scales (R, G), as ggml's MXFP4 rows (R, G * 17): per block the scale byte
+    (ggml reads 2^(e - 128) times doubled e2m1 values: the same numbers), then byte j holding
+    value j low and value j + 16 high."""
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).reshape(*blocks.shape[:-1], 32)
+    packed = codes[..., :16] | (codes[..., 16:] << 4)
+    return torch.cat([scales[..., None], packed], dim=-1).reshape(blocks.shape[0], -1)
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> torch.Tensor:
@@ -196,6 +210,58 @@ class GptOssForCausalLM(MoeForCausalLM):
         sub = None if full is None else (shape[1] // 2, full)
         return [(f"{stem}.{e}.{proj}.weight", sub, lambda t, e=e, i=i: rows(t, e, slice(i, None, 2)))
                 for e in range(num) for i, proj in enumerate(("gate_proj", "up_proj"))]
+
+    def keep_mxfp4(self, read, dtype: torch.dtype) -> int:
+        """Install each expert's gate|up and down as QuantWeights of its MXFP4 rows, repacked
+        from the checkpoint's `*_blocks` / `*_scales` (read(name) -> tensor or None); the loader
+        then skips those tensors (the weights are no parameters any more). Returns the number
+        of stacked tensors kept (0: the checkpoint's experts are not MXFP4)."""
+        from ladle.runner.quant import MXFP4, QuantPart, QuantWeight, install
+
+        prefix = getattr(self, "checkpoint_prefix", "model.")
+        kept = 0
+        for name, block in self.named_modules():
+            if not isinstance(block, GptOssMoe):
+                continue
+            stem = f"{prefix}{name}.experts"
+            stored = {}
+            for base in ("gate_up_proj", "down_proj"):
+                blocks, scales = read(f"{stem}.{base}_blocks"), read(f"{stem}.{base}_scales")
+                if blocks is None:
+                    return kept
+                if scales is None or blocks.dtype != torch.uint8 or blocks.dim() != 4 \
+                        or blocks.shape[-1] != 16 or tuple(scales.shape) != tuple(blocks.shape[:-1]) \
+                        or scales.dtype != torch.uint8:
+                    raise ValueError(
+                        f"tensor {stem}.{base}_blocks: MXFP4 blocks "
+                        f"{tuple(blocks.shape)} {blocks.dtype} with scales "
+                        f"{None if scales is None else (tuple(scales.shape), scales.dtype)}; "
+                        "accepted: uint8 blocks (E, out, in / 32, 16) and uint8 scales "
+                        "(E, out, in / 32)")
+                stored[base] = blocks, scales
+                kept += 1
+            for e, expert in enumerate(block.experts):
+                b, sc = stored["gate_up_proj"]
+                parts = [QuantPart(MXFP4, mxfp4_to_ggml(b[e][i::2], sc[e][i::2]))
+                         for i in (0, 1)]  # gate rows, then up rows
+                gu = expert.gate_up_proj
+                if sum(p.rows for p in parts) != gu.out_features or \
+                        b.shape[2] * 32 != gu.in_features:
+                    raise ValueError(f"tensor {stem}.gate_up_proj_blocks has shape "
+                                     f"{tuple(b.shape)}; the config needs "
+                                     f"({len(block.experts)}, {gu.out_features}, "
+                                     f"{gu.in_features // 32}, 16)")
+                install(gu, "weight", QuantWeight(parts, gu.in_features, dtype))
+                b, sc = stored["down_proj"]
+                down = expert.down_proj
+                if b.shape[1] != down.out_features or b.shape[2] * 32 != down.in_features:
+                    raise ValueError(f"tensor {stem}.down_proj_blocks has shape "
+                                     f"{tuple(b.shape)}; the config needs "
+                                     f"({len(block.experts)}, {down.out_features}, "
+                                     f"{down.in_features // 32}, 16)")
+                install(down, "weight", QuantWeight([QuantPart(MXFP4, mxfp4_to_ggml(
+                    b[e], sc[e]))], down.in_features, dtype))
+        return kept
 
     def checkpoint_slice(self, pname: str, shard: int | None):
         if self.layout is not None and pname.endswith("self_attn.sinks"):

@@ -45,7 +45,8 @@ _WEIGHTS = (("num_bits", (8,), 8), ("type", ("int",), "int"), ("symmetric", (Tru
 _ACTIVATIONS = (("num_bits", (8,), 8), ("type", ("int",), "int"), ("symmetric", (True,), True),
                 ("strategy", ("token",), "tensor"), ("dynamic", (True,), False))
 ACCEPTED = ("compressed-tensors int8 W8A8 (format int-quantized: 8-bit symmetric int weights per "
-            "channel or per tensor, dynamic per-token 8-bit symmetric int input activations)")
+            "channel or per tensor, dynamic per-token 8-bit symmetric int input activations), "
+            "or gpt-oss's quant_method mxfp4")
 
 
 def checkpoint_is_int8(hf_config: dict, cfg_file: Path) -> bool:
@@ -65,6 +66,8 @@ def checkpoint_is_int8(hf_config: dict, cfg_file: Path) -> bool:
 
     if not isinstance(qc, dict):
         reject("", qc, "an object")
+    if qc.get("quant_method") == "mxfp4" and hf_config.get("model_type") == "gpt_oss":
+        return False  # gpt-oss's published MXFP4 experts: models/gpt_oss.py reads them
     if qc.get("quant_method") != "compressed-tensors":
         reject("quant_method", qc.get("quant_method"), '"compressed-tensors"')
     for field in ("sparsity_config", "transform_config", "kv_cache_scheme"):

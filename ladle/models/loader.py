@@ -191,6 +191,16 @@ def load_model(path: Path, hf_config: dict, dtype: torch.dtype, device: torch.de
         model.pp_dtype = dtype
     if is_gguf(path):
         _gguf_weights(model, path, hf_config, dtype, device, tp, quantization)
+    elif hasattr(model, "keep_mxfp4") and quantization != "none" and tp is None \
+            and device.type == "cpu":
+        # gpt-oss's published MXFP4 experts stay 4-bit for the quantized kernels.
+        try:
+            kept = model.keep_mxfp4(_named_reader(path), dtype)
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: {e}") from e
+        if kept:
+            logger.info("%s: MXFP4 experts kept 4-bit for the quantized kernels (%d tensors)",
+                        path, kept)
     model = model.to_empty(device=device).to(dtype)
     # Buffers (rotary tables) were created on meta: every rotary rebuilds its own, in float32
     # on the real device (a model may hold several: Gemma 3's local and global ones).
@@ -256,12 +266,11 @@ def _checkpoint_tensors(path: Path, model=None):
     the stored tensor, or a function of it; sibling(name) reads another stored tensor, such as
     the scales of quantized blocks) comes as those tensors."""
     unfused = getattr(model, "unfused", None)
+    read_named = None if is_gguf(path) else _named_reader(path)
 
     def sibling(other: str) -> torch.Tensor:
-        for file in ([] if is_gguf(path) else _weight_files(path)):
-            with _open_safetensors(file) as f:
-                if other in f.keys():
-                    return f.get_tensor(other)
+        if (t := None if read_named is None else read_named(other)) is not None:
+            return t
         raise ModelLoadError(f"{path}: tensor {other} is missing; accepted: a checkpoint with "
                              "every tensor of the model")
 
@@ -287,6 +296,24 @@ def _checkpoint_tensors(path: Path, model=None):
         for sub, sub_shape, index in parts:
             yield file, sub, sub_shape, (lambda part, index=index, sub=sub, piece=piece:
                                          piece(part, index, sub))
+
+
+def _named_reader(path: Path):
+    """read(name) -> the safetensors checkpoint's tensor `name`, or None when no file holds it
+    (the files' names are indexed on first use)."""
+    where: dict[str, Path] = {}
+
+    def read(name: str) -> torch.Tensor | None:
+        if not where:
+            for file in _weight_files(path):
+                with _open_safetensors(file) as f:
+                    where.update(dict.fromkeys(f.keys(), file))
+        if name not in where:
+            return None
+        with _open_safetensors(where[name]) as f:
+            return f.get_tensor(name)
+
+    return read
 
 
 def _stored_tensors(path: Path):
