@@ -177,6 +177,33 @@ def test_windowed_softcapped_decode_attention_matches_torch(kernels, dtype, H, K
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,KVH,D", [(8, 2, 64), (6, 2, 40)])  # vector and scalar paths
+@pytest.mark.parametrize("window", [None, 7])
+def test_decode_attention_with_sinks_matches_torch(kernels, dtype, H, KVH, D, window,
+                                                   monkeypatch):
+    """gpt-oss's sink logits (one per head, in the softmax's denominator only) in the kernel
+    against the twin; sinks from far below to far above the scores, so they take from none to
+    nearly all of a head's probability, and a context of one token."""
+    torch.manual_seed(7)
+    B, bs, nblocks = 4, 16, 12
+    k_cache = torch.randn(nblocks, KVH, bs, D).to(dtype)
+    v_cache = torch.randn(nblocks, KVH, bs, D).to(dtype)
+    q = (torch.randn(B, H, D) * 2).to(dtype)
+    table = torch.tensor([[3, 7, 1, 0], [5, 2, 0, 0], [11, 10, 9, 8], [4, 0, 0, 0]])
+    batch = DecodeBatch(rows=torch.arange(B), block_table=table,
+                        ctx_lens=torch.tensor([40, 17, 64, 1]))
+    sinks = torch.linspace(-30, 12, H).to(dtype)
+    got = decode_attention(q, k_cache, v_cache, batch, D**-0.5, window, None, sinks)
+    plain = decode_attention(q, k_cache, v_cache, batch, D**-0.5, window)
+    monkeypatch.setitem(cpu_kernels._loaded, "module", None)  # the torch path
+    want = decode_attention(q, k_cache, v_cache, batch, D**-0.5, window, None, sinks)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    # The sinks change the output (a kernel that dropped them would not pass): the head with
+    # the largest sink keeps almost nothing of its attention.
+    assert (got[:, -1].float().abs().amax() < 0.1 * plain[:, -1].float().abs().amax())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_window_wider_than_context_is_bit_identical(kernels, dtype):
     """A window that reaches every cached token reads exactly what full attention reads."""
     torch.manual_seed(6)

@@ -1,5 +1,5 @@
 // Paged decode attention: one query token per sequence against its paged KV cache, with an
-// optional sliding window and score soft-cap. Its twin is decode_attention's torch path in
+// optional sliding window, score soft-cap and per-head sink logit (gpt-oss). Its twin is decode_attention's torch path in
 // ladle/runner/attention.py.
 #include "kernels.h"
 #include "vec.h"
@@ -73,13 +73,14 @@ static void weighted_values_all(const float* p, int64_t n, const T* const* value
 #endif
 
 // x[0..n) = softmax(x), in float32; 16 lanes at a time with the vector exp where available.
-static inline void softmax_in_place(float* x, int64_t n) {
-  float mx = -INFINITY, sum = 0.f;
+// `sink` (-inf: none) is one more logit in the denominator whose probability is dropped.
+static inline void softmax_in_place(float* x, int64_t n, float sink) {
+  float mx = sink, sum = 0.f;
   int64_t t = 0;
 #if defined(__AVX512F__)
   __m512 vm = _mm512_set1_ps(-INFINITY);
   for (; t + 16 <= n; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(x + t));
-  mx = _mm512_reduce_max_ps(vm);
+  mx = std::max(mx, _mm512_reduce_max_ps(vm));
 #endif
   for (; t < n; ++t) mx = std::max(mx, x[t]);
   t = 0;
@@ -97,6 +98,7 @@ static inline void softmax_in_place(float* x, int64_t n) {
     x[t] = std::exp(x[t] - mx);
     sum += x[t];
   }
+  sum += std::exp(sink - mx);  // 0 without a sink
   const float inv = 1.f / sum;
   for (t = 0; t < n; ++t) x[t] *= inv;
 }
@@ -132,10 +134,12 @@ static inline void softcap_in_place(float* x, int64_t n, float cap) {
 
 // One (sequence, KV head): out[g] = softmax(q[g] . K^T) V for its G query heads, in float32.
 // qf: (G, D) queries already scaled; keys/values: row pointers of the n cached tokens; scores:
-// (G, n) scratch; acc: (G, D) result; softcap > 0 caps the scores before the softmax.
+// (G, n) scratch; acc: (G, D) result; softcap > 0 caps the scores before the softmax; sinks:
+// the G heads' sink logits, or null.
 template <typename T>
 static void attend(const float* qf, const T* const* keys, const T* const* values, int64_t n,
-                   int64_t G, int64_t D, float* scores, float* acc, float softcap) {
+                   int64_t G, int64_t D, float* scores, float* acc, float softcap,
+                   const float* sinks) {
 #if defined(__AVX512F__)
   const bool vec = D % 16 == 0;
 #else
@@ -153,7 +157,7 @@ static void attend(const float* qf, const T* const* keys, const T* const* values
         sg[t] = dot;
       }
     if (softcap > 0.f) softcap_in_place(sg, n, softcap);
-    softmax_in_place(sg, n);
+    softmax_in_place(sg, n, sinks != nullptr ? sinks[g] : -INFINITY);
   }
 #if defined(__AVX512F__)
   if (vec) {
@@ -173,7 +177,7 @@ template <typename T>
 static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* bt,
                           const int64_t* ctx, T* out, int64_t B, int64_t H, int64_t KVH,
                           int64_t D, int64_t bs, int64_t max_blocks, float scale, int64_t window,
-                          float softcap) {
+                          float softcap, const float* sinks) {
   const int64_t G = H / KVH;
   // Cache layout: (num_blocks, KVH, bs, D); one block of one head is bs*D contiguous values.
   // Per (sequence, KV head): the scores of every cached key for the G query heads sharing it,
@@ -227,7 +231,8 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* b
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
           qf[g * D + d] = to_f(q[(b * H + h * G + g) * D + d]) * scale;
-      attend(qf.data(), keys.data(), values.data(), m, G, D, scores.data(), acc.data(), softcap);
+      attend(qf.data(), keys.data(), values.data(), m, G, D, scores.data(), acc.data(), softcap,
+             sinks != nullptr ? sinks + h * G : nullptr);
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
           out[(b * H + h * G + g) * D + d] = static_cast<T>(acc[g * D + d]);
@@ -237,11 +242,18 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* b
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_table, torch::Tensor ctx_lens,
-                                     double scale, int64_t window, double softcap) {
+                                     double scale, int64_t window, double softcap,
+                                     c10::optional<torch::Tensor> sinks) {
   // q: (B, H, D); caches: (num_blocks, KVH, bs, D); block_table: (B, max_blocks) int64.
   // window: attend to the last `window` tokens only (0: all); softcap: cap * tanh(s / cap) on
-  // the scores (0: off).
+  // the scores (0: off); sinks: (H,) float32 logits joining each head's softmax (None: off).
   auto out = torch::empty_like(q);
+  const float* sk = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                    sinks->numel() == q.size(1), "paged_decode_attention: sinks must be (H,) float32");
+    sk = sinks->data_ptr<float>();
+  }
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = k_cache.size(1), bs = k_cache.size(2);
   if (q.scalar_type() == at::kBFloat16) {
@@ -249,12 +261,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                 v_cache.data_ptr<at::BFloat16>(), block_table.data_ptr<int64_t>(),
                                 ctx_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H,
                                 KVH, D, bs, block_table.size(1), (float)scale, window,
-                                (float)softcap);
+                                (float)softcap, sk);
   } else {
     decode_kernel<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                          block_table.data_ptr<int64_t>(), ctx_lens.data_ptr<int64_t>(),
                          out.data_ptr<float>(), B, H, KVH, D, bs, block_table.size(1),
-                         (float)scale, window, (float)softcap);
+                         (float)scale, window, (float)softcap, sk);
   }
   return out;
 }

@@ -20,7 +20,10 @@ std::string isa() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
-        "paged decode attention, optionally windowed and soft-capped");
+        "paged decode attention, optionally windowed, soft-capped and with sink logits",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
+        py::arg("ctx_lens"), py::arg("scale"), py::arg("window"), py::arg("softcap"),
+        py::arg("sinks") = py::none());
   m.def("linear", &linear, "small-M linear (any M when invariant)", py::arg("x"), py::arg("w"),
         py::arg("b"), py::arg("invariant") = false);
   m.def("rms_norm", &rms_norm, "RMSNorm with optional residual add", py::arg("x"),

@@ -23,7 +23,8 @@ std::vector<torch::Tensor> gated_delta_step(torch::Tensor q, torch::Tensor k, to
 // attention.cpp
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_table, torch::Tensor ctx_lens,
-                                     double scale, int64_t window, double softcap);
+                                     double scale, int64_t window, double softcap,
+                                     c10::optional<torch::Tensor> sinks);
 
 // linear.cpp
 // Output columns [n_begin, n_end) of y (M, N) = x (M, K) @ w (N, K)^T + b on the calling thread
