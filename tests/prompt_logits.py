@@ -29,3 +29,12 @@ def mean_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     p = torch.log_softmax(p_logits.double(), -1)
     q = torch.log_softmax(q_logits.double(), -1)
     return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+def logit_agreement(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """(relative logit error: the RMS difference over the reference's standard deviation, top-1
+    agreement) of logits (positions, vocab) against a reference's; printed for the test log."""
+    diff = ((got - want).norm() / want.std() / want.numel() ** 0.5).item()
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    print(f"relative logit error {diff:.5f}, top-1 agreement {agree:.3f}")
+    return diff, agree
