@@ -178,8 +178,8 @@ def dequantized_reference(gguf_path: Path, hf_dir: Path, out_dir: Path):
 
 def test_q8_0_experts_run_their_blocks(converted, tmp_path):
     """The Q8_0 file served as users run it (blocks kept): every expert's gate|up and down are
-    QuantWeights of its own Q8_0 rows, so the layer takes the per-expert loop over the quantized
-    kernels; the router stays a dense float32 parameter. Teacher-forced over 120 tokens against
+    QuantWeights of its own Q8_0 rows (views of the layer's stacked blocks, which one
+    quant.cpp call per layer runs); the router stays a dense float32 parameter. Teacher-forced over 120 tokens against
     transformers' float32 run of the same dequantized weights, as test_gguf.py's Q8_0 files:
     the logits differ only by the activations' int8 rounding; an expert given another's rows,
     or gate and up swapped, would differ by the logits' whole size."""
@@ -196,7 +196,7 @@ def test_q8_0_experts_run_their_blocks(converted, tmp_path):
         blocks = moe_blocks(llm)
         assert len(blocks) == 3
         for b in blocks:
-            assert b.stacked is None
+            assert b.stacked is None and b.quant_stacked is not None
             assert isinstance(b.gate.weight, torch.nn.Parameter)
             assert b.gate.weight.dtype == torch.float32
             for e in b.experts:
@@ -283,6 +283,42 @@ def test_k_quant_experts_keep_each_experts_rows(tmp_path):
         assert torch.equal(gate_up.parts[0].dequantize(256), stored["blk.0.ffn_gate_exps.weight"][e])
         assert torch.equal(gate_up.parts[1].dequantize(256), stored["blk.0.ffn_up_exps.weight"][e])
         assert torch.equal(down.parts[0].dequantize(256), stored["blk.0.ffn_down_exps.weight"][e])
+
+
+# (tokens, ggml types of gate, up, down): one token (decode tiles), a few, enough that every
+# expert gets several rows (prefill tiles) and threads share experts; a Q4_K_M layer, a Q8_0
+# one, and mixed 32-value types.
+QUANT_CASES = [(1, (T.Q4_K, T.Q4_K, T.Q6_K)), (3, (T.Q4_K, T.Q4_K, T.Q6_K)),
+               (37, (T.Q4_K, T.Q4_K, T.Q6_K)), (1, (T.Q8_0, T.Q8_0, T.Q8_0)),
+               (37, (T.Q8_0, T.Q8_0, T.Q8_0)), (9, (T.Q4_0, T.Q5_0, T.MXFP4))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", QUANT_CASES, ids=lambda c: f"{c[0]}-" + "-".join(
+    t.name for t in c[1]))
+def test_quantized_experts_kernel_equals_the_per_expert_loop(tmp_path, case, dtype):
+    """One quant.cpp call per layer (moe_quant_swiglu over the stacked blocks) gives the bits of
+    the per-expert loop of quantized linears, its twin; each expert's QuantWeights are views of
+    the stacks (no byte held twice)."""
+    tokens, (gate, up, down) = case
+    types = {"blk.0.ffn_gate_exps.weight": gate, "blk.0.ffn_up_exps.weight": up,
+             "blk.0.ffn_down_exps.weight": down}
+    path = write_qwen3moe(tmp_path / "q.gguf", hidden=256, expert_size=256, types=types)
+    model = load_model(path, read_hf_config(path), dtype, torch.device("cpu"))
+    (block,) = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    assert block.quant_stacked is not None
+    stacked_gate = block.quant_stacked[0]
+    for e, expert in enumerate(block.experts):
+        part = expert.gate_up_proj.weight.parts[0].data
+        assert part.data_ptr() == stacked_gate[e].data_ptr()
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, 256).to(dtype)
+    with torch.inference_mode():
+        weights, ids = block.route(x)
+        want = block.expert_loop(x, weights, ids)
+        got = block.fused(x, weights, ids)
+    assert got is not None and torch.equal(got, want)
+    assert want.abs().max() > 0
 
 
 def refused_at_start(path: Path, *fragments: str) -> None:

@@ -9,8 +9,9 @@ MLP (SwiGLU):
 The step's T tokens are routed at once: the T * k (token, expert) pairs are sorted by expert,
 every expert's rows are gathered into one small GEMM (gate/up, fused SiLU, down), and each
 token's weighted outputs are summed in expert order. On the CPU that is one kernel call per
-layer (runner/csrc/moe.cpp) over the layer's stacked weights; its twin, and the path of
-quantized experts, is a Python loop over the experts that received rows, never over tokens.
+layer over the layer's stacked weights: runner/csrc/moe.cpp for dense experts, quant.cpp's
+moe_quant_swiglu for experts in GGUF blocks. Their twin, and the path of int8 experts, is a
+Python loop over the experts that received rows, never over tokens.
 
 Tensor parallelism splits every expert's intermediate dimension across ranks (gate/up
 column-parallel, down row-parallel) and replicates the router: one all-reduce per MoE block, as
@@ -27,6 +28,7 @@ from torch import nn
 from ladle.models.layers import GatedMLP
 from ladle.models.llama import DecoderConfig, LlamaForCausalLM
 from ladle.runner.cpu_kernels import linear, moe_swiglu
+from ladle.runner.quant import QuantWeight, moe_quant_swiglu, stack_expert_blocks
 
 if TYPE_CHECKING:
     from ladle.distributed.group import TPGroup
@@ -117,15 +119,21 @@ class SparseMoeBlock(RoutedExperts):
         # tp=None: no all-reduce per expert; the block reduces once, after the weighted sum.
         self.experts = nn.ModuleList(GatedMLP(hidden, intermediate)
                                      for _ in range(moe.num_experts))
-        # (gate_up (E, 2I, H), down (E, H, I)) once loaded dense: see after_load.
+        # (gate_up (E, 2I, H), down (E, H, I)) once loaded dense, or the experts' GGUF blocks
+        # stacked per projection (quant.stack_expert_blocks): see after_load.
         self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.quant_stacked: tuple | None = None
 
     def after_load(self) -> None:
         """Stacks the layer's expert weights for the fused kernel (runner/csrc/moe.cpp); each
         expert's parameters become views of the stack, so no second copy is kept. The load's
-        peak grows by one layer's experts. Quantized experts (int8, GGUF blocks) keep the loop,
-        their linears running the quantized kernels."""
+        peak grows by one layer's experts. Experts in GGUF blocks (one type per projection, as a
+        file stores them) are stacked too, for quant.cpp's moe_quant_swiglu; int8 experts keep
+        the loop, their linears running the quantized kernels."""
         pairs = [(m.gate_up_proj.weight, m.down_proj.weight) for m in self.experts]
+        if all(isinstance(w, QuantWeight) and w.on_cpu for pair in pairs for w in pair):
+            self.quant_stacked = stack_expert_blocks([g for g, _ in pairs], [d for _, d in pairs])
+            return
         if not all(isinstance(w, nn.Parameter) and w.device.type == "cpu"
                    for pair in pairs for w in pair):
             return
@@ -137,6 +145,8 @@ class SparseMoeBlock(RoutedExperts):
         self.stacked = (gate_up, down)
 
     def fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+        if self.quant_stacked is not None:
+            return moe_quant_swiglu(x, ids, weights, self.quant_stacked)
         if self.stacked is None:
             return None
         return moe_swiglu(x, ids, weights, *self.stacked)

@@ -310,3 +310,38 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
                 for part in w.parts:
                     out[part.name()] = out.get(part.name(), 0) + part.nbytes
     return out
+
+
+def stack_expert_blocks(gate_ups: list[QuantWeight], downs: list[QuantWeight]) -> tuple | None:
+    """A layer's SwiGLU experts held in GGUF blocks, stacked for `moe_quant_swiglu`: (gate
+    (E, I, row bytes), its type, up, its type, down (E, H, row bytes), its type), each expert's
+    QuantWeights rebuilt over views of the stacks (so no bytes are held twice). None when an
+    expert is not [gate, up] + [down] block parts of one type per projection (int8 rows, dense
+    parts: the per-expert loop runs them)."""
+    layout = [[p.kind for p in w.parts] for w in gate_ups + downs]
+    first_gu, first_down = layout[0], layout[len(gate_ups)]
+    if len(first_gu) != 2 or len(first_down) != 1 or \
+            any(k not in BLOCK_SIZES for k in first_gu + first_down) or \
+            any(kinds != first_gu for kinds in layout[:len(gate_ups)]) or \
+            any(kinds != first_down for kinds in layout[len(gate_ups):]):
+        return None
+    gate = torch.stack([w.parts[0].data for w in gate_ups])
+    up = torch.stack([w.parts[1].data for w in gate_ups])
+    down = torch.stack([w.parts[0].data for w in downs])
+    for e, (gu, dn) in enumerate(zip(gate_ups, downs, strict=True)):
+        gu.__init__([QuantPart(first_gu[0], gate[e]), QuantPart(first_gu[1], up[e])],
+                    gu.in_features, gu.dtype)
+        dn.__init__([QuantPart(first_down[0], down[e])], dn.in_features, dn.dtype)
+    return gate, first_gu[0], up, first_gu[1], down, first_down[0]
+
+
+def moe_quant_swiglu(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                     stacked: tuple) -> torch.Tensor | None:
+    """The weighted sum of a layer's quantized SwiGLU experts in one kernel call (quant.cpp),
+    bit-equal to RoutedExperts' loop of quant_linear calls; None where the kernels cannot run
+    (then that loop, its twin, does)."""
+    k = _kernels(x)
+    if k is None or stacked[0].device != x.device:
+        return None
+    return k.moe_quant_swiglu(x.contiguous(), ids.contiguous(), weights.float().contiguous(),
+                              *stacked)

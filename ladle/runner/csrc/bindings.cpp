@@ -51,6 +51,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Gated DeltaNet's recurrent step: each state read once, the new one written once");
   m.def("isa", &isa, "instruction set this build uses");
   m.def("quantize_blocks", &quantize_blocks, "activations to int8 per block of 32");
+  m.def("moe_quant_swiglu", &moe_quant_swiglu,
+        "a mixture-of-experts block's SwiGLU experts in GGUF blocks and the weighted sum");
   m.def("quant_matmul", &quant_matmul,
         "x @ weight parts (GGUF blocks, int8 rows)^T into out, x quantized per block of 32");
   m.def("dequantize_rows", &dequantize_rows, "rows of GGUF-block weights, dequantized");

@@ -13,15 +13,8 @@
 //   rows are added in the order of their expert ids, rounding to T after each add, which is
 //   transformers' sum over experts in order.
 #include "kernels.h"
+#include "moe.h"
 #include "vec.h"
-
-template <typename T>
-static void gather_rows(const T* x, const int64_t* src, T* out, int64_t P, int64_t H) {
-  at::parallel_for(0, P, grain_for(kElementWork * H), [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      std::memcpy(out + p * H, x + src[p] * H, H * sizeof(T));
-  });
-}
 
 // y (P, N) rows of expert e at [start[e], start[e] + count[e]) = x rows @ w[e]^T, for the
 // experts in `small` together (threads split the concatenation of their column blocks).
@@ -48,59 +41,14 @@ static void experts_linear(const T* x, const T* w, T* y, const std::vector<int64
 }
 
 template <typename T>
-static void combine(const T* out, const int64_t* ids, const float* wts, const int64_t* slot,
-                    T* y, int64_t Tn, int64_t k, int64_t H) {
-  at::parallel_for(0, Tn, grain_for(kElementWork * H * k), [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> order(k);
-    std::vector<T> scaled(H);
-    for (int64_t t = begin; t < end; ++t) {
-      // This token's choices by expert id (stable: k is small, insertion sort).
-      for (int64_t j = 0; j < k; ++j) {
-        int64_t i = j;
-        while (i > 0 && ids[t * k + order[i - 1]] > ids[t * k + j]) {
-          order[i] = order[i - 1];
-          --i;
-        }
-        order[i] = j;
-      }
-      T* yt = y + t * H;
-      for (int64_t n = 0; n < k; ++n) {
-        const int64_t p = t * k + order[n];
-        const T* o = out + slot[p] * H;
-        const float w = wts[p];
-        T* dst = n == 0 ? yt : scaled.data();
-        for (int64_t h = 0; h < H; ++h) dst[h] = static_cast<T>(to_f(o[h]) * w);
-        // The product is stored, then added in a separate loop: the compiler cannot contract
-        // the two into one fused multiply-add, which would skip the product's rounding (torch
-        // multiplies, rounds, then adds).
-        if (n > 0)
-          for (int64_t h = 0; h < H; ++h) yt[h] = static_cast<T>(to_f(yt[h]) + to_f(scaled[h]));
-      }
-    }
-  });
-}
-
-template <typename T>
 static void moe_kernel(torch::Tensor x, torch::Tensor ids, torch::Tensor weights,
                        torch::Tensor gate_up, torch::Tensor down, torch::Tensor y,
                        int64_t max_kernel_rows, bool invariant) {
   const int64_t Tn = x.size(0), H = x.size(1), k = ids.size(1), E = gate_up.size(0);
   const int64_t I2 = gate_up.size(1), I = I2 / 2, P = Tn * k;
   const int64_t* id = ids.data_ptr<int64_t>();
-  // Counting sort of the pairs by expert; slot[p] is pair p's row in the sorted matrices.
-  std::vector<int64_t> count(E, 0), start(E, 0), slot(P), src(P);
-  for (int64_t p = 0; p < P; ++p) {
-    TORCH_CHECK(id[p] >= 0 && id[p] < E, "moe_swiglu: expert id out of range");
-    ++count[id[p]];
-  }
-  for (int64_t e = 1; e < E; ++e) start[e] = start[e - 1] + count[e - 1];
-  {
-    std::vector<int64_t> next(start);
-    for (int64_t p = 0; p < P; ++p) {
-      slot[p] = next[id[p]]++;
-      src[slot[p]] = p / k;
-    }
-  }
+  const ExpertRows r = sort_by_expert(id, P, k, E, "moe_swiglu");
+  const auto &count = r.count, &start = r.start, &slot = r.slot, &src = r.src;
   auto opts = x.options();
   auto rows = torch::empty({P, H}, opts), gu = torch::empty({P, I2}, opts);
   auto act = torch::empty({P, I}, opts), out = torch::empty({P, H}, opts);

@@ -26,6 +26,8 @@
 // weight blocks are in registers, so for decode (M <= 4) the weights are read once at memory
 // speed, and for prefill every unpacked weight block serves MR rows.
 #include "quant.h"
+#include "kernels.h"
+#include "moe.h"
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -717,6 +719,120 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
       }
     });
   });
+}
+
+// y rows of each expert = its rows of a (the activations, quantized) times its weight rows:
+// expert e's parts (gate and up into columns 0 and I, or down) from the stacked tensors, tiled
+// as quant_matmul tiles one expert's call (rows_per_tile by the expert's row count), all
+// experts' tiles in one parallel region.
+template <typename T>
+static void experts_quant(const Act& a, const std::vector<const at::Tensor*>& ws,
+                          const std::vector<int64_t>& types, const ExpertRows& r, int64_t K,
+                          T* y, int64_t ldy) {
+  struct Job {
+    Part part;
+    int64_t row0, rows;
+  };
+  std::vector<Job> jobs;
+  int64_t tiles = 0;
+  const int64_t E = static_cast<int64_t>(r.count.size());
+  for (int64_t e = 0; e < E; e++) {
+    if (r.count[e] == 0) continue;
+    int64_t col = 0;
+    for (size_t i = 0; i < ws.size(); i++) {
+      const at::Tensor& w = *ws[i];
+      const int type = int(types[i]);
+      const int64_t rows = w.size(1), row_bytes = w.size(2);
+      const int64_t nr_tile = rows_per_tile(type, r.count[e]);
+      const int64_t t = (rows + nr_tile - 1) / nr_tile;
+      jobs.push_back({{static_cast<const uint8_t*>(w.data_ptr()) + e * rows * row_bytes, type,
+                       rows, row_bytes, col, nullptr, tiles, t},
+                      r.start[e], r.count[e]});
+      tiles += t;
+      col += rows;
+    }
+  }
+  const int64_t avg = std::max<int64_t>(1, static_cast<int64_t>(r.slot.size()) /
+                                               std::max<int64_t>(1, E));
+  at::parallel_for(0, tiles, grain_for(avg * K * kNR * kQuantWork), [&](int64_t t0, int64_t t1) {
+    for (const Job& j : jobs) {
+      const Part& p = j.part;
+      const int64_t lo = std::max(t0, p.tile0), hi = std::min(t1, p.tile0 + p.tiles);
+      if (lo < hi)
+        part_tiles_any(p, lo - p.tile0, hi - p.tile0, a.from_row(j.row0), j.rows,
+                       y + j.row0 * ldy, ldy);
+    }
+  });
+}
+
+template <typename T>
+static void moe_quant_kernel(const at::Tensor& x, const at::Tensor& ids,
+                             const at::Tensor& weights, const at::Tensor& gate,
+                             int64_t gate_type, const at::Tensor& up, int64_t up_type,
+                             const at::Tensor& down, int64_t down_type, at::Tensor& y) {
+  const int64_t Tn = x.size(0), H = x.size(1), k = ids.size(1), E = gate.size(0);
+  const int64_t I = gate.size(1), P = Tn * k;
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const ExpertRows r = sort_by_expert(id, P, k, E, "moe_quant_swiglu");
+  auto opts = x.options();
+  auto rows = at::empty({P, H}, opts), gu = at::empty({P, 2 * I}, opts);
+  auto act = at::empty({P, I}, opts), out = at::empty({P, H}, opts);
+  gather_rows(x.data_ptr<T>(), r.src.data(), rows.data_ptr<T>(), P, H);
+  const int64_t Kmax = std::max(H, I);
+  auto q = at::empty({P, Kmax}, opts.dtype(at::kChar));
+  auto d = at::empty({P, Kmax / 32}, opts.dtype(at::kFloat));
+  auto s = at::empty({P, Kmax / 32}, opts.dtype(at::kFloat));
+  auto h = at::empty({P, Kmax / 16}, opts.dtype(at::kShort));
+  // gate | up: the gathered rows quantized once for both.
+  quantize_into(rows.data_ptr<T>(), P, H, q.data_ptr<int8_t>(), d.data_ptr<float>(),
+                s.data_ptr<float>(), h.data_ptr<int16_t>());
+  experts_quant<T>({q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(),
+                    h.data_ptr<int16_t>(), H}, {&gate, &up}, {gate_type, up_type}, r, H,
+                   gu.data_ptr<T>(), 2 * I);
+  silu_mul_kernel(static_cast<const T*>(gu.data_ptr<T>()), act.data_ptr<T>(), P, I, 2 * I);
+  quantize_into(act.data_ptr<T>(), P, I, q.data_ptr<int8_t>(), d.data_ptr<float>(),
+                s.data_ptr<float>(), h.data_ptr<int16_t>());
+  experts_quant<T>({q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(),
+                    h.data_ptr<int16_t>(), I}, {&down}, {down_type}, r, I, out.data_ptr<T>(), H);
+  combine(static_cast<const T*>(out.data_ptr<T>()), id, weights.data_ptr<float>(),
+          r.slot.data(), y.data_ptr<T>(), Tn, k, H);
+}
+
+// A mixture-of-experts block's SwiGLU experts held in GGUF blocks, in one call: moe_swiglu's
+// scheme (moe.cpp) with quant_matmul's per-expert products. x (T, H) float32/bfloat16; ids
+// (T, k) int64; weights (T, k) float32; gate and up (E, I, row bytes) and down (E, H, row
+// bytes) uint8 of their types. Equal bit for bit to one quant_matmul per expert and
+// projection (RoutedExperts' loop): the same rows, quantized the same way, tiled the same way.
+at::Tensor moe_quant_swiglu(const at::Tensor& x, const at::Tensor& ids,
+                            const at::Tensor& weights, const at::Tensor& gate, int64_t gate_type,
+                            const at::Tensor& up, int64_t up_type, const at::Tensor& down,
+                            int64_t down_type) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "moe_quant_swiglu: x must be contiguous (T, H) float32 or bfloat16");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == at::kLong &&
+                  ids.is_contiguous(), "moe_quant_swiglu: ids must be (T, k) int64");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat &&
+                  weights.is_contiguous(), "moe_quant_swiglu: weights must be (T, k) float32");
+  const int64_t H = x.size(1), E = gate.size(0), I = gate.size(1);
+  for (auto [w, type, n, kk] : {std::tuple{&gate, gate_type, I, H}, std::tuple{&up, up_type, I, H},
+                                std::tuple{&down, down_type, H, I}}) {
+    TORCH_CHECK(is_kernel_type(type) && type != kI8, "moe_quant_swiglu: type ", type);
+    TORCH_CHECK(kk % block_values(int(type)) == 0 && kk % 32 == 0,
+                "moe_quant_swiglu: inputs of ", kk, " values do not fill type ", type, "'s blocks");
+    TORCH_CHECK(w->dim() == 3 && w->is_contiguous() && w->scalar_type() == at::kByte &&
+                    w->size(0) == E && w->size(1) == n &&
+                    w->size(2) == kk / block_values(int(type)) * block_bytes(int(type)),
+                "moe_quant_swiglu: weights must be (E, out, row bytes) uint8");
+  }
+  auto y = at::empty_like(x);
+  if (x.size(0) == 0) return y;
+  if (x.scalar_type() == at::kBFloat16)
+    moe_quant_kernel<at::BFloat16>(x, ids, weights, gate, gate_type, up, up_type, down,
+                                   down_type, y);
+  else
+    moe_quant_kernel<float>(x, ids, weights, gate, gate_type, up, up_type, down, down_type, y);
+  return y;
 }
 
 // out (T, K) = rows ids (T,) of w (N, row bytes) of `type`, dequantized: the embedding lookup.
