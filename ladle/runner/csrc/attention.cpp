@@ -240,14 +240,14 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* b
   });
 }
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_table, torch::Tensor ctx_lens,
-                                     double scale, int64_t window, double softcap,
-                                     c10::optional<torch::Tensor> sinks) {
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                  at::Tensor block_table, at::Tensor ctx_lens,
+                                  double scale, int64_t window, double softcap,
+                                  c10::optional<at::Tensor> sinks) {
   // q: (B, H, D); caches: (num_blocks, KVH, bs, D); block_table: (B, max_blocks) int64.
   // window: attend to the last `window` tokens only (0: all); softcap: cap * tanh(s / cap) on
   // the scores (0: off); sinks: (H,) float32 logits joining each head's softmax (None: off).
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const float* sk = nullptr;
   if (sinks.has_value()) {
     TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&

@@ -18,10 +18,10 @@
 
 #include "kernels.h"
 
-std::vector<torch::Tensor> gated_delta_step(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                            torch::Tensor g, torch::Tensor beta,
-                                            torch::Tensor state, torch::Tensor rows,
-                                            torch::Tensor keep) {
+std::vector<at::Tensor> gated_delta_step(at::Tensor q, at::Tensor k, at::Tensor v,
+                                         at::Tensor g, at::Tensor beta,
+                                         at::Tensor state, at::Tensor rows,
+                                         at::Tensor keep) {
   TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 &&
                   v.size(0) == q.size(0) && v.size(1) == q.size(1),
               "gated_delta_step: q, k (D, H, dk) and v (D, H, dv)");
@@ -45,8 +45,8 @@ std::vector<torch::Tensor> gated_delta_step(torch::Tensor q, torch::Tensor k, to
   for (int64_t d = 0; d < D; ++d)
     TORCH_CHECK(!keeps[d] || (row[d] >= 0 && row[d] < N), "gated_delta_step: row out of range");
 
-  auto out = torch::empty({D, H, dv}, q.options());
-  auto next = torch::empty({D, H, dk, dv}, q.options());
+  auto out = at::empty({D, H, dv}, q.options());
+  auto next = at::empty({D, H, dk, dv}, q.options());
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
   const float* sp = state.data_ptr<float>();

@@ -84,8 +84,8 @@ static void rms_norm_kernel(const T* x, T* residual, const W* w, T* out, int64_t
   });
 }
 
-torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor w,
-                       double eps) {
+at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor w,
+                    double eps) {
   // x: (R, D) or (T, H, D), unit stride in D and heads adjacent; residual: contiguous, same
   // number of rows, updated in place to residual + x; w: (D,). Returns a contiguous x's shape.
   TORCH_CHECK(x.dim() == 2 || x.dim() == 3, "rms_norm: 2 or 3 dims");
@@ -94,7 +94,7 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, t
   TORCH_CHECK(x.stride(-1) == 1 && (x.dim() == 2 || x.stride(1) == D) && w.is_contiguous(),
               "rms_norm: layout");
   const int64_t R = x.numel() / D;
-  auto out = torch::empty(x.sizes(), x.options());
+  auto out = at::empty(x.sizes(), x.options());
   const bool has_r = residual.has_value() && residual->defined();
   if (has_r) TORCH_CHECK(residual->is_contiguous() && residual->numel() == x.numel(),
                          "rms_norm: residual");
@@ -144,8 +144,8 @@ static void rotary_kernel(T* q, T* k, const int64_t* pos, const float* cos, cons
   });
 }
 
-void rotary(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos,
-            torch::Tensor sin) {
+void rotary(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos,
+            at::Tensor sin) {
   // q: (T, H, D), k: (T, KVH, D), each head contiguous; positions: (T,) int64.
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "rotary: q layout");
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2), "rotary: k layout");
@@ -206,9 +206,9 @@ static void qk_norm_rotary_kernel(const T* q, const T* k, T* q_out, T* k_out, co
   });
 }
 
-std::vector<torch::Tensor> qk_norm_rotary(torch::Tensor q, torch::Tensor k, torch::Tensor wq,
-                                          torch::Tensor wk, double eps, torch::Tensor positions,
-                                          torch::Tensor cos, torch::Tensor sin) {
+std::vector<at::Tensor> qk_norm_rotary(at::Tensor q, at::Tensor k, at::Tensor wq,
+                                       at::Tensor wk, double eps, at::Tensor positions,
+                                       at::Tensor cos, at::Tensor sin) {
   // q: (T, H, D), k: (T, KVH, D) with heads adjacent (views into the qkv output are fine).
   // Returns new contiguous (q, k): RMSNorm per head with wq / wk, then neox rotary.
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "qk_norm_rotary: q layout");
@@ -216,8 +216,8 @@ std::vector<torch::Tensor> qk_norm_rotary(torch::Tensor q, torch::Tensor k, torc
   TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(),
               "qk_norm_rotary: tables");
   const int64_t Tn = q.size(0), H = q.size(1), KVH = k.size(1), D = q.size(2);
-  auto qo = torch::empty({Tn, H, D}, q.options());
-  auto ko = torch::empty({Tn, KVH, D}, k.options());
+  auto qo = at::empty({Tn, H, D}, q.options());
+  auto ko = at::empty({Tn, KVH, D}, k.options());
   if (q.scalar_type() == at::kBFloat16) {
     using T = at::BFloat16;
     qk_norm_rotary_kernel<T>(q.data_ptr<T>(), k.data_ptr<T>(), qo.data_ptr<T>(), ko.data_ptr<T>(),
@@ -235,8 +235,8 @@ std::vector<torch::Tensor> qk_norm_rotary(torch::Tensor q, torch::Tensor k, torc
   return {qo, ko};
 }
 
-void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                    torch::Tensor slot_blocks, torch::Tensor slot_offsets) {
+void write_kv_cache(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
+                    at::Tensor slot_blocks, at::Tensor slot_offsets) {
   // k, v: (T, KVH, D) heads contiguous; caches: (num_blocks, KVH, bs, D) contiguous.
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 &&
               v.stride(1) == v.size(2), "write_kv_cache: k/v layout");
@@ -290,11 +290,11 @@ template void silu_mul_kernel<float>(const float*, float*, int64_t, int64_t, int
 template void silu_mul_kernel<at::BFloat16>(const at::BFloat16*, at::BFloat16*, int64_t, int64_t,
                                             int64_t);
 
-torch::Tensor silu_mul(torch::Tensor x) {
+at::Tensor silu_mul(at::Tensor x) {
   // x: (R, 2I) = [gate | up] per row, unit stride; returns silu(gate) * up, (R, I).
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "silu_mul: layout");
   const int64_t R = x.size(0), I = x.size(1) / 2;
-  auto out = torch::empty({R, I}, x.options());
+  auto out = at::empty({R, I}, x.options());
   if (x.scalar_type() == at::kBFloat16) {
     silu_mul_kernel<at::BFloat16>(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), R, I,
                                   x.stride(0));
@@ -332,11 +332,11 @@ static void gelu_mul_kernel(const T* x, T* out, int64_t R, int64_t I, int64_t ld
   });
 }
 
-torch::Tensor gelu_mul(torch::Tensor x, bool tanh_approx) {
+at::Tensor gelu_mul(at::Tensor x, bool tanh_approx) {
   // x: (R, 2I) = [gate | up] per row, unit stride; returns gelu(gate) * up, (R, I).
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "gelu_mul: layout");
   const int64_t R = x.size(0), I = x.size(1) / 2;
-  auto out = torch::empty({R, I}, x.options());
+  auto out = at::empty({R, I}, x.options());
   if (x.scalar_type() == at::kBFloat16) {
     gelu_mul_kernel<at::BFloat16>(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), R, I,
                                   x.stride(0), tanh_approx);

@@ -11,20 +11,20 @@
 // (the sampler's passes); vec.h holds the helpers they share, bindings.cpp the module, and
 // quant.h / quant.cpp the quantized linears. These are the functions bindings.cpp exposes.
 #pragma once
-#include <torch/types.h>
+#include "vec.h"  // ATen, lean
 #include <vector>
 
 // deltanet.cpp: Gated DeltaNet's recurrent step, (output (D, H, dv), new states (D, H, dk, dv))
-std::vector<torch::Tensor> gated_delta_step(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                            torch::Tensor g, torch::Tensor beta,
-                                            torch::Tensor state, torch::Tensor rows,
-                                            torch::Tensor keep);
+std::vector<at::Tensor> gated_delta_step(at::Tensor q, at::Tensor k, at::Tensor v,
+                                         at::Tensor g, at::Tensor beta,
+                                         at::Tensor state, at::Tensor rows,
+                                         at::Tensor keep);
 
 // attention.cpp
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_table, torch::Tensor ctx_lens,
-                                     double scale, int64_t window, double softcap,
-                                     c10::optional<torch::Tensor> sinks);
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                  at::Tensor block_table, at::Tensor ctx_lens,
+                                  double scale, int64_t window, double softcap,
+                                  c10::optional<at::Tensor> sinks);
 
 // linear.cpp
 // Output columns [n_begin, n_end) of y (M, N) = x (M, K) @ w (N, K)^T + b on the calling thread
@@ -32,42 +32,42 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 template <typename T>
 void linear_cols(const T* x, const T* w, const T* b, T* y, int64_t M, int64_t N, int64_t K,
                  int64_t ldx, bool invariant, int64_t n_begin, int64_t n_end);
-torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> b,
-                     bool invariant);
+at::Tensor linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> b,
+                  bool invariant);
 
 // elementwise.cpp
-torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor w,
-                       double eps);
-void rotary(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos,
-            torch::Tensor sin);
-std::vector<torch::Tensor> qk_norm_rotary(torch::Tensor q, torch::Tensor k, torch::Tensor wq,
-                                          torch::Tensor wk, double eps, torch::Tensor positions,
-                                          torch::Tensor cos, torch::Tensor sin);
-void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                    torch::Tensor slot_blocks, torch::Tensor slot_offsets);
-torch::Tensor silu_mul(torch::Tensor x);
+at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor w,
+                    double eps);
+void rotary(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos,
+            at::Tensor sin);
+std::vector<at::Tensor> qk_norm_rotary(at::Tensor q, at::Tensor k, at::Tensor wq,
+                                       at::Tensor wk, double eps, at::Tensor positions,
+                                       at::Tensor cos, at::Tensor sin);
+void write_kv_cache(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
+                    at::Tensor slot_blocks, at::Tensor slot_offsets);
+at::Tensor silu_mul(at::Tensor x);
 // out (R, I) = silu(x[:, :I]) * x[:, I:2I] for R rows of stride ldx (threads split the rows).
 template <typename T>
 void silu_mul_kernel(const T* x, T* out, int64_t R, int64_t I, int64_t ldx);
-torch::Tensor gelu_mul(torch::Tensor x, bool tanh_approx);
+at::Tensor gelu_mul(at::Tensor x, bool tanh_approx);
 
 // moe.cpp
-torch::Tensor moe_swiglu(torch::Tensor x, torch::Tensor ids, torch::Tensor weights,
-                         torch::Tensor gate_up, torch::Tensor down, int64_t max_kernel_rows,
-                         bool invariant);
+at::Tensor moe_swiglu(at::Tensor x, at::Tensor ids, at::Tensor weights,
+                      at::Tensor gate_up, at::Tensor down, int64_t max_kernel_rows,
+                      bool invariant);
 
 // sampler.cpp
-void apply_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask);
-void apply_penalties(torch::Tensor logits, torch::Tensor counts, torch::Tensor seen,
-                     torch::Tensor repetition, torch::Tensor frequency, torch::Tensor presence,
+void apply_bitmask(at::Tensor logits, at::Tensor rows, at::Tensor bitmask);
+void apply_penalties(at::Tensor logits, at::Tensor counts, at::Tensor seen,
+                     at::Tensor repetition, at::Tensor frequency, at::Tensor presence,
                      bool use_rep, bool use_freq, bool use_pres);
-std::vector<torch::Tensor> logprob_stats(torch::Tensor src, torch::Tensor chosen);
-torch::Tensor logsumexp_rows(torch::Tensor src);
-void min_p(torch::Tensor logits, torch::Tensor log_min_p);
-void top_p_mask(torch::Tensor logits, torch::Tensor lse, torch::Tensor top_p);
-std::vector<torch::Tensor> topk_rows(torch::Tensor x, int64_t k);
-torch::Tensor argmax_rows(torch::Tensor x);
-void noise_uniform(torch::Tensor token_key, torch::Tensor k1, torch::Tensor k2,
-                   torch::Tensor out);
-torch::Tensor seeded_race(torch::Tensor logits, torch::Tensor token_key, torch::Tensor k1,
-                          torch::Tensor k2);
+std::vector<at::Tensor> logprob_stats(at::Tensor src, at::Tensor chosen);
+at::Tensor logsumexp_rows(at::Tensor src);
+void min_p(at::Tensor logits, at::Tensor log_min_p);
+void top_p_mask(at::Tensor logits, at::Tensor lse, at::Tensor top_p);
+std::vector<at::Tensor> topk_rows(at::Tensor x, int64_t k);
+at::Tensor argmax_rows(at::Tensor x);
+void noise_uniform(at::Tensor token_key, at::Tensor k1, at::Tensor k2,
+                   at::Tensor out);
+at::Tensor seeded_race(at::Tensor logits, at::Tensor token_key, at::Tensor k1,
+                       at::Tensor k2);

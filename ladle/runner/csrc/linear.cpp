@@ -393,15 +393,15 @@ static void linear_kernel(const T* x, const T* w, const T* b, T* y, int64_t M, i
   });
 }
 
-torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> b,
-                     bool invariant) {
+at::Tensor linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> b,
+                  bool invariant) {
   // x: (M, K) with unit stride in K; w: (N, K) contiguous; b: (N,) or None. Returns (M, N).
   // invariant: each row's result independent of M (see linear_kernel).
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: shapes");
   TORCH_CHECK(x.stride(1) == 1 && w.is_contiguous(), "linear: layout");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "linear: dtypes");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const bool has_b = b.has_value() && b->defined();
   if (x.scalar_type() == at::kBFloat16) {
     linear_kernel<at::BFloat16>(x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(),

@@ -41,8 +41,8 @@ static void experts_linear(const T* x, const T* w, T* y, const std::vector<int64
 }
 
 template <typename T>
-static void moe_kernel(torch::Tensor x, torch::Tensor ids, torch::Tensor weights,
-                       torch::Tensor gate_up, torch::Tensor down, torch::Tensor y,
+static void moe_kernel(at::Tensor x, at::Tensor ids, at::Tensor weights,
+                       at::Tensor gate_up, at::Tensor down, at::Tensor y,
                        int64_t max_kernel_rows, bool invariant) {
   const int64_t Tn = x.size(0), H = x.size(1), k = ids.size(1), E = gate_up.size(0);
   const int64_t I2 = gate_up.size(1), I = I2 / 2, P = Tn * k;
@@ -50,8 +50,8 @@ static void moe_kernel(torch::Tensor x, torch::Tensor ids, torch::Tensor weights
   const ExpertRows r = sort_by_expert(id, P, k, E, "moe_swiglu");
   const auto &count = r.count, &start = r.start, &slot = r.slot, &src = r.src;
   auto opts = x.options();
-  auto rows = torch::empty({P, H}, opts), gu = torch::empty({P, I2}, opts);
-  auto act = torch::empty({P, I}, opts), out = torch::empty({P, H}, opts);
+  auto rows = at::empty({P, H}, opts), gu = at::empty({P, I2}, opts);
+  auto act = at::empty({P, I}, opts), out = at::empty({P, H}, opts);
   const T* xp = x.data_ptr<T>();
   T* rp = rows.data_ptr<T>();
   gather_rows(xp, src.data(), rp, P, H);
@@ -78,9 +78,9 @@ static void moe_kernel(torch::Tensor x, torch::Tensor ids, torch::Tensor weights
           y.data_ptr<T>(), Tn, k, H);
 }
 
-torch::Tensor moe_swiglu(torch::Tensor x, torch::Tensor ids, torch::Tensor weights,
-                         torch::Tensor gate_up, torch::Tensor down, int64_t max_kernel_rows,
-                         bool invariant) {
+at::Tensor moe_swiglu(at::Tensor x, at::Tensor ids, at::Tensor weights,
+                      at::Tensor gate_up, at::Tensor down, int64_t max_kernel_rows,
+                      bool invariant) {
   // x (T, H); ids (T, k) int64 expert ids; weights (T, k) float32 routing weights; gate_up
   // (E, 2I, H) and down (E, H, I) in x's dtype, contiguous. Returns (T, H).
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "moe_swiglu: x must be (T, H) contiguous");
@@ -95,7 +95,7 @@ torch::Tensor moe_swiglu(torch::Tensor x, torch::Tensor ids, torch::Tensor weigh
               "moe_swiglu: gate_up must be (E, 2I, H) and down (E, H, I)");
   TORCH_CHECK(gate_up.scalar_type() == x.scalar_type() && down.scalar_type() == x.scalar_type(),
               "moe_swiglu: dtypes");
-  auto y = torch::empty_like(x);
+  auto y = at::empty_like(x);
   if (x.size(0) == 0) return y;
   if (x.scalar_type() == at::kBFloat16) {
     moe_kernel<at::BFloat16>(x, ids, weights, gate_up, down, y, max_kernel_rows, invariant);

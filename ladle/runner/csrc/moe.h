@@ -2,9 +2,6 @@
 // moe_quant_swiglu for experts in GGUF blocks): the (token, choice) pairs sorted by expert, the
 // rows gathered per expert, and the weighted sum back per token in transformers' order.
 #pragma once
-#include <ATen/Parallel.h>
-#include <torch/types.h>
-
 #include <cstring>
 #include <vector>
 

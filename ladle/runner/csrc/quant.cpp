@@ -30,6 +30,7 @@
 #include "moe.h"
 #include "vec.h"
 
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 

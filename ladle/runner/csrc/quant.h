@@ -1,7 +1,7 @@
 // Quantized linears (GGUF blocks, int8 rows) and their activation quantizers: quant.cpp. The
 // functions bindings.cpp exposes.
 #pragma once
-#include <torch/types.h>
+#include "vec.h"  // ATen, lean
 
 #include <string>
 #include <vector>

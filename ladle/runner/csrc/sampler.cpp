@@ -55,7 +55,7 @@ static void bitmask_kernel(T* logits, int64_t ld, const int64_t* rows, const int
   });
 }
 
-void apply_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask) {
+void apply_bitmask(at::Tensor logits, at::Tensor rows, at::Tensor bitmask) {
   // logits: (N, V) unit stride in V; rows: (R,) int64 rows of logits; bitmask: (R, W) int32.
   TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "apply_bitmask: logits layout");
   TORCH_CHECK(bitmask.is_contiguous() && bitmask.scalar_type() == at::kInt, "apply_bitmask: mask");
@@ -76,8 +76,8 @@ void apply_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitma
 // Sampler passes over (rows, vocab) float32 logits, one read of each row instead of one per
 // torch op (each pass over 64 x 152k floats is ~40 MB of memory traffic).
 
-void apply_penalties(torch::Tensor logits, torch::Tensor counts, torch::Tensor seen, torch::Tensor repetition, torch::Tensor frequency,
-                     torch::Tensor presence, bool use_rep, bool use_freq, bool use_pres) {
+void apply_penalties(at::Tensor logits, at::Tensor counts, at::Tensor seen, at::Tensor repetition, at::Tensor frequency,
+                     at::Tensor presence, bool use_rep, bool use_freq, bool use_pres) {
   // logits: (R, V) float32 contiguous, in place; counts: (>= R, V) float32; seen: (>= R, V)
   // bool; penalties: (R,) float32. Same arithmetic as PenaltyState.apply_torch: seen logits
   // times (1 / rep) if positive else rep, then minus freq * count, then minus pres where the
@@ -137,14 +137,14 @@ static inline float row_max(const T* x, int64_t V, bool* has_nan = nullptr) {
   return mx;
 }
 
-std::vector<torch::Tensor> logprob_stats(torch::Tensor src, torch::Tensor chosen) {
+std::vector<at::Tensor> logprob_stats(at::Tensor src, at::Tensor chosen) {
   // src: (N, V) float32 contiguous; chosen: (N,) int64. Returns (logsumexp (N,), src[chosen]
   // (N,), rank (N,) int64 = 1 + number of tokens with a larger value).
   TORCH_CHECK(src.is_contiguous() && src.scalar_type() == at::kFloat, "logprob_stats: src");
   const int64_t N = src.size(0), V = src.size(1);
-  auto lse = torch::empty({N}, src.options());
-  auto val = torch::empty({N}, src.options());
-  auto rank = torch::empty({N}, chosen.options());
+  auto lse = at::empty({N}, src.options());
+  auto val = at::empty({N}, src.options());
+  auto rank = at::empty({N}, chosen.options());
   const float* X = src.data_ptr<float>();
   const int64_t* ch = chosen.data_ptr<int64_t>();
   float* o_lse = lse.data_ptr<float>();
@@ -309,7 +309,7 @@ static void top_p_row(float* x, int64_t V, float lse, float p, double* hist) {
   }
 }
 
-void top_p_mask(torch::Tensor logits, torch::Tensor lse, torch::Tensor top_p) {
+void top_p_mask(at::Tensor logits, at::Tensor lse, at::Tensor top_p) {
   // logits: (R, V) float32 contiguous, in place; lse: (R,) float32 logsumexp of each row;
   // top_p: (R,) float32 in (0, 1].
   TORCH_CHECK(logits.is_contiguous() && logits.scalar_type() == at::kFloat && logits.dim() == 2,
@@ -328,14 +328,14 @@ void top_p_mask(torch::Tensor logits, torch::Tensor lse, torch::Tensor top_p) {
   });
 }
 
-torch::Tensor logsumexp_rows(torch::Tensor src) {
+at::Tensor logsumexp_rows(at::Tensor src) {
   // src: (N, V) float32 contiguous. logprob_stats' pass (its rank count costs nothing beside
   // the exp in a memory-bound loop).
-  auto chosen = torch::zeros({src.size(0)}, src.options().dtype(at::kLong));
+  auto chosen = at::zeros({src.size(0)}, src.options().dtype(at::kLong));
   return logprob_stats(src, chosen)[0];
 }
 
-void min_p(torch::Tensor logits, torch::Tensor log_min_p) {
+void min_p(at::Tensor logits, at::Tensor log_min_p) {
   // logits: (R, V) float32 contiguous, in place: -inf where logit < row max + log_min_p[r].
   TORCH_CHECK(logits.is_contiguous() && logits.scalar_type() == at::kFloat, "min_p: logits");
   const int64_t R = logits.size(0), V = logits.size(1);
@@ -359,15 +359,15 @@ void min_p(torch::Tensor logits, torch::Tensor log_min_p) {
   });
 }
 
-std::vector<torch::Tensor> topk_rows(torch::Tensor x, int64_t k) {
+std::vector<at::Tensor> topk_rows(at::Tensor x, int64_t k) {
   // x: (R, V) float32 contiguous; the k largest of each row, sorted descending, and their ids.
   // One pass with a k-entry min-heap: most elements lose one comparison against its root, where
   // torch.topk on a wide row does several passes.
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && x.dim() == 2, "topk_rows");
   const int64_t R = x.size(0), V = x.size(1);
   TORCH_CHECK(k >= 1 && k <= V, "topk_rows: k");
-  auto vals = torch::empty({R, k}, x.options());
-  auto ids = torch::empty({R, k}, x.options().dtype(at::kLong));
+  auto vals = at::empty({R, k}, x.options());
+  auto ids = at::empty({R, k}, x.options().dtype(at::kLong));
   const float* X = x.data_ptr<float>();
   float* ov = vals.data_ptr<float>();
   int64_t* oi = ids.data_ptr<int64_t>();
@@ -423,11 +423,11 @@ static int64_t row_argmax(const T* x, int64_t V) {
   return 0;  // unreachable: best is one of the values
 }
 
-torch::Tensor argmax_rows(torch::Tensor x) {
+at::Tensor argmax_rows(at::Tensor x) {
   // x: (R, V) float32 or bfloat16, contiguous, V >= 1. Returns (R,) int64.
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) >= 1, "argmax_rows: layout");
   const int64_t R = x.size(0), V = x.size(1);
-  auto out = torch::empty({R}, x.options().dtype(at::kLong));
+  auto out = at::empty({R}, x.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
   if (x.scalar_type() == at::kBFloat16) {
     const at::BFloat16* X = x.data_ptr<at::BFloat16>();
@@ -458,8 +458,8 @@ static inline uint32_t fmix32(uint32_t h) {
   return h ^ (h >> 16);
 }
 
-void noise_uniform(torch::Tensor token_key, torch::Tensor k1, torch::Tensor k2,
-                   torch::Tensor out) {
+void noise_uniform(at::Tensor token_key, at::Tensor k1, at::Tensor k2,
+                   at::Tensor out) {
   // token_key: (R, K) int32 with unit column stride (row stride 0 broadcasts one row);
   // k1, k2: (R,) int32; out: (R, K) float32 contiguous.
   TORCH_CHECK(token_key.scalar_type() == at::kInt && k1.scalar_type() == at::kInt &&
@@ -582,8 +582,8 @@ static int64_t seeded_race_row(const float* x, const uint32_t* tk, uint32_t k1, 
   return arg;
 }
 
-torch::Tensor seeded_race(torch::Tensor logits, torch::Tensor token_key, torch::Tensor k1,
-                          torch::Tensor k2) {
+at::Tensor seeded_race(at::Tensor logits, at::Tensor token_key, at::Tensor k1,
+                       at::Tensor k2) {
   // logits: (R, V) float32 contiguous; token_key: (V,) int32; k1, k2: (R,) int32 row keys.
   // Returns (R,) int64 sampled token ids.
   TORCH_CHECK(logits.scalar_type() == at::kFloat && token_key.scalar_type() == at::kInt &&
@@ -594,7 +594,7 @@ torch::Tensor seeded_race(torch::Tensor logits, torch::Tensor token_key, torch::
   const int64_t R = logits.size(0), V = logits.size(1);
   TORCH_CHECK(token_key.numel() == V && k1.numel() == R && k2.numel() == R,
               "seeded_race: shapes");
-  auto out = torch::empty({R}, logits.options().dtype(at::kLong));
+  auto out = at::empty({R}, logits.options().dtype(at::kLong));
   const float* X = logits.data_ptr<float>();
   const uint32_t* tk = reinterpret_cast<const uint32_t*>(token_key.data_ptr<int32_t>());
   const uint32_t* a = reinterpret_cast<const uint32_t*>(k1.data_ptr<int32_t>());
