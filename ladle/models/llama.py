@@ -13,8 +13,10 @@ import torch
 from torch import nn
 
 from ladle.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
+from ladle.runner import cpu_kernels
 from ladle.runner.attention import AttentionMetadata, paged_attention
 from ladle.runner.cpu_kernels import linear
+from ladle.runner.quant import QuantWeight
 
 if TYPE_CHECKING:
     from ladle.distributed.group import TPGroup
@@ -30,6 +32,14 @@ def decoder_forward(model, input_ids, positions, meta: AttentionMetadata,
     stage = model.pp
     if stage is None:
         x, residual = model.embed(input_ids), None
+        stack = decode_stack(model, x, meta, kv_caches)
+        if stack is not None:  # the same kernels in the same order, without Python between
+            d = meta.decode
+            x, residual = stack.run(x, positions, model.rotary.cos, model.rotary.sin,
+                                    d.block_table, d.ctx_lens, meta.slot_blocks,
+                                    meta.slot_offsets, [c[0] for c in kv_caches],
+                                    [c[1] for c in kv_caches], cpu_kernels.batch_invariant())
+            return model.final_norm(x, residual)
         for i, kv_cache in enumerate(kv_caches):
             x, residual = model.run_layer(i, x, residual, positions, meta, kv_cache)
         return model.final_norm(x, residual)
@@ -49,6 +59,117 @@ def decoder_forward(model, input_ids, positions, meta: AttentionMetadata,
     x = model.final_norm(x, residual)
     stage.computed(start)
     return x
+
+
+def decode_stack(model, x: torch.Tensor, meta: AttentionMetadata, kv_caches):
+    """The C++ DecodeStack (csrc/decode_stack.cpp) that runs all of `model`'s layers for this
+    step in one call, or None for the Python loop. It applies when every row of the step
+    decodes and the model is the plain decoder it mirrors (LlamaForCausalLM's own layers, with
+    gated MLPs or SparseMoeBlock experts: Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE, Mixtral; one
+    process, CPU kernels); built on the first such step."""
+    d = meta.decode
+    if d is None or meta.prefills or d.rows.shape[0] != x.shape[0] or meta.states is not None:
+        return None
+    stack = model._decode_stack
+    if stack is None:
+        contiguous = all(c.is_contiguous() for pair in kv_caches for c in pair)
+        stack = model._decode_stack = contiguous and _build_decode_stack(model) or False
+    if stack is False:
+        return None
+    decode, dtype, row_limit = stack
+    if (x.dtype != dtype or not x.is_contiguous() or kv_caches[0][0].dtype != dtype
+            or (x.shape[0] > row_limit and not cpu_kernels.batch_invariant())):
+        return None
+    return decode
+
+
+def _build_decode_stack(model):
+    """(DecodeStack, its dtype, the most rows it takes) when `model` is one it can run exactly
+    as DecoderLayer.forward does, else None."""
+    from ladle.models.moe import SparseMoeBlock  # (moe.py builds on this module)
+    from ladle.runner.cpu_kernels import load_cpu_kernels, max_linear_rows
+
+    if (not isinstance(model, LlamaForCausalLM) or model.tp is not None or model.pp is not None
+            or type(model).run_layer is not LlamaForCausalLM.run_layer
+            or type(model.rotary) is not RotaryEmbedding or model.rotary.cos.dtype != torch.float32
+            or model.rotary.cos.device.type != "cpu"
+            or any(type(layer) is not DecoderLayer for layer in model.layers)):
+        return None
+    kernels = load_cpu_kernels()
+    if kernels is None or not hasattr(kernels, "DecodeStack"):
+        return None
+    cfg = model.config
+    dtype = model.layers[0].input_layernorm.weight.dtype
+    if dtype not in (torch.bfloat16, torch.float32):
+        return None
+    dense = False
+
+    def spec(module: nn.Linear):
+        nonlocal dense
+        w, b = module.weight, module.bias
+        b = None if b is None else b.detach()
+        if b is not None and (b.dtype != dtype or not b.is_contiguous()):
+            return None
+        if isinstance(w, QuantWeight):  # quant_linear: one quant_matmul over the block parts
+            if not w.on_cpu or w.dtype != dtype or w._dense:
+                return None
+            return (None, b, *w._kernel_args, w.shape[0])
+        if w.dtype != dtype or not w.is_contiguous() or w.device.type != "cpu":
+            return None
+        dense = True
+        return (w.detach(), b, [], [], [], [], w.shape[0])
+
+    stack = kernels.DecodeStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+                                model.layers[0].self_attn.scale)
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if (type(attn) is not Attention
+                or attn.sinks is not None or attn.scale != model.layers[0].self_attn.scale
+                or (attn.num_heads, attn.num_kv_heads) != (cfg.num_heads, cfg.num_kv_heads)):
+            return None
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if attn.q_norm is not None:
+            norms += [attn.q_norm, attn.k_norm]
+        if any(type(n) is not RMSNorm or n.eps != cfg.rms_norm_eps or n.weight.dtype != dtype
+               or n.weight.device.type != "cpu" for n in norms):
+            return None
+        norms = [n.weight.detach() for n in norms]
+        moe = None
+        if type(mlp) is GatedMLP and mlp.activation == "silu" and mlp.tp is None:
+            linears = [spec(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                         mlp.down_proj)]
+        elif type(mlp) is SparseMoeBlock and mlp.tp is None:
+            linears = [spec(attn.qkv_proj), spec(attn.o_proj), None, None]
+            moe = _moe_spec(mlp, spec(mlp.gate), dtype, max_linear_rows(dtype))
+            if moe is None:
+                return None
+        else:
+            return None
+        if any(s is None for s in linears[:2]):
+            return None
+        if moe is None and any(s is None for s in linears):
+            return None
+        q_norm, k_norm = (None, None) if attn.q_norm is None else norms[2:]
+        stack.add_layer(norms[0], norms[1], q_norm, k_norm, attn.window or 0, *linears, moe)
+    return stack, dtype, max_linear_rows(dtype) if dense else 1 << 62
+
+
+def _moe_spec(block, router, dtype: torch.dtype, max_rows: int):
+    """The DecodeStack's spec of a SparseMoeBlock whose experts run fused (stacked dense or
+    GGUF blocks, SparseMoeBlock.fused), else None (its per-expert loop stays in Python)."""
+    if router is None:
+        return None
+    if block.quant_stacked is not None:
+        gate, gate_type, up, up_type, down, down_type = block.quant_stacked
+        if gate.device.type != "cpu":
+            return None
+        experts = (None, None, 0, [gate, up, down], [gate_type, up_type, down_type])
+    elif block.stacked is not None and block.stacked[0].dtype == dtype:
+        experts = (*block.stacked, max_rows, [], [])
+    else:
+        return None
+    cfg = block.moe
+    return (router, cfg.top_k, cfg.norm_topk_prob, cfg.float32_weights, *experts)
 
 
 @dataclass(slots=True)
@@ -260,6 +381,8 @@ class LlamaForCausalLM(nn.Module):
 
     # A pipeline stage (distributed/pipeline.py) when this model is one; None: all layers.
     pp: PipelineStage | None = None
+    # decode_stack's (DecodeStack, dtype, row limit) once built; False where it cannot run.
+    _decode_stack = None
     # Whether the layers pass a residual stream beside x (what a pipeline stage sends on).
     has_residual = True
 

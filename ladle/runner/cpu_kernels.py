@@ -5,8 +5,9 @@ weight once per token, and in torch ops a layer is ~60 small dispatches. The C++
 paged KV cache in place, multiplies one or a few rows by a weight matrix at close to memory speed
 (AVX512-BF16 `vdpbf16ps` where the CPU has it), and folds residual-add + RMSNorm and rotary into
 one op each. Its sources are split by concern (csrc/attention.cpp, linear.cpp, elementwise.cpp,
-sampler.cpp, moe.cpp, deltanet.cpp, quant.cpp for runner/quant.py; the helpers they share in
-vec.h, the module's bindings in bindings.cpp) and built as one module. Every kernel has a pure-torch twin below: the path on
+sampler.cpp, moe.cpp, deltanet.cpp, quant.cpp for runner/quant.py, decode_stack.cpp for a
+plain decoder's layers in one call (models/llama.py); the helpers they share in vec.h, the
+module's bindings in bindings.cpp) and built as one module. Every kernel has a pure-torch twin below: the path on
 other devices (CUDA keeps pure torch), without a compiler, after a failed build, or with
 LADLE_DISABLE_CPU_KERNELS=1; the tests compare the two.
 

@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "decode_stack.h"
 #include "kernels.h"
 #include "quant.h"
 
@@ -21,7 +22,74 @@ std::string isa() {
 #endif
 }
 
+// (weight or None, bias or None, quantized parts, their types, scales, first columns, N)
+using LinearSpec = std::tuple<c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                              std::vector<at::Tensor>, std::vector<int64_t>,
+                              std::vector<at::Tensor>, std::vector<int64_t>, int64_t>;
+
+static StackLinear stack_linear(const LinearSpec& s) {
+  StackLinear l;
+  if (std::get<0>(s)) l.weight = *std::get<0>(s);
+  l.bias = std::get<1>(s);
+  l.parts = std::get<2>(s);
+  l.types = std::get<3>(s);
+  l.scales = std::get<4>(s);
+  l.cols = std::get<5>(s);
+  l.out_features = std::get<6>(s);
+  TORCH_CHECK(l.weight.defined() || !l.parts.empty(), "decode_stack: a linear has no weight");
+  return l;
+}
+
+// (router, top_k, norm_topk_prob, float32_weights, dense gate_up or None, dense down or None,
+//  max_kernel_rows, [gate, up, down] blocks, their types): models/moe.py's SparseMoeBlock
+using MoeSpec = std::tuple<LinearSpec, int64_t, bool, bool, c10::optional<at::Tensor>,
+                           c10::optional<at::Tensor>, int64_t, std::vector<at::Tensor>,
+                           std::vector<int64_t>>;
+
+static StackMoe stack_moe(const MoeSpec& s) {
+  StackMoe e;
+  e.router = stack_linear(std::get<0>(s));
+  e.top_k = std::get<1>(s);
+  e.norm_topk = std::get<2>(s);
+  e.float32_weights = std::get<3>(s);
+  if (std::get<4>(s)) e.gate_up = *std::get<4>(s);
+  if (std::get<5>(s)) e.down = *std::get<5>(s);
+  e.max_kernel_rows = std::get<6>(s);
+  e.blocks = std::get<7>(s);
+  e.block_types = std::get<8>(s);
+  TORCH_CHECK(e.gate_up.defined() == e.down.defined() &&
+                  (e.gate_up.defined() || (e.blocks.size() == 3 && e.block_types.size() == 3)),
+              "decode_stack: experts are dense stacks or three block stacks");
+  return e;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<DecodeStack>(m, "DecodeStack", "a dense decoder's layers for one decode step")
+      .def(py::init<int64_t, int64_t, int64_t, double, double>(), py::arg("heads"),
+           py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
+      .def("add_layer",
+           [](DecodeStack& s, at::Tensor input_norm, at::Tensor post_norm,
+              c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm, int64_t window,
+              const LinearSpec& qkv, const LinearSpec& o,
+              const c10::optional<LinearSpec>& gate_up, const c10::optional<LinearSpec>& down,
+              const c10::optional<MoeSpec>& moe) {
+             TORCH_CHECK(q_norm.has_value() == k_norm.has_value(),
+                         "decode_stack: q_norm and k_norm come together");
+             TORCH_CHECK(moe.has_value() != (gate_up.has_value() && down.has_value()),
+                         "decode_stack: a layer has a gated MLP or experts");
+             StackLayer L{input_norm, post_norm, q_norm, k_norm, stack_linear(qkv),
+                          stack_linear(o), {}, {}, window, c10::nullopt};
+             if (moe) {
+               L.moe = stack_moe(*moe);
+             } else {
+               L.gate_up = stack_linear(*gate_up);
+               L.down = stack_linear(*down);
+             }
+             s.add_layer(std::move(L));
+           })
+      .def("num_layers", &DecodeStack::num_layers)
+      // No Python object is touched inside: the grammar-bitmask thread runs meanwhile.
+      .def("run", &DecodeStack::run, py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_attention", &paged_decode_attention,
         "paged decode attention, optionally windowed, soft-capped and with sink logits",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),

@@ -9,7 +9,8 @@
 // (the experts of a mixture-of-experts block), deltanet.cpp (Gated DeltaNet's recurrent
 // step), sampler.cpp
 // (the sampler's passes); vec.h holds the helpers they share, bindings.cpp the module, and
-// quant.h / quant.cpp the quantized linears. These are the functions bindings.cpp exposes.
+// quant.h / quant.cpp the quantized linears, decode_stack.h / .cpp a decoder's layers in one
+// call. These are the functions bindings.cpp exposes.
 #pragma once
 #include "vec.h"  // ATen, lean
 #include <vector>

@@ -12,6 +12,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/topk.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <algorithm>

@@ -1,0 +1,130 @@
+"""The C++ decode stack (csrc/decode_stack.cpp): on a step where every row decodes, a plain
+decoder's layers run in one C++ call instead of ~10 Python-dispatched kernels per layer. It
+must change nothing but speed: the logits of every step equal the Python loop's bit for bit,
+in bfloat16, float32 and with GGUF Q8_0 blocks, with biases (Qwen2), q/k norms (Qwen3), a
+sliding window (Mistral) and mixture-of-experts layers (Qwen3-MoE with dense layers between,
+Mixtral's float32 routing weights, Q8_0 experts); families it does not mirror keep the Python
+loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import make_checkpoint
+from test_engine_numerics import run
+
+from ladle.config import EngineConfig
+from ladle.engine.core import EngineCore
+from ladle.runner.cpu_kernels import load_cpu_kernels
+
+pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="no CPU kernels here")
+
+_gen = torch.Generator().manual_seed(11)
+# Four rows of different lengths; 30-70 tokens so Mistral's window (12) slides.
+PROMPTS = [torch.randint(3, 500, (n,), generator=_gen).tolist() for n in (30, 7, 52, 70)]
+NUM_DECODE = 12
+
+
+def _mistral(path):
+    import transformers as tf
+
+    cfg = tf.MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, sliding_window=12, max_position_embeddings=512)
+    torch.manual_seed(0)
+    tf.MistralForCausalLM(cfg).eval().save_pretrained(path)
+
+
+def _phi3(path):
+    import transformers as tf
+
+    cfg = tf.Phi3Config(vocab_size=512, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        partial_rotary_factor=0.5, max_position_embeddings=512,
+                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    tf.Phi3ForCausalLM(cfg).eval().save_pretrained(path)
+
+
+def _checkpoint(case: str, root) -> str:
+    path = root / case
+    if case == "qwen3-q8_0":
+        import gguf_convert
+        from test_gguf import build_checkpoint
+
+        build_checkpoint("qwen3", path)
+        return str(gguf_convert.convert_cached(path, "q8_0"))
+    if case == "qwen3moe-q8_0":  # Q8_0 experts: quant.cpp's moe_quant_swiglu
+        import gguf_convert
+        from test_gguf_moe import CHECKPOINTS
+        from test_moe import make_moe_checkpoint
+
+        path.mkdir()
+        gguf_convert.add_qwen_tokenizer(path)
+        name, fields = CHECKPOINTS["qwen3moe"]
+        make_moe_checkpoint(name, path, **fields)
+        return str(gguf_convert.convert_cached(path, "q8_0"))
+    if case in ("qwen3_moe-top4", "mixtral-top2-window"):  # stacked dense experts: moe.cpp
+        from test_moe import make_moe_checkpoint
+
+        make_moe_checkpoint(case, path)
+    elif case == "mistral":
+        _mistral(path)
+    elif case == "phi3":
+        _phi3(path)
+    else:
+        make_checkpoint(case, path, torch.float32)
+    return str(path)
+
+
+class _Counting:
+    """Stands in for the built DecodeStack and counts the steps it runs."""
+
+    def __init__(self, stack):
+        self.stack, self.calls = stack, 0
+
+    def run(self, *args):
+        self.calls += 1
+        return self.stack.run(*args)
+
+
+def _both_ways(model_path: str, dtype: str):
+    """(tokens, logits) with the stack, the same with the Python loop, and the stack's steps."""
+    # No prefix cache: the second run's prompts must be computed as the first run's were.
+    engine = EngineCore(EngineConfig(model=model_path, dtype=dtype, max_model_len=256,
+                                     enable_prefix_caching=False), keep_logits=True)
+    model = engine.runner.model
+    run(engine, PROMPTS[:1], max_tokens=2, start=100)  # the first decode step builds it
+    built = model._decode_stack
+    counting = None
+    if built:
+        counting = _Counting(built[0])
+        model._decode_stack = (counting, *built[1:])
+    with_stack = run(engine, PROMPTS, NUM_DECODE)
+    model._decode_stack = False
+    python = run(engine, PROMPTS, NUM_DECODE, start=len(PROMPTS))
+    engine.close()
+    return with_stack, python, None if counting is None else counting.calls
+
+
+@pytest.mark.parametrize("case,dtype", [
+    ("llama", "bfloat16"), ("qwen2", "bfloat16"), ("qwen3", "bfloat16"), ("qwen3", "float32"),
+    ("mistral", "bfloat16"), ("qwen3-q8_0", "bfloat16"), ("qwen3_moe-top4", "bfloat16"),
+    ("mixtral-top2-window", "bfloat16"), ("qwen3moe-q8_0", "float32"),
+])
+def test_decode_stack_equals_the_python_loop(case, dtype, tmp_path):
+    (toks, logits), (py_toks, py_logits), steps = _both_ways(_checkpoint(case, tmp_path), dtype)
+    # Every decode step after the prefill went through the stack: NUM_DECODE - 1 per batch.
+    assert steps == NUM_DECODE - 1, steps
+    assert toks == py_toks
+    for a, b in zip(logits, py_logits, strict=True):
+        assert torch.equal(a, b), (a - b).abs().max()
+
+
+def test_families_it_does_not_mirror_keep_the_python_loop(tmp_path):
+    """Phi-3's partial rotary is not the stack's layer: it is never built there."""
+    engine = EngineCore(EngineConfig(model=_checkpoint("phi3", tmp_path), dtype="bfloat16",
+                                     max_model_len=256), keep_logits=True)
+    run(engine, PROMPTS[:2], max_tokens=4)
+    assert engine.runner.model._decode_stack is False
+    engine.close()
