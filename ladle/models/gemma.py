@@ -18,7 +18,15 @@ import torch
 from torch import nn
 
 from ladle.models.layers import GatedMLP, GemmaRMSNorm, RotaryEmbedding
-from ladle.models.llama import LlamaForCausalLM, ShardLayout, shard_layout, vocab_layers
+from ladle.models.llama import (
+    LlamaForCausalLM,
+    ShardLayout,
+    shard_layout,
+    stack_kernels,
+    stack_linear,
+    stack_row_limit,
+    vocab_layers,
+)
 from ladle.runner.attention import AttentionMetadata, paged_attention
 from ladle.runner.cpu_kernels import linear
 
@@ -242,6 +250,52 @@ class GemmaForCausalLM(nn.Module):
         rotary = self.rotary if layer.self_attn.window is None else \
             (self.rotary_sliding or self.rotary)
         return layer(x, residual, positions, rotary, meta, kv_cache)
+
+    _decode_stack = None  # llama.py's decode_stack: built on the first all-decode step
+
+    def build_decode_stack(self):
+        """(DecodeStack, rope tables, dtype, row limit) running these layers as
+        GemmaDecoderLayer.forward does (llama.py: decode_stack): the (1 + w) norms as their
+        float32 scales, Gemma 3's per-head norms then rotary, each layer's rope table, window
+        and soft-cap; or None when it cannot."""
+        layers, cfg = self.layers, self.config
+        if type(self).run_layer is not GemmaForCausalLM.run_layer or \
+                any(type(layer) is not GemmaDecoderLayer for layer in layers):
+            return None
+        dtype = layers[0].input_layernorm.weight.dtype
+        rotaries = [self.rotary] + ([self.rotary_sliding] if self.rotary_sliding else [])
+        kernels = stack_kernels(self, dtype, rotaries)
+        if kernels is None:
+            return None
+        activation = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+        stack = kernels.DecodeStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                    cfg.rms_norm_eps, layers[0].self_attn.scale)
+        specs = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = [layer.input_layernorm, layer.pre_feedforward_layernorm,
+                     layer.post_attention_layernorm, layer.post_feedforward_layernorm]
+            if attn.q_norm is not None:
+                norms += [attn.q_norm, attn.k_norm]
+            if (type(attn) is not GemmaAttention or type(mlp) is not GatedMLP
+                    or mlp.tp is not None or attn.scale != layers[0].self_attn.scale
+                    or (attn.num_heads, attn.num_kv_heads) != (cfg.num_heads, cfg.num_kv_heads)
+                    or any(type(n) is not GemmaRMSNorm or n.eps != cfg.rms_norm_eps
+                           or n.weight.device.type != "cpu" for n in norms)):
+                return None
+            linears = [stack_linear(m, dtype) for m in (attn.qkv_proj, attn.o_proj,
+                                                        mlp.gate_up_proj, mlp.down_proj)]
+            if any(s is None for s in linears):
+                return None
+            specs += linears
+            scales = [n.scale() for n in norms]  # 1 + w in float32, as gemma_rms_norm takes
+            sliding = attn.window is not None and self.rotary_sliding is not None
+            stack.add_layer(scales[0], scales[1], scales[2], scales[3],
+                            *(scales[4:] or (None, None)), False, 1 if sliding else 0,
+                            attn.window or 0, attn.softcap or 0.0, activation[mlp.activation],
+                            *linears, None)
+        tables = [t for r in rotaries for t in (r.cos, r.sin)]
+        return stack, tables, dtype, stack_row_limit(specs, dtype)
 
     def compute_logits(self, hidden: torch.Tensor,
                        indices: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -35,10 +35,10 @@ def decoder_forward(model, input_ids, positions, meta: AttentionMetadata,
         stack = decode_stack(model, x, meta, kv_caches)
         if stack is not None:  # the same kernels in the same order, without Python between
             d = meta.decode
-            x, residual = stack.run(x, positions, model.rotary.cos, model.rotary.sin,
-                                    d.block_table, d.ctx_lens, meta.slot_blocks,
-                                    meta.slot_offsets, [c[0] for c in kv_caches],
-                                    [c[1] for c in kv_caches], cpu_kernels.batch_invariant())
+            x, residual = stack[0].run(x, positions, stack[1], d.block_table, d.ctx_lens,
+                                       meta.slot_blocks, meta.slot_offsets,
+                                       [c[0] for c in kv_caches], [c[1] for c in kv_caches],
+                                       cpu_kernels.batch_invariant())
             return model.final_norm(x, residual)
         for i, kv_cache in enumerate(kv_caches):
             x, residual = model.run_layer(i, x, residual, positions, meta, kv_cache)
@@ -62,102 +62,66 @@ def decoder_forward(model, input_ids, positions, meta: AttentionMetadata,
 
 
 def decode_stack(model, x: torch.Tensor, meta: AttentionMetadata, kv_caches):
-    """The C++ DecodeStack (csrc/decode_stack.cpp) that runs all of `model`'s layers for this
-    step in one call, or None for the Python loop. It applies when every row of the step
-    decodes and the model is the plain decoder it mirrors (LlamaForCausalLM's own layers, with
-    gated MLPs or SparseMoeBlock experts: Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE, Mixtral; one
-    process, CPU kernels); built on the first such step."""
+    """(DecodeStack, its rope tables) to run all of `model`'s layers for this step in one C++
+    call (csrc/decode_stack.cpp), or None for the Python loop. It applies when every row of the
+    step decodes and the model's `build_decode_stack` mirrors its layers (LlamaForCausalLM's
+    own with gated MLPs or SparseMoeBlock experts: Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE,
+    Mixtral; Gemma 2 and 3; one process, CPU kernels); built on the first such step."""
     d = meta.decode
     if d is None or meta.prefills or d.rows.shape[0] != x.shape[0] or meta.states is not None:
         return None
     stack = model._decode_stack
     if stack is None:
         contiguous = all(c.is_contiguous() for pair in kv_caches for c in pair)
-        stack = model._decode_stack = contiguous and _build_decode_stack(model) or False
+        stack = model._decode_stack = contiguous and model.build_decode_stack() or False
     if stack is False:
         return None
-    decode, dtype, row_limit = stack
+    decode, tables, dtype, row_limit = stack
     if (x.dtype != dtype or not x.is_contiguous() or kv_caches[0][0].dtype != dtype
             or (x.shape[0] > row_limit and not cpu_kernels.batch_invariant())):
         return None
-    return decode
+    return decode, tables
 
 
-def _build_decode_stack(model):
-    """(DecodeStack, its dtype, the most rows it takes) when `model` is one it can run exactly
-    as DecoderLayer.forward does, else None."""
-    from ladle.models.moe import SparseMoeBlock  # (moe.py builds on this module)
-    from ladle.runner.cpu_kernels import load_cpu_kernels, max_linear_rows
-
-    if (not isinstance(model, LlamaForCausalLM) or model.tp is not None or model.pp is not None
-            or type(model).run_layer is not LlamaForCausalLM.run_layer
-            or type(model.rotary) is not RotaryEmbedding or model.rotary.cos.dtype != torch.float32
-            or model.rotary.cos.device.type != "cpu"
-            or any(type(layer) is not DecoderLayer for layer in model.layers)):
+def stack_kernels(model, dtype: torch.dtype, rotaries: list):
+    """The kernel module when a DecodeStack can run `model` in `dtype` with these rotary
+    embeddings (one process, CPU, float32 tables), else None."""
+    if (model.tp is not None or model.pp is not None or dtype not in (torch.bfloat16, torch.float32)
+            or any(type(r) is not RotaryEmbedding or r.cos.dtype != torch.float32
+                   or r.cos.device.type != "cpu" for r in rotaries)):
         return None
-    kernels = load_cpu_kernels()
-    if kernels is None or not hasattr(kernels, "DecodeStack"):
+    kernels = cpu_kernels.load_cpu_kernels()
+    return kernels if kernels is not None and hasattr(kernels, "DecodeStack") else None
+
+
+def stack_linear(module: nn.Linear, dtype: torch.dtype) -> tuple | None:
+    """A DecodeStack's spec of a linear: (dense weight or None, bias or None, block parts, their
+    types, scales, first columns, N), run as cpu_kernels.linear runs it; None where it cannot."""
+    w, b = module.weight, module.bias
+    b = None if b is None else b.detach()
+    if b is not None and (b.dtype != dtype or not b.is_contiguous()):
         return None
-    cfg = model.config
-    dtype = model.layers[0].input_layernorm.weight.dtype
-    if dtype not in (torch.bfloat16, torch.float32):
+    if isinstance(w, QuantWeight):  # quant_linear: one quant_matmul over the block parts
+        if not w.on_cpu or w.dtype != dtype or w._dense:
+            return None
+        return (None, b, *w._kernel_args, w.shape[0])
+    if w.dtype != dtype or not w.is_contiguous() or w.device.type != "cpu":
         return None
-    dense = False
-
-    def spec(module: nn.Linear):
-        nonlocal dense
-        w, b = module.weight, module.bias
-        b = None if b is None else b.detach()
-        if b is not None and (b.dtype != dtype or not b.is_contiguous()):
-            return None
-        if isinstance(w, QuantWeight):  # quant_linear: one quant_matmul over the block parts
-            if not w.on_cpu or w.dtype != dtype or w._dense:
-                return None
-            return (None, b, *w._kernel_args, w.shape[0])
-        if w.dtype != dtype or not w.is_contiguous() or w.device.type != "cpu":
-            return None
-        dense = True
-        return (w.detach(), b, [], [], [], [], w.shape[0])
-
-    stack = kernels.DecodeStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
-                                model.layers[0].self_attn.scale)
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if (type(attn) is not Attention
-                or attn.sinks is not None or attn.scale != model.layers[0].self_attn.scale
-                or (attn.num_heads, attn.num_kv_heads) != (cfg.num_heads, cfg.num_kv_heads)):
-            return None
-        norms = [layer.input_layernorm, layer.post_attention_layernorm]
-        if attn.q_norm is not None:
-            norms += [attn.q_norm, attn.k_norm]
-        if any(type(n) is not RMSNorm or n.eps != cfg.rms_norm_eps or n.weight.dtype != dtype
-               or n.weight.device.type != "cpu" for n in norms):
-            return None
-        norms = [n.weight.detach() for n in norms]
-        moe = None
-        if type(mlp) is GatedMLP and mlp.activation == "silu" and mlp.tp is None:
-            linears = [spec(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                         mlp.down_proj)]
-        elif type(mlp) is SparseMoeBlock and mlp.tp is None:
-            linears = [spec(attn.qkv_proj), spec(attn.o_proj), None, None]
-            moe = _moe_spec(mlp, spec(mlp.gate), dtype, max_linear_rows(dtype))
-            if moe is None:
-                return None
-        else:
-            return None
-        if any(s is None for s in linears[:2]):
-            return None
-        if moe is None and any(s is None for s in linears):
-            return None
-        q_norm, k_norm = (None, None) if attn.q_norm is None else norms[2:]
-        stack.add_layer(norms[0], norms[1], q_norm, k_norm, attn.window or 0, *linears, moe)
-    return stack, dtype, max_linear_rows(dtype) if dense else 1 << 62
+    return (w.detach(), b, [], [], [], [], w.shape[0])
 
 
-def _moe_spec(block, router, dtype: torch.dtype, max_rows: int):
+def stack_row_limit(specs: list[tuple], dtype: torch.dtype) -> int:
+    """The most rows a DecodeStack of these linears takes: a dense weight runs the small-M
+    kernel only up to max_linear_rows (above, `linear` takes torch's GEMM), blocks any."""
+    dense = any(s is not None and s[0] is not None for s in specs)
+    return cpu_kernels.max_linear_rows(dtype) if dense else 1 << 62
+
+
+def _moe_spec(block, dtype: torch.dtype) -> tuple | None:
     """The DecodeStack's spec of a SparseMoeBlock whose experts run fused (stacked dense or
     GGUF blocks, SparseMoeBlock.fused), else None (its per-expert loop stays in Python)."""
-    if router is None:
+    router = stack_linear(block.gate, dtype)
+    if router is None or block.tp is not None:
         return None
     if block.quant_stacked is not None:
         gate, gate_type, up, up_type, down, down_type = block.quant_stacked
@@ -165,7 +129,7 @@ def _moe_spec(block, router, dtype: torch.dtype, max_rows: int):
             return None
         experts = (None, None, 0, [gate, up, down], [gate_type, up_type, down_type])
     elif block.stacked is not None and block.stacked[0].dtype == dtype:
-        experts = (*block.stacked, max_rows, [], [])
+        experts = (*block.stacked, cpu_kernels.max_linear_rows(dtype), [], [])
     else:
         return None
     cfg = block.moe
@@ -399,6 +363,57 @@ class LlamaForCausalLM(nn.Module):
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return self.norm(x, residual)[0]
+
+    def build_decode_stack(self):
+        """(DecodeStack, rope tables, dtype, row limit) running this model's layers as
+        DecoderLayer.forward does (llama.py: decode_stack), or None when a layer is not one it
+        mirrors (a family's own layer, norm or rotary; experts that loop in Python)."""
+        from ladle.models.moe import SparseMoeBlock  # (moe.py builds on this module)
+
+        layers = self.layers
+        if type(self).run_layer is not LlamaForCausalLM.run_layer or \
+                any(type(layer) is not DecoderLayer for layer in layers):
+            return None
+        cfg = self.config
+        dtype = layers[0].input_layernorm.weight.dtype
+        kernels = stack_kernels(self, dtype, [self.rotary])
+        if kernels is None:
+            return None
+        stack = kernels.DecodeStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                    cfg.rms_norm_eps, layers[0].self_attn.scale)
+        specs = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            if attn.q_norm is not None:
+                norms += [attn.q_norm, attn.k_norm]
+            if (type(attn) is not Attention or attn.sinks is not None
+                    or attn.scale != layers[0].self_attn.scale
+                    or (attn.num_heads, attn.num_kv_heads) != (cfg.num_heads, cfg.num_kv_heads)
+                    or any(type(n) is not RMSNorm or n.eps != cfg.rms_norm_eps
+                           or n.weight.dtype != dtype or n.weight.device.type != "cpu"
+                           for n in norms)):
+                return None
+            qkv, o = stack_linear(attn.qkv_proj, dtype), stack_linear(attn.o_proj, dtype)
+            gate_up = down = moe = None
+            if type(mlp) is GatedMLP and mlp.activation == "silu" and mlp.tp is None:
+                gate_up = stack_linear(mlp.gate_up_proj, dtype)
+                down = stack_linear(mlp.down_proj, dtype)
+                if gate_up is None or down is None:
+                    return None
+            elif type(mlp) is SparseMoeBlock:
+                moe = _moe_spec(mlp, dtype)
+                if moe is None:
+                    return None
+            else:
+                return None
+            if qkv is None or o is None:
+                return None
+            specs += [qkv, o, gate_up, down, moe and moe[0]]
+            w = [n.weight.detach() for n in norms]
+            stack.add_layer(w[0], w[1], None, None, *(w[2:] or (None, None)), True, 0,
+                            attn.window or 0, 0.0, 0, qkv, o, gate_up, down, moe)
+        return stack, [self.rotary.cos, self.rotary.sin], dtype, stack_row_limit(specs, dtype)
 
     def compute_logits(self, hidden: torch.Tensor,
                        indices: torch.Tensor | None = None) -> torch.Tensor | None:

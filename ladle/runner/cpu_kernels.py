@@ -6,7 +6,7 @@ paged KV cache in place, multiplies one or a few rows by a weight matrix at clos
 (AVX512-BF16 `vdpbf16ps` where the CPU has it), and folds residual-add + RMSNorm and rotary into
 one op each. Its sources are split by concern (csrc/attention.cpp, linear.cpp, elementwise.cpp,
 sampler.cpp, moe.cpp, deltanet.cpp, quant.cpp for runner/quant.py, decode_stack.cpp for a
-plain decoder's layers in one call (models/llama.py); the helpers they share in vec.h, the
+decoder's layers in one call (models/llama.py: decode_stack); the helpers they share in vec.h, the
 module's bindings in bindings.cpp) and built as one module. Every kernel has a pure-torch twin below: the path on
 other devices (CUDA keeps pure torch), without a compiler, after a failed build, or with
 LADLE_DISABLE_CPU_KERNELS=1; the tests compare the two.

@@ -69,7 +69,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
       .def("add_layer",
            [](DecodeStack& s, at::Tensor input_norm, at::Tensor post_norm,
-              c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm, int64_t window,
+              c10::optional<at::Tensor> attn_out_norm, c10::optional<at::Tensor> mlp_out_norm,
+              c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm, bool qk_fused,
+              int64_t rope, int64_t window, double softcap, int64_t activation,
               const LinearSpec& qkv, const LinearSpec& o,
               const c10::optional<LinearSpec>& gate_up, const c10::optional<LinearSpec>& down,
               const c10::optional<MoeSpec>& moe) {
@@ -77,8 +79,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                          "decode_stack: q_norm and k_norm come together");
              TORCH_CHECK(moe.has_value() != (gate_up.has_value() && down.has_value()),
                          "decode_stack: a layer has a gated MLP or experts");
-             StackLayer L{input_norm, post_norm, q_norm, k_norm, stack_linear(qkv),
-                          stack_linear(o), {}, {}, window, c10::nullopt};
+             TORCH_CHECK(activation >= kSilu && activation <= kGelu,
+                         "decode_stack: activation ", activation);
+             StackLayer L;
+             L.input_norm = input_norm;
+             L.post_norm = post_norm;
+             L.attn_out_norm = attn_out_norm;
+             L.mlp_out_norm = mlp_out_norm;
+             L.q_norm = q_norm;
+             L.k_norm = k_norm;
+             L.qk_fused = qk_fused;
+             L.rope = rope;
+             L.qkv = stack_linear(qkv);
+             L.o = stack_linear(o);
+             L.window = window;
+             L.softcap = softcap;
+             L.activation = activation;
              if (moe) {
                L.moe = stack_moe(*moe);
              } else {
@@ -86,7 +102,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                L.down = stack_linear(*down);
              }
              s.add_layer(std::move(L));
-           })
+           },
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("attn_out_norm"),
+           py::arg("mlp_out_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qk_fused"),
+           py::arg("rope"), py::arg("window"), py::arg("softcap"), py::arg("activation"),
+           py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("moe"))
       .def("num_layers", &DecodeStack::num_layers)
       // No Python object is touched inside: the grammar-bitmask thread runs meanwhile.
       .def("run", &DecodeStack::run, py::call_guard<py::gil_scoped_release>());

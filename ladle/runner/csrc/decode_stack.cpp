@@ -29,7 +29,7 @@ at::Tensor StackMoe::operator()(const at::Tensor& x, bool invariant) const {
 }
 
 std::vector<at::Tensor> DecodeStack::run(at::Tensor x, const at::Tensor& positions,
-                                         const at::Tensor& cos, const at::Tensor& sin,
+                                         const std::vector<at::Tensor>& tables,
                                          const at::Tensor& block_table, const at::Tensor& ctx_lens,
                                          const at::Tensor& slot_blocks,
                                          const at::Tensor& slot_offsets,
@@ -42,6 +42,9 @@ std::vector<at::Tensor> DecodeStack::run(at::Tensor x, const at::Tensor& positio
   at::Tensor residual;
   for (size_t i = 0; i < layers_.size(); ++i) {
     const StackLayer& L = layers_[i];
+    TORCH_CHECK(2 * L.rope + 1 < static_cast<int64_t>(tables.size()),
+                "decode_stack: layer ", i, " uses rope table ", L.rope);
+    const at::Tensor &cos = tables[2 * L.rope], &sin = tables[2 * L.rope + 1];
     at::Tensor h;
     if (i == 0) {  // h, residual = input_layernorm(x), x
       h = rms_norm(x, c10::nullopt, L.input_norm, eps_);
@@ -49,27 +52,37 @@ std::vector<at::Tensor> DecodeStack::run(at::Tensor x, const at::Tensor& positio
     } else {  // the previous layer's MLP output joins the residual stream in the norm
       h = rms_norm(x, residual, L.input_norm, eps_);
     }
-    // Attention.forward
+    // Attention.forward / GemmaAttention.forward
     auto qkv = L.qkv(h, invariant);
     auto q = qkv.narrow(1, 0, q_size).view({T, heads_, head_dim_});
     auto k = qkv.narrow(1, q_size, kv_size).view({T, kv_heads_, head_dim_});
     auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads_, head_dim_});
-    if (L.q_norm) {
+    if (L.q_norm && L.qk_fused) {
       auto qk = qk_norm_rotary(q, k, *L.q_norm, *L.k_norm, eps_, positions, cos, sin);
       q = qk[0];
       k = qk[1];
     } else {
+      if (L.q_norm) {
+        q = rms_norm(q, c10::nullopt, *L.q_norm, eps_);
+        k = rms_norm(k, c10::nullopt, *L.k_norm, eps_);
+      }
       rotary(q, k, positions, cos, sin);
     }
     write_kv_cache(k, v, k_caches[i], v_caches[i], slot_blocks, slot_offsets);
     auto attn = paged_decode_attention(q.contiguous(), k_caches[i], v_caches[i], block_table,
-                                       ctx_lens, scale_, L.window, 0.0, c10::nullopt);
+                                       ctx_lens, scale_, L.window, L.softcap, c10::nullopt);
     auto o = L.o(attn.reshape({T, q_size}), invariant);
+    if (L.attn_out_norm) o = rms_norm(o, c10::nullopt, *L.attn_out_norm, eps_);
     h = rms_norm(o, residual, L.post_norm, eps_);
-    if (L.moe)
+    if (L.moe) {
       x = (*L.moe)(h, invariant);
-    else  // GatedMLP.forward (SwiGLU)
-      x = L.down(silu_mul(L.gate_up(h, invariant)), invariant);
+    } else {  // GatedMLP.forward
+      auto gate_up = L.gate_up(h, invariant);
+      auto act = L.activation == kSilu ? silu_mul(gate_up)
+                                       : gelu_mul(gate_up, L.activation == kGeluTanh);
+      x = L.down(act, invariant);
+    }
+    if (L.mlp_out_norm) x = rms_norm(x, c10::nullopt, *L.mlp_out_norm, eps_);
   }
   return {x, residual};
 }

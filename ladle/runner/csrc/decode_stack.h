@@ -1,8 +1,10 @@
-// A dense decoder's layers for one decode step in one call (decode_stack.cpp): the Llama /
-// Qwen2 / Qwen3 layer of models/llama.py run as that Python path runs it, kernel by kernel in
-// the same order, so the result is the same bit for bit; what it saves is the ~0.2 ms of Python
-// per layer around the kernels (module calls, dispatch checks, views). cpu_kernels.py's
-// decode_stack_for decides where it applies and builds it once per model.
+// A decoder's layers for one decode step in one call (decode_stack.cpp): the layers of
+// models/llama.py (Llama, Qwen2, Qwen3, Mistral; gated MLPs or Qwen3-MoE / Mixtral experts) and
+// models/gemma.py (Gemma 2 and 3: sandwich norms, per-layer rope tables and soft-caps) run as
+// their Python forward runs them, kernel by kernel in the same order, so the result is the same
+// bit for bit; what it saves is the ~0.2 ms of Python per layer around the kernels (module
+// calls, dispatch checks, views). llama.py's decode_stack decides where it applies; each family
+// builds its layers' specs once per model (build_decode_stack).
 #pragma once
 #include <vector>
 
@@ -35,11 +37,22 @@ struct StackMoe {
   at::Tensor operator()(const at::Tensor& x, bool invariant) const;
 };
 
+// The gated MLP's activation (layers.py's GatedMLP).
+enum StackActivation : int64_t { kSilu = 0, kGeluTanh = 1, kGelu = 2 };
+
 struct StackLayer {
+  // Llama: input_layernorm, post_attention_layernorm. Gemma: input_layernorm and
+  // pre_feedforward_layernorm (its post-attention and post-feedforward norms are out_norms).
+  // A norm weight is the model dtype's w, or Gemma's float32 scale 1 + w.
   at::Tensor input_norm, post_norm;
-  c10::optional<at::Tensor> q_norm, k_norm;  // Qwen3's per-head norms (both or neither)
+  c10::optional<at::Tensor> attn_out_norm, mlp_out_norm;  // Gemma's, on each output alone
+  c10::optional<at::Tensor> q_norm, k_norm;  // per-head norms (both or neither)
+  bool qk_fused = true;  // Qwen3: qk_norm_rotary; Gemma 3: each head's norm, then rotary
+  int64_t rope = 0;      // which of run()'s two rotary tables this layer uses
   StackLinear qkv, o, gate_up, down;  // gate_up / down unused when moe is set
-  int64_t window = 0;  // 0: full attention
+  int64_t window = 0;    // 0: full attention
+  double softcap = 0.0;  // 0: none
+  int64_t activation = kSilu;
   c10::optional<StackMoe> moe;
 };
 
@@ -50,11 +63,12 @@ class DecodeStack {
   void add_layer(StackLayer layer) { layers_.push_back(std::move(layer)); }
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   // x (T, hidden): the embedded tokens, every row a decode row. Returns (x, residual) after the
-  // last layer, as decoder_forward's loop leaves them for the final norm.
-  std::vector<at::Tensor> run(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos,
-                              const at::Tensor& sin, const at::Tensor& block_table,
-                              const at::Tensor& ctx_lens, const at::Tensor& slot_blocks,
-                              const at::Tensor& slot_offsets,
+  // last layer, as decoder_forward's loop leaves them for the final norm. `tables`: (cos, sin)
+  // of each rope the layers use.
+  std::vector<at::Tensor> run(at::Tensor x, const at::Tensor& positions,
+                              const std::vector<at::Tensor>& tables,
+                              const at::Tensor& block_table, const at::Tensor& ctx_lens,
+                              const at::Tensor& slot_blocks, const at::Tensor& slot_offsets,
                               const std::vector<at::Tensor>& k_caches,
                               const std::vector<at::Tensor>& v_caches, bool invariant) const;
 
