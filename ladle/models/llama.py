@@ -345,7 +345,8 @@ class LlamaForCausalLM(nn.Module):
 
     # A pipeline stage (distributed/pipeline.py) when this model is one; None: all layers.
     pp: PipelineStage | None = None
-    # decode_stack's (DecodeStack, dtype, row limit) once built; False where it cannot run.
+    # build_decode_stack's (DecodeStack, rope tables, dtype, row limit) once built by
+    # decode_stack; False where it cannot run.
     _decode_stack = None
     # Whether the layers pass a residual stream beside x (what a pipeline stage sends on).
     has_residual = True
