@@ -132,10 +132,14 @@ def test_failed_build_falls_back_to_torch(tmp_path, monkeypatch, caplog):
     monkeypatch.delenv("LADLE_DISABLE_CPU_KERNELS", raising=False)
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    key = cpu_kernels.build_key()
     with caplog.at_level("WARNING"):
         assert cpu_kernels.load_cpu_kernels() is None
     assert "using the slower torch path" in caplog.text
     assert list(tmp_path.glob(".build-*")) == []  # the private directory is cleaned up
+    # The attempt left the flags as they were (torch's load extends the lists it is given):
+    # a later build in this process is keyed and built as the first would have been.
+    assert cpu_kernels.build_key() == key
     x, w = torch.randn(1, 16), torch.randn(8, 16)
     assert torch.equal(cpu_kernels.linear(x, w), torch.nn.functional.linear(x, w))
 

@@ -179,8 +179,10 @@ def _load_or_build(root: Path):
     t = time.perf_counter()
     try:
         with _ninja_dies_with_us():
-            load(name=_NAME, sources=[str(s) for s in _sources()], extra_cflags=_CFLAGS,
-                 extra_ldflags=_LDFLAGS, build_directory=str(private), verbose=False)
+            # Copies: torch's load appends its own link flags to the lists it is given, which
+            # would change build_key() (and every later build's flags) in this process.
+            load(name=_NAME, sources=[str(s) for s in _sources()], extra_cflags=list(_CFLAGS),
+                 extra_ldflags=list(_LDFLAGS), build_directory=str(private), verbose=False)
         try:
             private.rename(final)  # atomic: a reader sees no directory or a complete one
         except OSError:  # another engine finished first; use its build
