@@ -64,7 +64,12 @@ static StackMoe stack_moe(const MoeSpec& s) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  py::class_<DecodeStack>(m, "DecodeStack", "a dense decoder's layers for one decode step")
+  // module_local: a process that imported a cached build and then builds again (the kernel
+  // tests build their own cache directory after a test module loaded the shared one) imports a
+  // second copy under the same name; with a globally registered type that import failed
+  // ("generic_type: type DecodeStack is already registered") and the process ran torch.
+  py::class_<DecodeStack>(m, "DecodeStack", py::module_local(),
+                          "a dense decoder's layers for one decode step")
       .def(py::init<int64_t, int64_t, int64_t, double, double>(), py::arg("heads"),
            py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
       .def("add_layer",
