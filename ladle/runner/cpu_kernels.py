@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ladle.runner.quant import QuantWeight, quant_linear
+from ladle.runner.quant import QuantWeight, _mode, quant_linear
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +78,10 @@ _STALE_BUILD_S = 3600
 
 _loaded: dict[str, object] = {}  # "module" -> the extension once load_cpu_kernels() has run
 
-# Batch-invariant mode (EngineConfig.batch_invariant, set once per process by the runner): every
-# dense linear runs the kernel, for any number of rows, in the reduction order that makes a row's
-# result independent of the rows beside it. The quantized linears are invariant either way.
-_mode = {"batch_invariant": False}
+# Batch-invariant mode (EngineConfig.batch_invariant, set once per process by the runner; the
+# dict is quant.py's): every dense linear runs the kernel, for any number of rows, in the
+# reduction order that makes a row's result independent of the rows beside it, and the quantized
+# linears keep their tiles for every row count (no panels; csrc/quant.cpp).
 
 
 def set_batch_invariant(on: bool) -> None:

@@ -150,7 +150,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_quant_swiglu", &moe_quant_swiglu,
         "a mixture-of-experts block's SwiGLU experts in GGUF blocks and the weighted sum");
   m.def("quant_matmul", &quant_matmul,
-        "x @ weight parts (GGUF blocks, int8 rows)^T into out, x quantized per block of 32");
+        "x @ weight parts (GGUF blocks, int8 rows)^T into out, x quantized per block of 32",
+        py::arg("x"), py::arg("weights"), py::arg("types"), py::arg("scales"), py::arg("cols"),
+        py::arg("out"), py::arg("invariant") = false);
   m.def("dequantize_rows", &dequantize_rows, "rows of GGUF-block weights, dequantized");
   m.def("quant_isa", &quant_isa, "instruction set of the quantized kernels");
 }
