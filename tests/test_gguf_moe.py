@@ -286,11 +286,13 @@ def test_k_quant_experts_keep_each_experts_rows(tmp_path):
 
 
 # (tokens, ggml types of gate, up, down): one token (decode tiles), a few, enough that every
-# expert gets several rows (prefill tiles) and threads share experts; a Q4_K_M layer, a Q8_0
-# one, and mixed 32-value types.
+# expert gets several rows (prefill tiles) and threads share experts, and enough that experts
+# get 12 or more rows (the panels of AVX-512 VNNI builds); a Q4_K_M layer, a Q8_0 one, and
+# mixed 32-value types.
 QUANT_CASES = [(1, (T.Q4_K, T.Q4_K, T.Q6_K)), (3, (T.Q4_K, T.Q4_K, T.Q6_K)),
                (37, (T.Q4_K, T.Q4_K, T.Q6_K)), (1, (T.Q8_0, T.Q8_0, T.Q8_0)),
-               (37, (T.Q8_0, T.Q8_0, T.Q8_0)), (9, (T.Q4_0, T.Q5_0, T.MXFP4))]
+               (37, (T.Q8_0, T.Q8_0, T.Q8_0)), (9, (T.Q4_0, T.Q5_0, T.MXFP4)),
+               (96, (T.Q4_K, T.Q4_K, T.Q6_K)), (96, (T.Q4_0, T.Q5_0, T.MXFP4))]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

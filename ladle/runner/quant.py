@@ -349,4 +349,4 @@ def moe_quant_swiglu(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     if k is None or stacked[0].device != x.device:
         return None
     return k.moe_quant_swiglu(x.contiguous(), ids.contiguous(), weights.float().contiguous(),
-                              *stacked)
+                              *stacked, _mode["batch_invariant"])

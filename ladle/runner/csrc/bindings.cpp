@@ -148,7 +148,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "instruction set this build uses");
   m.def("quantize_blocks", &quantize_blocks, "activations to int8 per block of 32");
   m.def("moe_quant_swiglu", &moe_quant_swiglu,
-        "a mixture-of-experts block's SwiGLU experts in GGUF blocks and the weighted sum");
+        "a mixture-of-experts block's SwiGLU experts in GGUF blocks and the weighted sum",
+        py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("gate"), py::arg("gate_type"),
+        py::arg("up"), py::arg("up_type"), py::arg("down"), py::arg("down_type"),
+        py::arg("invariant") = false);
   m.def("quant_matmul", &quant_matmul,
         "x @ weight parts (GGUF blocks, int8 rows)^T into out, x quantized per block of 32",
         py::arg("x"), py::arg("weights"), py::arg("types"), py::arg("scales"), py::arg("cols"),

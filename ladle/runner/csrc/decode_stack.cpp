@@ -25,7 +25,7 @@ at::Tensor StackMoe::operator()(const at::Tensor& x, bool invariant) const {
   if (gate_up.defined())
     return moe_swiglu(x, ids.contiguous(), weights, gate_up, down, max_kernel_rows, invariant);
   return moe_quant_swiglu(x, ids.contiguous(), weights, blocks[0], block_types[0], blocks[1],
-                          block_types[1], blocks[2], block_types[2]);
+                          block_types[1], blocks[2], block_types[2], invariant);
 }
 
 std::vector<at::Tensor> DecodeStack::run(at::Tensor x, const at::Tensor& positions,

@@ -328,7 +328,7 @@ inline void tile_sums(__m256 (*acc)[NR], float (*out)[NR]) {
     for (int n = 0; n < NR; n++) out[m][n] = hsum(acc[m][n]);
 }
 
-template <int MR, int NR>
+template <int MR, int NR, bool FOLD>
 inline void ksub_products(const __m256i* q, const __m256i* s16, const int8_t* qx, const float* dx,
                           int64_t K, int64_t sb, const __m256* d, __m256* part,
                           __m256 (*acc)[NR]) {
@@ -337,13 +337,13 @@ inline void ksub_products(const __m256i* q, const __m256i* s16, const int8_t* qx
     const __m256 dxj = _mm256_broadcast_ss(dx + m * (K / 32) + sb);
     for (int n = 0; n < NR; n++) {
       const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q[n], xv), s16[n]));
-      if constexpr (MR == 1) part[n] = _mm256_fmadd_ps(p, dxj, part[n]);
+      if constexpr (FOLD) part[n] = _mm256_fmadd_ps(p, dxj, part[n]);
       else acc[m][n] = _mm256_fmadd_ps(p, _mm256_mul_ps(dxj, d[n]), acc[m][n]);
     }
   }
 }
 
-template <int MR, int NR>
+template <int MR, int NR, bool FOLD>
 inline void tile_q4k(const uint8_t* const* w, const int8_t* qx, const float* dx, const float* sx,
                      int64_t K, float (*out)[NR]) {
   __m256 acc[MR][NR];
@@ -370,7 +370,7 @@ inline void tile_q4k(const uint8_t* const* w, const int8_t* qx, const float* dx,
         acc[m][n] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(sx + m * nsub + blk * 8), acc[m][n]);
     }
     __m256 part[NR];  // one activation row: this super-block's sum before d
-    if constexpr (MR == 1)
+    if constexpr (FOLD)
       for (int n = 0; n < NR; n++) part[n] = _mm256_setzero_ps();
 #pragma GCC unroll 8  // every j's constants (shuffle picks, shifts) fixed at compile time
     for (int j = 0; j < 8; j++) {
@@ -383,9 +383,9 @@ inline void tile_q4k(const uint8_t* const* w, const int8_t* qx, const float* dx,
         q[n] = _mm256_and_si256((j & 1) ? _mm256_srli_epi16(raw, 4) : raw, low4);
         s16[n] = _mm256_shuffle_epi8(sc16[n], pick);
       }
-      ksub_products<MR, NR>(q, s16, qx, dx, K, sb, d, part, acc);
+      ksub_products<MR, NR, FOLD>(q, s16, qx, dx, K, sb, d, part, acc);
     }
-    if constexpr (MR == 1) add_super_block<NR>(part, d, acc[0]);
+    if constexpr (FOLD) add_super_block<NR>(part, d, acc[0]);
   }
   tile_sums<MR, NR>(acc, out);
 }
@@ -428,7 +428,7 @@ inline void tile_blocks(const uint8_t* const* w, const int8_t* qx, const float* 
 // as 32 * sum(scale * sum of x's 16 values), from the activations' int16 sums per 16 (one
 // vpmaddwd gives the eight sub-blocks' terms). Measured against the sign-moving tile on an
 // AVX2 EPYC: see rows_per_tile.
-template <int MR, int NR>
+template <int MR, int NR, bool FOLD>
 inline void tile_q6k(const uint8_t* const* w, const int8_t* qx, const float* dx,
                      const int16_t* hx, int64_t K, float (*out)[NR]) {
   __m256 acc[MR][NR];
@@ -459,7 +459,7 @@ inline void tile_q6k(const uint8_t* const* w, const int8_t* qx, const float* dx,
       }
     }
     __m256 part[NR];  // one activation row: this super-block's sum before d
-    if constexpr (MR == 1)
+    if constexpr (FOLD)
       for (int n = 0; n < NR; n++) part[n] = _mm256_setzero_ps();
 #pragma GCC unroll 8  // every j's constants (shuffle picks, shifts) fixed at compile time
     for (int j = 0; j < 8; j++) {
@@ -480,21 +480,27 @@ inline void tile_q6k(const uint8_t* const* w, const int8_t* qx, const float* dx,
         q[n] = _mm256_or_si256(l, _mm256_slli_epi16(h, 4));  // 0..63
         s16[n] = _mm256_shuffle_epi8(sc16[n][half], pick);
       }
-      ksub_products<MR, NR>(q, s16, qx, dx, K, sb, d, part, acc);
+      ksub_products<MR, NR, FOLD>(q, s16, qx, dx, K, sb, d, part, acc);
     }
-    if constexpr (MR == 1) add_super_block<NR>(part, d, acc[0]);
+    if constexpr (FOLD) add_super_block<NR>(part, d, acc[0]);
   }
   tile_sums<MR, NR>(acc, out);
 }
 
-template <int TYPE, int MR, int NR>
+// FOLD (the K-quants, one activation row): a super-block's sub-block sums are added up before
+// its d multiplies them (one multiply fewer per sub-block: decode speed). Without it every
+// sub-block's sum is scaled by d_x * d on its own, as in a tile of several rows, so a row's
+// result does not depend on the rows beside it (batch-invariant mode; every row of a
+// multi-row call).
+template <int TYPE, int MR, int NR, bool FOLD>
 inline void tile(const uint8_t* const* w, const Act& a, float (*out)[NR]) {
-  if constexpr (TYPE == kQ4_K) tile_q4k<MR, NR>(w, a.q, a.d, a.s, a.K, out);
-  else if constexpr (TYPE == kQ6_K) tile_q6k<MR, NR>(w, a.q, a.d, a.h, a.K, out);
+  static_assert(!FOLD || MR == 1, "a folded tile has one activation row");
+  if constexpr (TYPE == kQ4_K) tile_q4k<MR, NR, FOLD>(w, a.q, a.d, a.s, a.K, out);
+  else if constexpr (TYPE == kQ6_K) tile_q6k<MR, NR, FOLD>(w, a.q, a.d, a.h, a.K, out);
   else tile_blocks<TYPE, MR, NR>(w, a.q, a.d, a.K, out);
 }
 #else
-template <int TYPE, int MR, int NR>
+template <int TYPE, int MR, int NR, bool FOLD>  // one order for every tile here
 inline void tile(const uint8_t* const* w, const Act& a, float (*out)[NR]) {
   const int8_t* qx = a.q;
   const float *dx = a.d, *sx = a.s;
@@ -559,33 +565,43 @@ inline int64_t rows_per_tile(int type, int64_t M) {
 constexpr int64_t kQuantWork = 4;
 
 // y[m][p.col + n] for MR activation rows from m0 and the NR weight rows from n0.
-template <int TYPE, int MR, int NR, typename T>
+template <int TYPE, int MR, int NR, bool FOLD = false, typename T>
 inline void store_tile(const Part& p, const Act& a, int64_t m0, int64_t n0, T* y, int64_t ldy) {
   const uint8_t* wr[NR];
   for (int n = 0; n < NR; n++) wr[n] = p.w + (n0 + n) * p.row_bytes;
   float out[MR][NR];
-  tile<TYPE, MR, NR>(wr, a.from_row(m0), out);
+  tile<TYPE, MR, NR, FOLD>(wr, a.from_row(m0), out);
   for (int m = 0; m < MR; m++)
     for (int n = 0; n < NR; n++)
       y[(m0 + m) * ldy + p.col + n0 + n] = T(p.scale ? out[m][n] * p.scale[n0 + n] : out[m][n]);
 }
 
-// Tiles t0 .. t1 - 1 (local to the part) for all M activation rows.
+// Tiles t0 .. t1 - 1 (local to the part) for all M activation rows; fold: M is 1 and the call
+// is not batch-invariant (tile's FOLD).
+template <int TYPE, bool FOLD, typename T>
+void row_tiles(const Part& p, int64_t t0, int64_t t1, const Act& a, T* y, int64_t ldy) {
+  constexpr int NR1 = kDecodeRows<TYPE>;
+  for (int64_t t = t0; t < t1; t++) {
+    const int64_t n0 = t * NR1;
+    if (n0 + NR1 <= p.rows) {
+      store_tile<TYPE, 1, NR1, FOLD>(p, a, 0, n0, y, ldy);
+    } else {
+      for (int64_t n = n0; n < p.rows; n++) store_tile<TYPE, 1, 1, FOLD>(p, a, 0, n, y, ldy);
+    }
+  }
+}
+
 template <int TYPE, typename T>
 void part_tiles(const Part& p, int64_t t0, int64_t t1, const Act& a, int64_t M, T* y,
-                int64_t ldy) {
-  constexpr int NR1 = kDecodeRows<TYPE>;
+                int64_t ldy, bool fold) {
   const int64_t nr_tile = rows_per_tile(TYPE, M);
+  if (M == 1) {
+    if constexpr (TYPE == kQ4_K || TYPE == kQ6_K)
+      if (fold) return row_tiles<TYPE, true>(p, t0, t1, a, y, ldy);
+    return row_tiles<TYPE, false>(p, t0, t1, a, y, ldy);
+  }
   for (int64_t t = t0; t < t1; t++) {
     const int64_t n0 = t * nr_tile;
-    if (M == 1) {
-      if (n0 + NR1 <= p.rows) {
-        store_tile<TYPE, 1, NR1>(p, a, 0, n0, y, ldy);
-      } else {
-        for (int64_t n = n0; n < p.rows; n++) store_tile<TYPE, 1, 1>(p, a, 0, n, y, ldy);
-      }
-      continue;
-    }
     const bool full = n0 + kNR <= p.rows;
     int64_t m = 0;
     for (; m + kMR <= M; m += kMR) {
@@ -601,15 +617,15 @@ void part_tiles(const Part& p, int64_t t0, int64_t t1, const Act& a, int64_t M, 
 
 template <typename T>
 void part_tiles_any(const Part& p, int64_t t0, int64_t t1, const Act& a, int64_t M, T* y,
-                    int64_t ldy) {
+                    int64_t ldy, bool fold) {
   switch (p.type) {
-    case kQ8_0: return part_tiles<kQ8_0>(p, t0, t1, a, M, y, ldy);
-    case kQ4_0: return part_tiles<kQ4_0>(p, t0, t1, a, M, y, ldy);
-    case kQ5_0: return part_tiles<kQ5_0>(p, t0, t1, a, M, y, ldy);
-    case kMXFP4: return part_tiles<kMXFP4>(p, t0, t1, a, M, y, ldy);
-    case kQ4_K: return part_tiles<kQ4_K>(p, t0, t1, a, M, y, ldy);
-    case kQ6_K: return part_tiles<kQ6_K>(p, t0, t1, a, M, y, ldy);
-    default: return part_tiles<kI8>(p, t0, t1, a, M, y, ldy);
+    case kQ8_0: return part_tiles<kQ8_0>(p, t0, t1, a, M, y, ldy, fold);
+    case kQ4_0: return part_tiles<kQ4_0>(p, t0, t1, a, M, y, ldy, fold);
+    case kQ5_0: return part_tiles<kQ5_0>(p, t0, t1, a, M, y, ldy, fold);
+    case kMXFP4: return part_tiles<kMXFP4>(p, t0, t1, a, M, y, ldy, fold);
+    case kQ4_K: return part_tiles<kQ4_K>(p, t0, t1, a, M, y, ldy, fold);
+    case kQ6_K: return part_tiles<kQ6_K>(p, t0, t1, a, M, y, ldy, fold);
+    default: return part_tiles<kI8>(p, t0, t1, a, M, y, ldy, fold);
   }
 }
 
@@ -814,6 +830,25 @@ void panel_any(const Part& p, int64_t i, const Act& a, const float* sh, int64_t 
     default: return panel<kI8>(p, i, a, sh, M, y, ldy, v, sc, mn);
   }
 }
+
+// A task's panel of this K (one at a time).
+struct PanelBuffers {
+  std::vector<uint8_t> v;
+  std::vector<float> sc, mn;
+  explicit PanelBuffers(int64_t K) : v(K / 32 * 512), sc(K / 32 * 32), mn(K / 32 * 16) {}
+  template <typename T>
+  void run(const Part& p, int64_t i, const Act& a, const float* sh, int64_t M, T* y,
+           int64_t ldy) {
+    panel_any(p, i, a, sh, M, y, ldy, v.data(), sc.data(), mn.data());
+  }
+};
+
+// dx * sum(x) per half block, (M, K/16): Q6_K's offset per half (the others use s, per block).
+inline std::vector<float> half_sums(const Act& a, int64_t M) {
+  std::vector<float> sh(M * (a.K / 16));
+  for (int64_t j = 0; j < M * (a.K / 16); j++) sh[j] = a.d[j / 2] * float(a.h[j]);
+  return sh;
+}
 #endif
 
 bool is_kernel_type(int64_t t) {
@@ -935,28 +970,22 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
       first.push_back(panels);
       panels += (p.rows + kPanelRows - 1) / kPanelRows;
     }
+    const std::vector<float> sh = half_sums(a, M);
     AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, y.scalar_type(), "quant_matmul_panels", [&] {
       scalar_t* yp = y.data_ptr<scalar_t>();
-      // dx * sum(x) per half block: Q6_K's offset per half (the others use s, per block).
-      std::vector<float> sh(M * (K / 16));
-      const int16_t* hp = a.h;
-      for (int64_t j = 0; j < M * (K / 16); j++) sh[j] = a.d[j / 2] * float(hp[j]);
       at::parallel_for(0, panels, 1, [&](int64_t i0, int64_t i1) {
-        const int64_t nsub = K / 32;
-        std::vector<uint8_t> v(nsub * 512);
-        std::vector<float> sc(nsub * 32), mn(nsub * 16);
+        PanelBuffers buf(K);
         for (size_t j = 0; j < parts.size(); j++) {
           const int64_t n = (parts[j].rows + kPanelRows - 1) / kPanelRows;
           const int64_t lo = std::max(i0, first[j]), hi = std::min(i1, first[j] + n);
-          for (int64_t i = lo; i < hi; i++)
-            panel_any(parts[j], i - first[j], a, sh.data(), M, yp, ldy, v.data(), sc.data(),
-                      mn.data());
+          for (int64_t i = lo; i < hi; i++) buf.run(parts[j], i - first[j], a, sh.data(), M, yp, ldy);
         }
       });
     });
     return;
   }
 #endif
+  const bool fold = M == 1 && !invariant;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, y.scalar_type(), "quant_matmul", [&] {
     scalar_t* yp = y.data_ptr<scalar_t>();
     // A task's work: tiles of up to 4 weight rows (decode) or 2 (prefill) by M rows.
@@ -964,7 +993,7 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
                      [&](int64_t t0, int64_t t1) {
       for (const Part& p : parts) {
         const int64_t lo = std::max(t0, p.tile0), hi = std::min(t1, p.tile0 + p.tiles);
-        if (lo < hi) part_tiles_any(p, lo - p.tile0, hi - p.tile0, a, M, yp, ldy);
+        if (lo < hi) part_tiles_any(p, lo - p.tile0, hi - p.tile0, a, M, yp, ldy, fold);
       }
     });
   });
@@ -977,11 +1006,18 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
 template <typename T>
 static void experts_quant(const Act& a, const std::vector<const at::Tensor*>& ws,
                           const std::vector<int64_t>& types, const ExpertRows& r, int64_t K,
-                          T* y, int64_t ldy) {
+                          T* y, int64_t ldy, bool invariant) {
   struct Job {
     Part part;
     int64_t row0, rows;
+    bool panels;  // part.tiles counts panels (quant_matmul's rule for this many rows)
   };
+#if defined(LADLE_QUANT_PANEL)
+  const std::vector<float> sh = half_sums(a, static_cast<int64_t>(r.slot.size()));
+  auto panels_for = [&](int64_t rows) { return rows >= kPanelMinRows && !invariant; };
+#else
+  auto panels_for = [](int64_t) { return false; };
+#endif
   std::vector<Job> jobs;
   int64_t tiles = 0;
   const int64_t E = static_cast<int64_t>(r.count.size());
@@ -992,11 +1028,16 @@ static void experts_quant(const Act& a, const std::vector<const at::Tensor*>& ws
       const at::Tensor& w = *ws[i];
       const int type = int(types[i]);
       const int64_t rows = w.size(1), row_bytes = w.size(2);
+      const bool panels = panels_for(r.count[e]);
+#if defined(LADLE_QUANT_PANEL)
+      const int64_t nr_tile = panels ? kPanelRows : rows_per_tile(type, r.count[e]);
+#else
       const int64_t nr_tile = rows_per_tile(type, r.count[e]);
+#endif
       const int64_t t = (rows + nr_tile - 1) / nr_tile;
       jobs.push_back({{static_cast<const uint8_t*>(w.data_ptr()) + e * rows * row_bytes, type,
                        rows, row_bytes, col, nullptr, tiles, t},
-                      r.start[e], r.count[e]});
+                      r.start[e], r.count[e], panels});
       tiles += t;
       col += rows;
     }
@@ -1007,9 +1048,18 @@ static void experts_quant(const Act& a, const std::vector<const at::Tensor*>& ws
     for (const Job& j : jobs) {
       const Part& p = j.part;
       const int64_t lo = std::max(t0, p.tile0), hi = std::min(t1, p.tile0 + p.tiles);
-      if (lo < hi)
-        part_tiles_any(p, lo - p.tile0, hi - p.tile0, a.from_row(j.row0), j.rows,
-                       y + j.row0 * ldy, ldy);
+      if (lo >= hi) continue;
+#if defined(LADLE_QUANT_PANEL)
+      if (j.panels) {
+        PanelBuffers buf(K);
+        for (int64_t i = lo; i < hi; i++)
+          buf.run(p, i - p.tile0, a.from_row(j.row0), sh.data() + j.row0 * (K / 16), j.rows,
+                  y + j.row0 * ldy, ldy);
+        continue;
+      }
+#endif
+      part_tiles_any(p, lo - p.tile0, hi - p.tile0, a.from_row(j.row0), j.rows,
+                     y + j.row0 * ldy, ldy, j.rows == 1 && !invariant);
     }
   });
 }
@@ -1018,7 +1068,8 @@ template <typename T>
 static void moe_quant_kernel(const at::Tensor& x, const at::Tensor& ids,
                              const at::Tensor& weights, const at::Tensor& gate,
                              int64_t gate_type, const at::Tensor& up, int64_t up_type,
-                             const at::Tensor& down, int64_t down_type, at::Tensor& y) {
+                             const at::Tensor& down, int64_t down_type, at::Tensor& y,
+                             bool invariant) {
   const int64_t Tn = x.size(0), H = x.size(1), k = ids.size(1), E = gate.size(0);
   const int64_t I = gate.size(1), P = Tn * k;
   const int64_t* id = ids.data_ptr<int64_t>();
@@ -1037,12 +1088,13 @@ static void moe_quant_kernel(const at::Tensor& x, const at::Tensor& ids,
                 s.data_ptr<float>(), h.data_ptr<int16_t>());
   experts_quant<T>({q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(),
                     h.data_ptr<int16_t>(), H}, {&gate, &up}, {gate_type, up_type}, r, H,
-                   gu.data_ptr<T>(), 2 * I);
+                   gu.data_ptr<T>(), 2 * I, invariant);
   silu_mul_kernel(static_cast<const T*>(gu.data_ptr<T>()), act.data_ptr<T>(), P, I, 2 * I);
   quantize_into(act.data_ptr<T>(), P, I, q.data_ptr<int8_t>(), d.data_ptr<float>(),
                 s.data_ptr<float>(), h.data_ptr<int16_t>());
   experts_quant<T>({q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(),
-                    h.data_ptr<int16_t>(), I}, {&down}, {down_type}, r, I, out.data_ptr<T>(), H);
+                    h.data_ptr<int16_t>(), I}, {&down}, {down_type}, r, I, out.data_ptr<T>(), H,
+                   invariant);
   combine(static_cast<const T*>(out.data_ptr<T>()), id, weights.data_ptr<float>(),
           r.slot.data(), y.data_ptr<T>(), Tn, k, H);
 }
@@ -1051,11 +1103,12 @@ static void moe_quant_kernel(const at::Tensor& x, const at::Tensor& ids,
 // scheme (moe.cpp) with quant_matmul's per-expert products. x (T, H) float32/bfloat16; ids
 // (T, k) int64; weights (T, k) float32; gate and up (E, I, row bytes) and down (E, H, row
 // bytes) uint8 of their types. Equal bit for bit to one quant_matmul per expert and
-// projection (RoutedExperts' loop): the same rows, quantized the same way, tiled the same way.
+// projection (RoutedExperts' loop): the same rows, quantized the same way, tiled (or put in
+// panels) the same way, under the same batch-invariant flag.
 at::Tensor moe_quant_swiglu(const at::Tensor& x, const at::Tensor& ids,
                             const at::Tensor& weights, const at::Tensor& gate, int64_t gate_type,
                             const at::Tensor& up, int64_t up_type, const at::Tensor& down,
-                            int64_t down_type) {
+                            int64_t down_type, bool invariant) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "moe_quant_swiglu: x must be contiguous (T, H) float32 or bfloat16");
@@ -1078,9 +1131,10 @@ at::Tensor moe_quant_swiglu(const at::Tensor& x, const at::Tensor& ids,
   if (x.size(0) == 0) return y;
   if (x.scalar_type() == at::kBFloat16)
     moe_quant_kernel<at::BFloat16>(x, ids, weights, gate, gate_type, up, up_type, down,
-                                   down_type, y);
+                                   down_type, y, invariant);
   else
-    moe_quant_kernel<float>(x, ids, weights, gate, gate_type, up, up_type, down, down_type, y);
+    moe_quant_kernel<float>(x, ids, weights, gate, gate_type, up, up_type, down, down_type, y,
+                            invariant);
   return y;
 }
 

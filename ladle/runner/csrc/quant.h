@@ -14,5 +14,5 @@ void dequantize_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, a
 at::Tensor moe_quant_swiglu(const at::Tensor& x, const at::Tensor& ids,
                             const at::Tensor& weights, const at::Tensor& gate, int64_t gate_type,
                             const at::Tensor& up, int64_t up_type, const at::Tensor& down,
-                            int64_t down_type);
+                            int64_t down_type, bool invariant = false);
 std::string quant_isa();
