@@ -41,6 +41,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define LADLE_QUANT_AVX2 1
 #include <immintrin.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define LADLE_QUANT_512 1  // the panels (prefill, batched decode)
+#endif
 #endif
 
 namespace {
@@ -629,9 +632,7 @@ void part_tiles_any(const Part& p, int64_t t0, int64_t t1, const Act& a, int64_t
   }
 }
 
-#if defined(LADLE_QUANT_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && \
-    defined(__AVX512VNNI__)
-#define LADLE_QUANT_PANEL 1
+#if defined(LADLE_QUANT_512)
 // Prefill and batched decode (M >= kPanelMinRows, 12; not in batch-invariant mode, where a row's sum
 // must not depend on M): panels. A tile above multiplies MR x NR (row, weight row) pairs each
 // as its own dot product, so every 32 products cost a sign move, a vpdpbusd, a conversion and
@@ -962,7 +963,7 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
   const Act a{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(),
               h.data_ptr<int16_t>(), K};
   const int64_t ldy = y.stride(0);
-#if defined(LADLE_QUANT_PANEL)
+#if defined(LADLE_QUANT_512)
   if (M >= kPanelMinRows && !invariant) {
     std::vector<int64_t> first;  // each part's first panel in the call's one range
     int64_t panels = 0;
@@ -1012,7 +1013,7 @@ static void experts_quant(const Act& a, const std::vector<const at::Tensor*>& ws
     int64_t row0, rows;
     bool panels;  // part.tiles counts panels (quant_matmul's rule for this many rows)
   };
-#if defined(LADLE_QUANT_PANEL)
+#if defined(LADLE_QUANT_512)
   const std::vector<float> sh = half_sums(a, static_cast<int64_t>(r.slot.size()));
   auto panels_for = [&](int64_t rows) { return rows >= kPanelMinRows && !invariant; };
 #else
@@ -1029,7 +1030,7 @@ static void experts_quant(const Act& a, const std::vector<const at::Tensor*>& ws
       const int type = int(types[i]);
       const int64_t rows = w.size(1), row_bytes = w.size(2);
       const bool panels = panels_for(r.count[e]);
-#if defined(LADLE_QUANT_PANEL)
+#if defined(LADLE_QUANT_512)
       const int64_t nr_tile = panels ? kPanelRows : rows_per_tile(type, r.count[e]);
 #else
       const int64_t nr_tile = rows_per_tile(type, r.count[e]);
@@ -1049,7 +1050,7 @@ static void experts_quant(const Act& a, const std::vector<const at::Tensor*>& ws
       const Part& p = j.part;
       const int64_t lo = std::max(t0, p.tile0), hi = std::min(t1, p.tile0 + p.tiles);
       if (lo >= hi) continue;
-#if defined(LADLE_QUANT_PANEL)
+#if defined(LADLE_QUANT_512)
       if (j.panels) {
         PanelBuffers buf(K);
         for (int64_t i = lo; i < hi; i++)
@@ -1166,7 +1167,7 @@ void dequantize_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, a
 }
 
 std::string quant_isa() {
-#if defined(LADLE_QUANT_PANEL) && defined(__AVX512VL__)
+#if defined(LADLE_QUANT_512) && defined(__AVX512VL__)
   return "avx512-vnni (256-bit tiles, 512-bit panels from 12 rows)";
 #elif defined(LADLE_QUANT_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return "avx512-vnni (256-bit)";
