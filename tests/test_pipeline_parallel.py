@@ -2,8 +2,10 @@
 tests check against transformers. Each stage holds only its layers' weights and KV cache; the
 engine process is the last stage and samples.
 
-- Greedy tokens equal and per-step logits within TP's float32 tolerance (measured: equal to
-  the bit), and seeded sampling with penalties, logit_bias, top-k/top-p, min_tokens and
+- Greedy tokens equal and per-step logits within 1e-5 of the largest |logit| (float32;
+  measured equal to the bit on an AVX2 build; 2.7e-6 for Qwen3-MoE on an AVX-512 build, where
+  the kernels sum a 1-2-row linear in another order than a larger one, and -pp 2 puts other
+  rows beside a request than -pp 1 does), and seeded sampling with penalties, logit_bias, top-k/top-p, min_tokens and
   logprobs (within 1e-5) token-identical, for a dense family, Gemma 3 (sliding windows, its own
   embedding scale and rope per layer type), Qwen3-MoE (experts), OLMo 2 (no residual stream
   between layers) and a Qwen3.5 hybrid (linear-attention state slots), through 16-token prefill
@@ -27,7 +29,7 @@ from test_hybrid import make_hybrid_checkpoint
 from test_moe import make_moe_checkpoint
 from test_server import API_KEY, MODEL, RemoteServer, child_pids, is_alive
 from test_server_engine_death import kill_engine_while_serving
-from test_tensor_parallel import TOL, assert_same_outputs, generate
+from test_tensor_parallel import assert_same_outputs, generate
 
 from ladle.config import EngineConfig
 from ladle.distributed.pipeline import stage_layers
@@ -43,6 +45,7 @@ _BASE = torch.randint(3, 500, (40,), generator=_gen).tolist()
 PROMPTS = [_BASE, torch.randint(3, 500, (57,), generator=_gen).tolist(),
            _BASE + [7, 8, 9], _BASE + torch.randint(3, 500, (30,), generator=_gen).tolist()]
 NUM_DECODE = 12
+PP_TOL = 1e-5  # relative to the step's largest |logit|; see the module's first point
 
 
 FAMILIES = {
@@ -118,7 +121,7 @@ def test_pp2_equals_pp1(family, tmp_path):
     assert tok2 == tok1
     for a, b in zip(log1, log2, strict=True):
         assert a.shape == b.shape
-        assert (a - b).abs().max().item() <= TOL * max(1.0, a.abs().max().item())
+        assert (a - b).abs().max().item() <= PP_TOL * max(1.0, a.abs().max().item())
     assert sampled2 == sampled1 and all(len(t) == NUM_DECODE for t in sampled1.values())
     assert lp2.keys() == lp1.keys() == {"s1", "s3"}
     for req_id, values in lp1.items():
