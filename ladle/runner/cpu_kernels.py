@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ladle.runner.quant import QuantWeight, _mode, quant_linear
+from ladle.runner.quant import QuantWeight, quant_linear
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +78,11 @@ _STALE_BUILD_S = 3600
 
 _loaded: dict[str, object] = {}  # "module" -> the extension once load_cpu_kernels() has run
 
-# Batch-invariant mode (EngineConfig.batch_invariant, set once per process by the runner; the
-# dict is quant.py's): every dense linear runs the kernel, for any number of rows, in the
-# reduction order that makes a row's result independent of the rows beside it, and the quantized
-# linears keep their tiles for every row count (no panels; csrc/quant.cpp).
+# Batch-invariant mode (EngineConfig.batch_invariant, set once per process by the runner): every
+# dense linear runs the kernel, for any number of rows, in the reduction order that makes a row's
+# result independent of the rows beside it. The quantized linears need no mode: their tiles and
+# panels sum every row in one order (csrc/quant.cpp).
+_mode = {"batch_invariant": False}
 
 
 def set_batch_invariant(on: bool) -> None:

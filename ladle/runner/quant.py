@@ -128,11 +128,6 @@ class QuantWeight:
         return torch.cat([p.dequantize(self.in_features) for p in self.parts])
 
 
-# Batch-invariant mode (EngineConfig.batch_invariant; cpu_kernels.set_batch_invariant sets it,
-# and cpu_kernels reads this same dict): a row's result must not depend on how many rows share
-# the call, so quant_matmul keeps one tiling for every M.
-_mode = {"batch_invariant": False}
-
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 _load_kernels = None  # cpu_kernels.load_cpu_kernels, bound on first use (it imports this module)
 
@@ -208,7 +203,7 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
         y = _linear_torch(x2, w)
     else:
         y = torch.empty(x2.shape[0], w.shape[0], dtype=w.dtype)
-        k.quant_matmul(x2, *w._kernel_args, y, _mode["batch_invariant"])
+        k.quant_matmul(x2, *w._kernel_args, y)
         for col, p in w._dense:
             y.narrow(1, col, p.rows).copy_(torch.nn.functional.linear(x2.to(p.data.dtype), p.data))
     if bias is not None:
@@ -349,4 +344,4 @@ def moe_quant_swiglu(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     if k is None or stacked[0].device != x.device:
         return None
     return k.moe_quant_swiglu(x.contiguous(), ids.contiguous(), weights.float().contiguous(),
-                              *stacked, _mode["batch_invariant"])
+                              *stacked)

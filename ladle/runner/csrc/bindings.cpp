@@ -150,12 +150,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_quant_swiglu", &moe_quant_swiglu,
         "a mixture-of-experts block's SwiGLU experts in GGUF blocks and the weighted sum",
         py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("gate"), py::arg("gate_type"),
-        py::arg("up"), py::arg("up_type"), py::arg("down"), py::arg("down_type"),
-        py::arg("invariant") = false);
+        py::arg("up"), py::arg("up_type"), py::arg("down"), py::arg("down_type"));
   m.def("quant_matmul", &quant_matmul,
         "x @ weight parts (GGUF blocks, int8 rows)^T into out, x quantized per block of 32",
         py::arg("x"), py::arg("weights"), py::arg("types"), py::arg("scales"), py::arg("cols"),
-        py::arg("out"), py::arg("invariant") = false);
+        py::arg("out"));
   m.def("dequantize_rows", &dequantize_rows, "rows of GGUF-block weights, dequantized");
   m.def("quant_isa", &quant_isa, "instruction set of the quantized kernels");
 }

@@ -8,7 +8,7 @@
 at::Tensor StackLinear::operator()(const at::Tensor& x, bool invariant) const {
   if (weight.defined()) return linear(x, weight, bias, invariant);
   auto y = at::empty({x.size(0), out_features}, x.options());
-  quant_matmul(x, parts, types, scales, cols, y, invariant);
+  quant_matmul(x, parts, types, scales, cols, y);  // batch-invariant in every mode
   if (bias) y.add_(*bias);  // quant_linear's `y += bias`
   return y;
 }
@@ -25,7 +25,7 @@ at::Tensor StackMoe::operator()(const at::Tensor& x, bool invariant) const {
   if (gate_up.defined())
     return moe_swiglu(x, ids.contiguous(), weights, gate_up, down, max_kernel_rows, invariant);
   return moe_quant_swiglu(x, ids.contiguous(), weights, blocks[0], block_types[0], blocks[1],
-                          block_types[1], blocks[2], block_types[2], invariant);
+                          block_types[1], blocks[2], block_types[2]);
 }
 
 std::vector<at::Tensor> DecodeStack::run(at::Tensor x, const at::Tensor& positions,

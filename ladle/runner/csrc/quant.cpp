@@ -22,11 +22,13 @@
 // integer sums over a super-block save the per-block float scaling): measured on the Gemma file,
 // Q8_K activations took KL(f32 || ladle) from 0.0031 to 0.0056 (llama.cpp's own: 0.0049).
 //
-// Threads split N. Each task multiplies a tile of NR weight rows by MR activation rows while the
-// weight blocks are in registers, so for decode (M <= 4) the weights are read once at memory
-// speed, and for prefill every unpacked weight block serves MR rows. AVX-512 VNNI builds run
-// 12 or more rows in panels instead (below: 16 weight rows unpacked once per call, 64
-// products per instruction into 16 outputs), except in batch-invariant mode.
+// Threads split N. Each task multiplies a tile of 8 weight rows by up to 4 activation rows
+// while the weight blocks are in registers, so for decode the weights are read once at memory
+// speed, and for prefill every unpacked weight block serves several rows. AVX-512 VNNI builds
+// run 12 or more rows in panels instead (below: 16 weight rows unpacked once per call, 64
+// products per instruction into 16 outputs). Tiles and panels sum every row in one order (see
+// the tiles), so a row's result does not depend on the rows beside it: quantized linears are
+// batch-invariant in every mode.
 #include "quant.h"
 #include "kernels.h"
 #include "moe.h"
@@ -39,6 +41,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define LADLE_QUANT_AVX2 1
@@ -52,6 +56,21 @@ namespace {
 
 constexpr int kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kMXFP4 = 39;
 constexpr int kI8 = -1;  // int8 rows with a float scale per row (quant.py's INT8_ROW)
+
+// f(std::integral_constant<int, TYPE>{}) for a kernel type (checked by the caller): the one
+// switch from a part's type to the code compiled for it.
+template <typename F>
+inline void with_type(int type, F&& f) {
+  switch (type) {
+    case kQ8_0: return f(std::integral_constant<int, kQ8_0>{});
+    case kQ4_0: return f(std::integral_constant<int, kQ4_0>{});
+    case kQ5_0: return f(std::integral_constant<int, kQ5_0>{});
+    case kMXFP4: return f(std::integral_constant<int, kMXFP4>{});
+    case kQ4_K: return f(std::integral_constant<int, kQ4_K>{});
+    case kQ6_K: return f(std::integral_constant<int, kQ6_K>{});
+    default: return f(std::integral_constant<int, kI8>{});
+  }
+}
 
 // (values per block, bytes per block), as gguf's GGML_QUANT_SIZES.
 inline int64_t block_values(int type) { return (type == kQ4_K || type == kQ6_K) ? 256 : 32; }
@@ -198,15 +217,7 @@ inline void unpack_scalar(const uint8_t* row, int64_t sb, Sub& o) {
 }
 
 inline void unpack_any(int type, const uint8_t* row, int64_t sb, Sub& o) {
-  switch (type) {
-    case kQ8_0: return unpack_scalar<kQ8_0>(row, sb, o);
-    case kQ4_0: return unpack_scalar<kQ4_0>(row, sb, o);
-    case kQ5_0: return unpack_scalar<kQ5_0>(row, sb, o);
-    case kMXFP4: return unpack_scalar<kMXFP4>(row, sb, o);
-    case kQ4_K: return unpack_scalar<kQ4_K>(row, sb, o);
-    case kI8: return unpack_scalar<kI8>(row, sb, o);
-    default: return unpack_scalar<kQ6_K>(row, sb, o);
-  }
+  with_type(type, [&](auto t) { unpack_scalar<decltype(t)::value>(row, sb, o); });
 }
 
 // The activations, quantized once per call: int8 q (M, K), and per block of 32 the scale d and
@@ -282,30 +293,36 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// out[m][n] = x[m] . w[n] for MR activation rows and NR weight rows. The accumulators' 8 lanes
-// are partial sums added up at the end, so a lane may take any term: a sub-block's products
-// (lane i: its values 4i..4i+3, scaled by the scale of that half), or (Q4_K) the eight
-// sub-blocks' min terms of a super-block at once.
+// One order of summation for every quantized product here, fixed by the row alone: a row's
+// result is the same bits in a tile of any size, in a panel, or alone, so no batch needs a
+// slower path to be batch-invariant. Per sub-block of 32 values, in order:
+//   I   = the exact integer sum of the weights' integer values (times a K-quant's integer
+//         sub-block scales; Q6_K's q - 32, Q4_K's q without its min) and the activations' int8
+//         values;
+//   acc = fma(float(I), dw * dx, acc)     dw: the block's float scale (a K-quant: its d)
+//   acc = fnmadd(dmin * min, dx * sum(x), acc)   (Q4_K only)
+// and an int8 row's scale multiplies acc at the end. |I| < 2^24 (Q6_K's bound: 32 * 32 * 128 *
+// 127), so float(I) is exact however the integer sum was formed: a tile sums lanes and rows
+// in integers, a panel per half or with a bias taken off, and they agree to the bit.
 // Each weight row is a stream from memory; the hardware prefetcher alone kept a core at 5-9 GB/s
 // on the K-quants (their unpacking leaves few loads in flight). Measured on an AVX2 EPYC, one
 // activation row, 50-180 MB of weights: 4 KB ahead gives 11-13 GB/s for every type (1 KB:
 // 9-13, 2 KB no better; L1 or L2 hint the same).
 constexpr int64_t kPrefetchBytes = 4096;
 
+// A tile: kNR weight rows (the 8 lanes of one float accumulator per activation row) by up to
+// kMR activation rows, whose weight blocks are unpacked once for all of them.
+constexpr int kNR = 8;
+#if defined(__AVX512VL__)
+constexpr int kMR = 4;  // 32 vector registers
+#else
+constexpr int kMR = 2;  // AVX2's 16
+#endif
+
 // Q4_K: a super-block of 256 unsigned nibbles in eight sub-blocks of 32, each with a 6-bit
-// scale and min (times the super-block's d and dmin). Its header is decoded in vector registers:
-// the eight scales as int16, which the integer sum of a sub-block is multiplied by in the same
-// vpmaddwd that sums its pairs (instead of a float multiply per sub-block), and the eight
-// mins times dmin as one float vector, whose terms (lane j: -min_j * d_x * sum(q_x) of
-// sub-block j) take one FMA per super-block. With one activation row (decode) the sub-blocks'
-// sums, scaled by d_x, are added up per super-block and times d once.
+// scale and min (times the super-block's d and dmin). Its header is decoded in vector
+// registers: the eight scales as int16, which multiply the integer sums in the vpmaddwd that
+// sums their pairs, and the eight mins times dmin as floats.
 inline void k4_scales(const uint8_t* s, uint64_t& sc, uint64_t& mn) {
   // Bytes 0-3: scales 0-3 (low 6 bits); 4-7: mins 0-3; 8-11: the low 4 bits of scales 4-7
   // (low nibble) and mins 4-7 (high nibble), whose top 2 bits are the top bits of bytes 0-7.
@@ -318,206 +335,351 @@ inline void k4_scales(const uint8_t* s, uint64_t& sc, uint64_t& mn) {
   mn = uint64_t(a1 & six) | uint64_t(((a2 >> 4) & four) | (((a1 >> 6) & two) << 4)) << 32;
 }
 
-// Sub-block sb of a K-quant tile: the NR weight rows' 32 unsigned values q with their scales as
-// int16 (s16), times the MR activation rows. q * x pairs fit int16 (Q4_K <= 3810, Q6_K <=
-// 16002); times the scale and summed in pairs, int32 (<= 4.1M). One activation row adds into
-// part (the super-block's sum before its d), more rows into acc with d applied.
-template <int NR>
-inline void add_super_block(const __m256* part, const __m256* d, __m256* acc) {
-  for (int n = 0; n < NR; n++) acc[n] = _mm256_fmadd_ps(part[n], d[n], acc[n]);
+// p[0..7]: each row's 8 int32 partial sums -> lane n: row n's sum. Rows are paired as they are
+// made (pair_sums(p[2k], p[2k+1]), AVX2's vphaddd), then row_sums of the four pairs.
+inline __m256i pair_sums(__m256i a, __m256i b) { return _mm256_hadd_epi32(a, b); }
+inline __m256i row_sums(const __m256i* h) {
+  const __m256i lo = _mm256_hadd_epi32(h[0], h[1]), hi = _mm256_hadd_epi32(h[2], h[3]);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20),
+                          _mm256_permute2x128_si256(lo, hi, 0x31));
 }
 
-template <int MR, int NR>
-inline void tile_sums(__m256 (*acc)[NR], float (*out)[NR]) {
-  for (int m = 0; m < MR; m++)
-    for (int n = 0; n < NR; n++) out[m][n] = hsum(acc[m][n]);
-}
-
-template <int MR, int NR, bool FOLD>
-inline void ksub_products(const __m256i* q, const __m256i* s16, const int8_t* qx, const float* dx,
-                          int64_t K, int64_t sb, const __m256* d, __m256* part,
-                          __m256 (*acc)[NR]) {
-  for (int m = 0; m < MR; m++) {
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + m * K + sb * 32));
-    const __m256 dxj = _mm256_broadcast_ss(dx + m * (K / 32) + sb);
-    for (int n = 0; n < NR; n++) {
-      const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q[n], xv), s16[n]));
-      if constexpr (FOLD) part[n] = _mm256_fmadd_ps(p, dxj, part[n]);
-      else acc[m][n] = _mm256_fmadd_ps(p, _mm256_mul_ps(dxj, d[n]), acc[m][n]);
-    }
+// r[n] lane j -> t[j] lane n (8 x 8 floats).
+inline void transpose8(const __m256* r, __m256* t) {
+  __m256 a[8], b[8];
+  for (int k = 0; k < 4; k++) {
+    a[2 * k] = _mm256_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+    a[2 * k + 1] = _mm256_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+  }
+  for (int k = 0; k < 2; k++) {
+    b[4 * k] = _mm256_shuffle_ps(a[4 * k], a[4 * k + 2], 0x44);
+    b[4 * k + 1] = _mm256_shuffle_ps(a[4 * k], a[4 * k + 2], 0xEE);
+    b[4 * k + 2] = _mm256_shuffle_ps(a[4 * k + 1], a[4 * k + 3], 0x44);
+    b[4 * k + 3] = _mm256_shuffle_ps(a[4 * k + 1], a[4 * k + 3], 0xEE);
+  }
+  for (int j = 0; j < 4; j++) {
+    t[j] = _mm256_permute2f128_ps(b[j], b[4 + j], 0x20);
+    t[j + 4] = _mm256_permute2f128_ps(b[j], b[4 + j], 0x31);
   }
 }
 
-template <int MR, int NR, bool FOLD>
-inline void tile_q4k(const uint8_t* const* w, const int8_t* qx, const float* dx, const float* sx,
-                     int64_t K, float (*out)[NR]) {
-  __m256 acc[MR][NR];
-  for (int m = 0; m < MR; m++)
-    for (int n = 0; n < NR; n++) acc[m][n] = _mm256_setzero_ps();
-  const int64_t nsub = K / 32, nblocks = K / 256;
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
+// The float16 at byte offset off of each of the 8 rows' blocks b[n], as 8 floats.
+inline __m256 f16_rows(const uint8_t* const* b, int off) {
+  uint16_t v[kNR];
+  for (int n = 0; n < kNR; n++) std::memcpy(&v[n], b[n] + off, 2);
+  __m128i h = _mm_cvtsi32_si128(v[0]);
+  h = _mm_insert_epi16(h, v[1], 1);
+  h = _mm_insert_epi16(h, v[2], 2);
+  h = _mm_insert_epi16(h, v[3], 3);
+  h = _mm_insert_epi16(h, v[4], 4);
+  h = _mm_insert_epi16(h, v[5], 5);
+  h = _mm_insert_epi16(h, v[6], 6);
+  h = _mm_insert_epi16(h, v[7], 7);
+  return _mm256_cvtph_ps(h);
+}
+
+template <int TYPE>
+inline __m256 block_scales(const uint8_t* const* b) {
+  if constexpr (TYPE == kI8) {
+    return _mm256_set1_ps(1.f);
+  } else if constexpr (TYPE == kMXFP4) {
+    return _mm256_setr_ps(e8m0_half(b[0][0]), e8m0_half(b[1][0]), e8m0_half(b[2][0]),
+                          e8m0_half(b[3][0]), e8m0_half(b[4][0]), e8m0_half(b[5][0]),
+                          e8m0_half(b[6][0]), e8m0_half(b[7][0]));
+  } else {
+    return f16_rows(b, 0);
+  }
+}
+
+// The blocks of 32 with one scale (Q8_0, Q4_0, Q5_0, MXFP4, int8 rows): signed weights go into
+// vpmaddubsw / vpdpbusd as |w| with the sign moved onto x (vpsignb).
+template <int TYPE, int MR>
+inline void tile_blocks(const uint8_t* const* w, const Act& a, __m256* acc) {
+  constexpr int64_t BB = kBlockBytes<TYPE>;
+  const int64_t K = a.K, nblocks = K / 32;
   for (int64_t blk = 0; blk < nblocks; blk++) {
-    const uint8_t* b[NR];
-    __m256i sc16[NR];  // the eight scales as int16, in both 128-bit lanes
-    __m256 d[NR];
-    for (int n = 0; n < NR; n++) {
+    const uint8_t* b[kNR];
+    for (int n = 0; n < kNR; n++) {
+      b[n] = w[n] + blk * BB;
+      _mm_prefetch(reinterpret_cast<const char*>(b[n]) + kPrefetchBytes, _MM_HINT_T0);
+    }
+    __m256i xv[MR], h[MR][4];
+    for (int m = 0; m < MR; m++)
+      xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + m * K + blk * 32));
+    for (int k = 0; k < 4; k++) {
+      const __m256i q0 = block_quants<TYPE>(b[2 * k]), q1 = block_quants<TYPE>(b[2 * k + 1]);
+      const __m256i a0 = _mm256_sign_epi8(q0, q0), a1 = _mm256_sign_epi8(q1, q1);
+      for (int m = 0; m < MR; m++)
+        h[m][k] = pair_sums(dot_u8s8(a0, _mm256_sign_epi8(xv[m], q0)),
+                            dot_u8s8(a1, _mm256_sign_epi8(xv[m], q1)));
+    }
+    const __m256 s = block_scales<TYPE>(b);
+    for (int m = 0; m < MR; m++)
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(row_sums(h[m])),
+                               _mm256_mul_ps(s, _mm256_broadcast_ss(a.d + m * nblocks + blk)),
+                               acc[m]);
+  }
+}
+
+// Sub-block j of the Q4_K super-block b: its 32 nibbles (0..15).
+inline __m256i q4k_values(const uint8_t* b, int j) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + (j >> 1) * 32));
+  return _mm256_and_si256((j & 1) ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(0x0F));
+}
+
+// Sub-block j of the Q6_K super-block b: its 32 values q (0..63; the weight is q - 32).
+inline __m256i q6k_values(const uint8_t* b, int j) {
+  const int half = j >> 2, g = j & 3;
+  const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + half * 64 + (g & 1) * 32));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + half * 32));
+  const __m256i l = _mm256_and_si256(_mm256_srli_epi16(ql, (g >> 1) * 4), _mm256_set1_epi8(0x0F));
+  const __m256i h = _mm256_and_si256(_mm256_srli_epi16(qh, g * 2), _mm256_set1_epi8(3));
+  return _mm256_or_si256(l, _mm256_slli_epi16(h, 4));
+}
+
+// vpshufb's control that picks Q6_K scale 2j (as int16) into the low 128-bit lane's int16s and
+// 2j + 1 into the high lane's (the two halves of sub-block j), from scales 8 * (j / 4) on.
+inline __m256i q6k_pick(int j) {
+  const int lo = (2 * j) & 7, hi = (2 * j + 1) & 7;
+  return _mm256_set_m128i(_mm_set1_epi16(int16_t(((2 * hi + 1) << 8) | (2 * hi))),
+                          _mm_set1_epi16(int16_t(((2 * lo + 1) << 8) | (2 * lo))));
+}
+
+// A K-quant tile's rows 2k and 2k + 1 (unsigned values q, int16 scales s16) times each
+// activation row m: h[m][k], their lanes' products scaled in the vpmaddwd, paired.
+template <int MR>
+inline void kquant_pairs(const __m256i* q, const __m256i* s16, const __m256i* xv, int k,
+                         __m256i (*h)[4]) {
+  for (int m = 0; m < MR; m++)
+    h[m][k] = pair_sums(_mm256_madd_epi16(_mm256_maddubs_epi16(q[0], xv[m]), s16[0]),
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(q[1], xv[m]), s16[1]));
+}
+
+// Sub-block j (sb of the row) of a K-quant tile's 8 super-blocks b[n], whose scales as int16
+// are sc16[n] (Q4_K: [0], the eight in both 128-bit lanes; Q6_K: scales 0-7 and 8-15), times
+// the MR activation rows: h[m], the lane sums of each row pair (row_sums adds them up).
+template <int TYPE, int MR>
+inline void ksub_tile(const uint8_t* const* b, const __m256i (*sc16)[2], int j, const Act& a,
+                      int64_t sb, __m256i (*h)[4]) {
+  // Q4_K: vpshufb picks bytes 2j, 2j+1 (scale j as int16) into every int16 lane.
+  const __m256i pick = TYPE == kQ4_K ? _mm256_set1_epi16(int16_t(((2 * j + 1) << 8) | (2 * j)))
+                                     : q6k_pick(j);
+  __m256i xv[MR];
+  for (int m = 0; m < MR; m++)
+    xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + m * a.K + sb * 32));
+  for (int k = 0; k < 4; k++) {
+    __m256i q[2], s16[2];
+    for (int r = 0; r < 2; r++) {
+      q[r] = TYPE == kQ4_K ? q4k_values(b[2 * k + r], j) : q6k_values(b[2 * k + r], j);
+      s16[r] = _mm256_shuffle_epi8(sc16[2 * k + r][TYPE == kQ4_K ? 0 : j >> 2], pick);
+    }
+    kquant_pairs<MR>(q, s16, xv, k, h);
+  }
+}
+
+template <int MR>
+inline void tile_q4k(const uint8_t* const* w, const Act& a, __m256* acc) {
+  const int64_t K = a.K, nsub = K / 32, nblocks = K / 256;
+  for (int64_t blk = 0; blk < nblocks; blk++) {
+    const uint8_t* b[kNR];
+    __m256i sc16[kNR][2];  // [0]: row n's eight scales as int16, in both 128-bit lanes
+    __m256 mins[kNR];   // row n's eight mins times dmin
+    for (int n = 0; n < kNR; n++) {
       b[n] = w[n] + blk * 144;
       for (int64_t off = 0; off < 144; off += 64)  // the row's stream, kPrefetchBytes ahead
         _mm_prefetch(reinterpret_cast<const char*>(b[n]) + kPrefetchBytes + off, _MM_HINT_T0);
       uint64_t sc, mn;
       k4_scales(b[n] + 4, sc, mn);
-      sc16[n] = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(sc))));
-      const __m256 mins = _mm256_mul_ps(
-          _mm256_set1_ps(f16(b[n] + 2)),
-          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(mn)))));
-      d[n] = _mm256_set1_ps(f16(b[n]));
-      for (int m = 0; m < MR; m++)
-        acc[m][n] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(sx + m * nsub + blk * 8), acc[m][n]);
+      sc16[n][0] = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(sc))));
+      mins[n] = _mm256_mul_ps(_mm256_set1_ps(f16(b[n] + 2)),
+                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(mn)))));
     }
-    __m256 part[NR];  // one activation row: this super-block's sum before d
-    if constexpr (FOLD)
-      for (int n = 0; n < NR; n++) part[n] = _mm256_setzero_ps();
+    __m256 min_j[8];  // sub-block j's mins, lane n: row n
+    transpose8(mins, min_j);
+    const __m256 d = f16_rows(b, 0);
 #pragma GCC unroll 8  // every j's constants (shuffle picks, shifts) fixed at compile time
     for (int j = 0; j < 8; j++) {
       const int64_t sb = blk * 8 + j;
-      // vpshufb picks bytes 2j, 2j+1 (scale j as int16) into every int16 lane.
-      const __m256i pick = _mm256_set1_epi16(int16_t(((2 * j + 1) << 8) | (2 * j)));
-      __m256i q[NR], s16[NR];
-      for (int n = 0; n < NR; n++) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b[n] + 16 + (j >> 1) * 32));
-        q[n] = _mm256_and_si256((j & 1) ? _mm256_srli_epi16(raw, 4) : raw, low4);
-        s16[n] = _mm256_shuffle_epi8(sc16[n], pick);
-      }
-      ksub_products<MR, NR, FOLD>(q, s16, qx, dx, K, sb, d, part, acc);
-    }
-    if constexpr (FOLD) add_super_block<NR>(part, d, acc[0]);
-  }
-  tile_sums<MR, NR>(acc, out);
-}
-
-template <int TYPE, int MR, int NR>
-inline void tile_blocks(const uint8_t* const* w, const int8_t* qx, const float* dx, int64_t K,
-                        float (*out)[NR]) {
-  constexpr int64_t BB = kBlockBytes<TYPE>;
-  __m256 acc[MR][NR];
-  for (int m = 0; m < MR; m++)
-    for (int n = 0; n < NR; n++) acc[m][n] = _mm256_setzero_ps();
-  const int64_t nblocks = K / 32;
-  for (int64_t blk = 0; blk < nblocks; blk++) {
-    __m256i q[NR], aq[NR];
-    __m256 s[NR];
-    for (int n = 0; n < NR; n++) {
-      const uint8_t* b = w[n] + blk * BB;
-      _mm_prefetch(reinterpret_cast<const char*>(b) + kPrefetchBytes, _MM_HINT_T0);
-      q[n] = block_quants<TYPE>(b);
-      aq[n] = _mm256_sign_epi8(q[n], q[n]);  // |w| for vpmaddubsw
-      s[n] = _mm256_set1_ps(block_scale<TYPE>(b));
-    }
-    for (int m = 0; m < MR; m++) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + m * K + blk * 32));
-      const __m256 d = _mm256_broadcast_ss(dx + m * nblocks + blk);
-      for (int n = 0; n < NR; n++) {
-        // Signed weights: the sign moves onto x, so |w| (unsigned) times sign(w) * x.
-        const __m256i xs = _mm256_sign_epi8(xv, q[n]);
-        const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(aq[n], xs));
-        acc[m][n] = _mm256_fmadd_ps(p, _mm256_mul_ps(s[n], d), acc[m][n]);
+      __m256i h[MR][4];
+      ksub_tile<kQ4_K, MR>(b, sc16, j, a, sb, h);
+      for (int m = 0; m < MR; m++) {
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(row_sums(h[m])),
+                                 _mm256_mul_ps(d, _mm256_broadcast_ss(a.d + m * nsub + sb)), acc[m]);
+        acc[m] = _mm256_fnmadd_ps(min_j[j], _mm256_broadcast_ss(a.s + m * nsub + sb), acc[m]);
       }
     }
   }
-  tile_sums<MR, NR>(acc, out);
 }
 
 // Q6_K: a super-block of 256 six-bit values (q - 32) in eight sub-blocks of 32, each half of
-// 16 with a signed int8 scale. As for Q4_K, the scales multiply the integer sums in vpmaddwd,
-// here with q read unsigned (0..63: no sign moves) and the offset taken off per super-block
-// as 32 * sum(scale * sum of x's 16 values), from the activations' int16 sums per 16 (one
-// vpmaddwd gives the eight sub-blocks' terms). Measured against the sign-moving tile on an
-// AVX2 EPYC: see rows_per_tile.
-template <int MR, int NR, bool FOLD>
-inline void tile_q6k(const uint8_t* const* w, const int8_t* qx, const float* dx,
-                     const int16_t* hx, int64_t K, float (*out)[NR]) {
-  __m256 acc[MR][NR];
-  for (int m = 0; m < MR; m++)
-    for (int n = 0; n < NR; n++) acc[m][n] = _mm256_setzero_ps();
-  const int64_t nsub = K / 32, nblocks = K / 256;
-  const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3);
+// 16 with a signed int8 scale. q goes in unsigned (0..63: no sign moves), the scales multiply
+// the integer sums in the vpmaddwd, and the offset 32 * (scale_lo * sum(x_lo) + scale_hi *
+// sum(x_hi)) comes off each sub-block's integer sum, from the activations' int16 sums per 16.
+template <int MR>
+inline void tile_q6k(const uint8_t* const* w, const Act& a, __m256* acc) {
+  const int64_t K = a.K, nsub = K / 32, nblocks = K / 256;
+  alignas(32) int32_t offset[MR][8][kNR];  // [m][sub-block j][row n]
   for (int64_t blk = 0; blk < nblocks; blk++) {
-    const uint8_t* b[NR];
-    __m256i sc16[NR][2];  // scales 0-7 and 8-15 as int16, each in both 128-bit lanes
-    __m256 d[NR];
-    for (int n = 0; n < NR; n++) {
+    const uint8_t* b[kNR];
+    __m256i sc16[kNR][2];  // scales 0-7 and 8-15 as int16, each in both 128-bit lanes
+    for (int n = 0; n < kNR; n++) {
       b[n] = w[n] + blk * 210;
       for (int64_t off = 0; off < 210; off += 64)  // the row's stream, kPrefetchBytes ahead
         _mm_prefetch(reinterpret_cast<const char*>(b[n]) + kPrefetchBytes + off, _MM_HINT_T0);
       const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b[n] + 192));
       sc16[n][0] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc));
       sc16[n][1] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(sc, 8)));
-      d[n] = _mm256_set1_ps(f16(b[n] + 208));
-      const __m256i all16 = _mm256_cvtepi8_epi16(sc);
-      const __m256 d32 = _mm256_mul_ps(d[n], _mm256_set1_ps(32.f));
-      for (int m = 0; m < MR; m++) {
-        // lane j: scale_2j * sum(x of half 2j) + scale_2j+1 * sum(x of half 2j+1)
-        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hx + m * 2 * nsub + blk * 16));
-        const __m256 off = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(all16, h)),
-                                         _mm256_loadu_ps(dx + m * nsub + blk * 8));
-        acc[m][n] = _mm256_fnmadd_ps(off, d32, acc[m][n]);
-      }
     }
-    __m256 part[NR];  // one activation row: this super-block's sum before d
-    if constexpr (FOLD)
-      for (int n = 0; n < NR; n++) part[n] = _mm256_setzero_ps();
+    for (int m = 0; m < MR; m++) {
+      // lane j of o[n]: 32 * (scale_2j * sum(x of half 2j) + scale_2j+1 * sum(x of half 2j+1))
+      const __m256i hx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.h + m * 2 * nsub + blk * 16));
+      __m256 o[kNR], t[8];
+      for (int n = 0; n < kNR; n++) {
+        const __m256i all16 = _mm256_cvtepi8_epi16(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(b[n] + 192)));
+        o[n] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_madd_epi16(all16, hx), 5));
+      }
+      transpose8(o, t);
+      for (int j = 0; j < 8; j++) _mm256_store_ps(reinterpret_cast<float*>(offset[m][j]), t[j]);
+    }
+    const __m256 d = f16_rows(b, 208);
 #pragma GCC unroll 8  // every j's constants (shuffle picks, shifts) fixed at compile time
     for (int j = 0; j < 8; j++) {
       const int64_t sb = blk * 8 + j;
-      const int half = j >> 2, g = j & 3;
-      // vpshufb picks scale 2j (as int16) into the low 128-bit lane's int16s, 2j + 1 into the
-      // high lane's: the two halves of the sub-block.
-      const int lo = (2 * j) & 7, hi = (2 * j + 1) & 7;
-      const __m256i pick = _mm256_set_m128i(_mm_set1_epi16(int16_t(((2 * hi + 1) << 8) | (2 * hi))),
-                                            _mm_set1_epi16(int16_t(((2 * lo + 1) << 8) | (2 * lo))));
-      __m256i q[NR], s16[NR];
-      for (int n = 0; n < NR; n++) {
-        const __m256i ql = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(b[n] + half * 64 + (g & 1) * 32));
-        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b[n] + 128 + half * 32));
-        const __m256i l = _mm256_and_si256(_mm256_srli_epi16(ql, (g >> 1) * 4), low4);
-        const __m256i h = _mm256_and_si256(_mm256_srli_epi16(qh, g * 2), low2);
-        q[n] = _mm256_or_si256(l, _mm256_slli_epi16(h, 4));  // 0..63
-        s16[n] = _mm256_shuffle_epi8(sc16[n][half], pick);
+      __m256i h[MR][4];
+      ksub_tile<kQ6_K, MR>(b, sc16, j, a, sb, h);
+      for (int m = 0; m < MR; m++) {
+        const __m256i I = _mm256_sub_epi32(
+            row_sums(h[m]), _mm256_load_si256(reinterpret_cast<const __m256i*>(offset[m][j])));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I),
+                                 _mm256_mul_ps(d, _mm256_broadcast_ss(a.d + m * nsub + sb)), acc[m]);
       }
-      ksub_products<MR, NR, FOLD>(q, s16, qx, dx, K, sb, d, part, acc);
     }
-    if constexpr (FOLD) add_super_block<NR>(part, d, acc[0]);
   }
-  tile_sums<MR, NR>(acc, out);
 }
 
-// FOLD (the K-quants, one activation row): a super-block's sub-block sums are added up before
-// its d multiplies them (one multiply fewer per sub-block: decode speed). Without it every
-// sub-block's sum is scaled by d_x * d on its own, as in a tile of several rows, so a row's
-// result does not depend on the rows beside it (batch-invariant mode; every row of a
-// multi-row call).
-template <int TYPE, int MR, int NR, bool FOLD>
-inline void tile(const uint8_t* const* w, const Act& a, float (*out)[NR]) {
-  static_assert(!FOLD || MR == 1, "a folded tile has one activation row");
-  if constexpr (TYPE == kQ4_K) tile_q4k<MR, NR, FOLD>(w, a.q, a.d, a.s, a.K, out);
-  else if constexpr (TYPE == kQ6_K) tile_q6k<MR, NR, FOLD>(w, a.q, a.d, a.h, a.K, out);
-  else tile_blocks<TYPE, MR, NR>(w, a.q, a.d, a.K, out);
+// One activation row against one weight row at a time: the byte-dense types (Q8_0, int8 rows,
+// Q6_K) stream fastest as a single row. Measured on a Zen 4, both cores, one activation row, 24
+// layers of the 0.6B's four linears (380-550 MB), ms per pass, 8-row tile / one row: Q8_0
+// 22.9-29.5 / 15.8-16.4, Q6_K 36.7-43.6 / 13.1-17.7 (Q4_K and Q4_0 ran as fast in the 8-row
+// tile as in the old 2- and 4-row ones). Eight sub-blocks' integer sums become the lanes of one
+// vector, are scaled in one multiply, and enter the row's chain of FMAs in order: the same
+// float steps as a tile's lane for that row.
+inline __m128 chain8(__m128 acc, __m256 f, __m256 F) {
+  alignas(32) float fv[8], Fv[8];
+  _mm256_store_ps(fv, f);
+  _mm256_store_ps(Fv, F);
+  for (int j = 0; j < 8; j++) acc = _mm_fmadd_ss(_mm_set_ss(fv[j]), _mm_set_ss(Fv[j]), acc);
+  return acc;
+}
+
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+template <int TYPE>
+inline float row_blocks(const uint8_t* w, const Act& a) {
+  constexpr int64_t BB = kBlockBytes<TYPE>;
+  const int64_t nblocks = a.K / 32;
+  __m128 acc = _mm_setzero_ps();
+  int64_t blk = 0;
+  for (; blk + 8 <= nblocks; blk += 8) {
+    const uint8_t* b[8];
+    for (int j = 0; j < 8; j++) b[j] = w + (blk + j) * BB;
+    for (int64_t off = 0; off < 8 * BB; off += 64)  // the row's stream, kPrefetchBytes ahead
+      _mm_prefetch(reinterpret_cast<const char*>(b[0]) + kPrefetchBytes + off, _MM_HINT_T0);
+    __m256i h[4];
+    for (int k = 0; k < 4; k++) {
+      __m256i p[2];
+      for (int r = 0; r < 2; r++) {
+        const int j = 2 * k + r;
+        const __m256i q = block_quants<TYPE>(b[j]);
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (blk + j) * 32));
+        p[r] = dot_u8s8(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
+      }
+      h[k] = pair_sums(p[0], p[1]);
+    }
+    acc = chain8(acc, _mm256_cvtepi32_ps(row_sums(h)),
+                 _mm256_mul_ps(block_scales<TYPE>(b), _mm256_loadu_ps(a.d + blk)));
+  }
+  for (; blk < nblocks; blk++) {  // K not a multiple of 256
+    const uint8_t* b = w + blk * BB;
+    const __m256i q = block_quants<TYPE>(b);
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + blk * 32));
+    const int32_t I = hsum_epi32(dot_u8s8(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q)));
+    const __m256 F = _mm256_mul_ps(_mm256_set1_ps(block_scale<TYPE>(b)), _mm256_set1_ps(a.d[blk]));
+    acc = _mm_fmadd_ss(_mm_set_ss(float(I)), _mm256_castps256_ps128(F), acc);
+  }
+  return _mm_cvtss_f32(acc);
+}
+
+inline float row_q6k(const uint8_t* w, const Act& a) {
+  const int64_t nblocks = a.K / 256;
+  __m128 acc = _mm_setzero_ps();
+  for (int64_t blk = 0; blk < nblocks; blk++) {
+    const uint8_t* b = w + blk * 210;
+    for (int64_t off = 0; off < 210; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(b) + kPrefetchBytes + off, _MM_HINT_T0);
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    const __m256i sc16[2] = {_mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc)),
+                             _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(sc, 8)))};
+    const __m256i hx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.h + blk * 16));
+    const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(sc), hx), 5);
+    __m256i h[4], p[2];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+      const __m256i q = q6k_values(b, j);
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (blk * 8 + j) * 32));
+      p[j & 1] = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_shuffle_epi8(sc16[j >> 2], q6k_pick(j)));
+      if (j & 1) h[j >> 1] = pair_sums(p[0], p[1]);
+    }
+    acc = chain8(acc, _mm256_cvtepi32_ps(_mm256_sub_epi32(row_sums(h), offset)),
+                 _mm256_mul_ps(_mm256_set1_ps(f16(b + 208)), _mm256_loadu_ps(a.d + blk * 8)));
+  }
+  return _mm_cvtss_f32(acc);
+}
+
+// The types whose one-row products take row_blocks / row_q6k.
+template <int TYPE> constexpr bool kRowAtATime = TYPE == kQ8_0 || TYPE == kI8 || TYPE == kQ6_K;
+template <int TYPE>
+inline float row_dot(const uint8_t* w, const Act& a) {
+  if constexpr (TYPE == kQ6_K) return row_q6k(w, a);
+  else return row_blocks<TYPE>(w, a);
+}
+
+// out[m][n] = x[m] . w[n] for MR activation rows and the kNR weight rows w.
+template <int TYPE, int MR>
+inline void tile(const uint8_t* const* w, const Act& a, float (*out)[kNR]) {
+  __m256 acc[MR];
+  for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_ps();
+  if constexpr (TYPE == kQ4_K) tile_q4k<MR>(w, a, acc);
+  else if constexpr (TYPE == kQ6_K) tile_q6k<MR>(w, a, acc);
+  else tile_blocks<TYPE, MR>(w, a, acc);
+  for (int m = 0; m < MR; m++) _mm256_storeu_ps(out[m], acc[m]);
 }
 #else
-template <int TYPE, int MR, int NR, bool FOLD>  // one order for every tile here
-inline void tile(const uint8_t* const* w, const Act& a, float (*out)[NR]) {
+constexpr int kNR = 8, kMR = 4;
+template <int TYPE> constexpr bool kRowAtATime = false;
+template <int TYPE>
+inline float row_dot(const uint8_t*, const Act&) { return 0.f; }
+// Portable: each (row, weight row) pair on its own, in one order for every tile (this build
+// has no panels), within float32 rounding of the vector builds' order.
+template <int TYPE, int MR>
+inline void tile(const uint8_t* const* w, const Act& a, float (*out)[kNR]) {
   const int8_t* qx = a.q;
   const float *dx = a.d, *sx = a.s;
   const int64_t K = a.K;
-  float acc[MR][NR] = {};
+  float acc[MR][kNR] = {};
   const int64_t nsub = K / 32;
   for (int64_t sb = 0; sb < nsub; sb++) {
-    Sub ws[NR];
-    for (int n = 0; n < NR; n++) unpack_scalar<TYPE>(w[n], sb, ws[n]);
+    Sub ws[kNR];
+    for (int n = 0; n < kNR; n++) unpack_scalar<TYPE>(w[n], sb, ws[n]);
     for (int m = 0; m < MR; m++) {
       const int8_t* x = qx + m * K + sb * 32;
-      for (int n = 0; n < NR; n++) {
+      for (int n = 0; n < kNR; n++) {
         int32_t lo = 0, hi = 0;
         for (int i = 0; i < 16; i++) lo += int32_t(ws[n].q[i]) * x[i];
         for (int i = 16; i < 32; i++) hi += int32_t(ws[n].q[i]) * x[i];
@@ -527,13 +689,13 @@ inline void tile(const uint8_t* const* w, const Act& a, float (*out)[NR]) {
     }
   }
   for (int m = 0; m < MR; m++)
-    for (int n = 0; n < NR; n++) out[m][n] = acc[m][n];
+    for (int n = 0; n < kNR; n++) out[m][n] = acc[m][n];
 }
 #endif
 
 // One part of the weight: `rows` rows of `type` (row_bytes each) that give the output columns
 // col .. col + rows - 1, times scale[n] per row where the part has one (int8 rows). Its tiles
-// are tile0 .. tile0 + tiles - 1 of the call's one range.
+// (or panels) are tile0 .. tile0 + tiles - 1 of the call's one range.
 struct Part {
   const uint8_t* w;
   int type;
@@ -542,113 +704,67 @@ struct Part {
   int64_t tile0, tiles;
 };
 
-// Weight rows per tile, and activation rows: AVX2 has 16 vector registers, so MR x NR
-// accumulators plus NR unpacked blocks (and their scales) must fit: 4 x 2 for prefill. For a
-// single activation row (decode) the tile is the weight rows read side by side, chosen per type
-// by measurement (AVX2 EPYC, both cores, one activation row, the 0.6B Q4_K_M and Q8_0 files'
-// tensors, GB/s at 1 / 2 / 4 rows): Q4_K 19.1 / 22.0 / 18.7, Q6_K (the 152k-row lm_head) 24.8 /
-// 19.6 / -, Q8_0 near the 29.7 GB/s read bandwidth at 1; one core, earlier: Q5_0 13.7 / 14.0 /
-// 13.9. A byte-dense type streams fastest as one row at a time; a 4-bit one needs more rows'
-// work to hide its unpacking.
-constexpr int kNR = 2, kMR = 4;
-template <int TYPE> constexpr int kDecodeRows =
-    (TYPE == kQ8_0 || TYPE == kI8 || TYPE == kQ6_K) ? 1 : TYPE == kQ4_K ? 2 : 4;
-inline int64_t rows_per_tile(int type, int64_t M) {
-  if (M > 1) return kNR;
-  switch (type) {
-    case kQ4_K: return kDecodeRows<kQ4_K>;
-    case kQ4_0: return kDecodeRows<kQ4_0>;
-    case kQ5_0: return kDecodeRows<kQ5_0>;
-    case kMXFP4: return kDecodeRows<kMXFP4>;
-    default: return 1;
-  }
-}
 // grain_for counts bf16 multiply-adds; a quantized one also unpacks its weight (nibbles, high
 // bits, sign): measured on an AVX2 EPYC at one activation row, Q5_0 ran ~10 G/s per core
 // against the bf16 kernel's ~70. Counting each as this many units keeps the tasks of a
 // decode-sized matmul (0.5-2 M multiply-adds) on both cores instead of one.
 constexpr int64_t kQuantWork = 4;
 
-// y[m][p.col + n] for MR activation rows from m0 and the NR weight rows from n0.
-template <int TYPE, int MR, int NR, bool FOLD = false, typename T>
+// y[m][p.col + n] for MR activation rows from m0 and the tile's weight rows from n0 (past the
+// part's end the tile reads its last row again and drops those results).
+template <int TYPE, int MR, typename T>
 inline void store_tile(const Part& p, const Act& a, int64_t m0, int64_t n0, T* y, int64_t ldy) {
-  const uint8_t* wr[NR];
-  for (int n = 0; n < NR; n++) wr[n] = p.w + (n0 + n) * p.row_bytes;
-  float out[MR][NR];
-  tile<TYPE, MR, NR, FOLD>(wr, a.from_row(m0), out);
+  const int64_t valid = std::min<int64_t>(kNR, p.rows - n0);
+  const uint8_t* wr[kNR];
+  for (int n = 0; n < kNR; n++) wr[n] = p.w + (n0 + std::min<int64_t>(n, valid - 1)) * p.row_bytes;
+  float out[MR][kNR];
+  tile<TYPE, MR>(wr, a.from_row(m0), out);
   for (int m = 0; m < MR; m++)
-    for (int n = 0; n < NR; n++)
+    for (int64_t n = 0; n < valid; n++)
       y[(m0 + m) * ldy + p.col + n0 + n] = T(p.scale ? out[m][n] * p.scale[n0 + n] : out[m][n]);
 }
 
-// Tiles t0 .. t1 - 1 (local to the part) for all M activation rows; fold: M is 1 and the call
-// is not batch-invariant (tile's FOLD).
-template <int TYPE, bool FOLD, typename T>
-void row_tiles(const Part& p, int64_t t0, int64_t t1, const Act& a, T* y, int64_t ldy) {
-  constexpr int NR1 = kDecodeRows<TYPE>;
-  for (int64_t t = t0; t < t1; t++) {
-    const int64_t n0 = t * NR1;
-    if (n0 + NR1 <= p.rows) {
-      store_tile<TYPE, 1, NR1, FOLD>(p, a, 0, n0, y, ldy);
-    } else {
-      for (int64_t n = n0; n < p.rows; n++) store_tile<TYPE, 1, 1, FOLD>(p, a, 0, n, y, ldy);
-    }
-  }
-}
-
+// Tiles t0 .. t1 - 1 (local to the part) for all M activation rows.
 template <int TYPE, typename T>
 void part_tiles(const Part& p, int64_t t0, int64_t t1, const Act& a, int64_t M, T* y,
-                int64_t ldy, bool fold) {
-  const int64_t nr_tile = rows_per_tile(TYPE, M);
-  if (M == 1) {
-    if constexpr (TYPE == kQ4_K || TYPE == kQ6_K)
-      if (fold) return row_tiles<TYPE, true>(p, t0, t1, a, y, ldy);
-    return row_tiles<TYPE, false>(p, t0, t1, a, y, ldy);
+                int64_t ldy) {
+  if constexpr (kRowAtATime<TYPE>) {
+    if (M == 1) {
+      for (int64_t n = t0 * kNR; n < std::min(p.rows, t1 * kNR); n++) {
+        const float v = row_dot<TYPE>(p.w + n * p.row_bytes, a);
+        y[p.col + n] = T(p.scale ? v * p.scale[n] : v);
+      }
+      return;
+    }
   }
   for (int64_t t = t0; t < t1; t++) {
-    const int64_t n0 = t * nr_tile;
-    const bool full = n0 + kNR <= p.rows;
+    const int64_t n0 = t * kNR;
     int64_t m = 0;
-    for (; m + kMR <= M; m += kMR) {
-      if (full) store_tile<TYPE, kMR, kNR>(p, a, m, n0, y, ldy);
-      else store_tile<TYPE, kMR, 1>(p, a, m, n0, y, ldy);
-    }
-    for (; m < M; m++) {
-      if (full) store_tile<TYPE, 1, kNR>(p, a, m, n0, y, ldy);
-      else store_tile<TYPE, 1, 1>(p, a, m, n0, y, ldy);
-    }
+    if constexpr (kMR >= 4)
+      for (; m + 4 <= M; m += 4) store_tile<TYPE, 4>(p, a, m, n0, y, ldy);
+    for (; m + 2 <= M; m += 2) store_tile<TYPE, 2>(p, a, m, n0, y, ldy);
+    for (; m < M; m++) store_tile<TYPE, 1>(p, a, m, n0, y, ldy);
   }
 }
 
 template <typename T>
 void part_tiles_any(const Part& p, int64_t t0, int64_t t1, const Act& a, int64_t M, T* y,
-                    int64_t ldy, bool fold) {
-  switch (p.type) {
-    case kQ8_0: return part_tiles<kQ8_0>(p, t0, t1, a, M, y, ldy, fold);
-    case kQ4_0: return part_tiles<kQ4_0>(p, t0, t1, a, M, y, ldy, fold);
-    case kQ5_0: return part_tiles<kQ5_0>(p, t0, t1, a, M, y, ldy, fold);
-    case kMXFP4: return part_tiles<kMXFP4>(p, t0, t1, a, M, y, ldy, fold);
-    case kQ4_K: return part_tiles<kQ4_K>(p, t0, t1, a, M, y, ldy, fold);
-    case kQ6_K: return part_tiles<kQ6_K>(p, t0, t1, a, M, y, ldy, fold);
-    default: return part_tiles<kI8>(p, t0, t1, a, M, y, ldy, fold);
-  }
+                    int64_t ldy) {
+  with_type(p.type, [&](auto t) { part_tiles<decltype(t)::value>(p, t0, t1, a, M, y, ldy); });
 }
 
 #if defined(LADLE_QUANT_512)
-// Prefill and batched decode (M >= kPanelMinRows, 12; not in batch-invariant mode, where a row's sum
-// must not depend on M): panels. A tile above multiplies MR x NR (row, weight row) pairs each
-// as its own dot product, so every 32 products cost a sign move, a vpdpbusd, a conversion and
-// two float multiplies: ~6 instructions per 32 multiply-adds, a sixth of the int8 peak (Zen 4,
-// 0.6B Q8_0 shapes, 128 rows: 138 of 831 GOPS). A panel is 16 weight rows unpacked once per
-// call into unsigned bytes (w + bias), interleaved by 4 (dword t of the 16 rows side by side:
-// one zmm), so one vpdpbusd with 4 bytes of an activation row broadcast adds 64 products into
-// 16 outputs' int32 sums: a sub-block of 32 takes 8 of them, then one conversion and two float
-// operations for all 16 outputs. The bias (Q8_0, int8 rows and MXFP4: 128 with the sign bit
-// flipped; Q4_0 8; Q5_0 16; Q6_K 32; Q4_K's nibbles need none) makes the weights unsigned for
-// vpdpbusd; what it adds, bias * sum(x), starts each sub-block's integer sum negated, from the
-// activations' int16 sums per 16. Per sub-block and row a panel keeps the float scale of each
-// half (only Q6_K's halves differ) and Q4_K's min, so a row's result is the same float64
-// reference as the tiles' up to float32 rounding.
+// Prefill and batched decode (M >= kPanelMinRows): panels. A tile multiplies each weight block
+// into each row's lanes and sums lanes and rows per sub-block: ~6 instructions per 32
+// multiply-adds per (row, weight row), a sixth of the int8 peak (Zen 4, 0.6B Q8_0 shapes, 128
+// rows: 138 of 831 GOPS). A panel is 16 weight rows unpacked once per call into unsigned bytes
+// (w + bias), interleaved by 4 (dword t of the 16 rows side by side: one zmm), so one vpdpbusd
+// with 4 bytes of an activation row broadcast adds 64 products into 16 outputs' int32 sums: a
+// sub-block of 32 takes 8 of them, then one conversion and two float operations for all 16
+// outputs. The bias (Q8_0, int8 rows and MXFP4: 128 with the sign bit flipped; Q4_0 8; Q5_0
+// 16; Q6_K 32; Q4_K's nibbles need none) makes the weights unsigned for vpdpbusd; what it adds,
+// bias * sum(x), starts each integer sum negated, so the sums are the tiles' integers and the
+// float steps the tiles' (the order at the top of the tiles).
 constexpr int64_t kPanelRows = 16;
 // From this many rows the panel's packing pays (Zen 4, 0.6B Q8_0 layer shapes, ms per layer,
 // tiles / panels: 8 rows 1.86 / 2.24, 16 rows 3.53 / 2.98, 32: 8.3 / 4.0, 128: 29.2 / 11.0).
@@ -663,20 +779,9 @@ template <int TYPE>
 inline __m256i panel_bytes(const uint8_t* row, int64_t sb) {
   const __m256i flip = _mm256_set1_epi8(char(0x80));
   if constexpr (TYPE == kQ4_K) {
-    const uint8_t* b = row + (sb >> 3) * 144;
-    const int j = int(sb & 7);
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + (j >> 1) * 32));
-    return _mm256_and_si256((j & 1) ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(0x0F));
+    return q4k_values(row + (sb >> 3) * 144, int(sb & 7));
   } else if constexpr (TYPE == kQ6_K) {
-    const uint8_t* b = row + (sb >> 3) * 210;
-    const int j = int(sb & 7), half = j >> 2, g = j & 3;
-    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + half * 64 + (g & 1) * 32));
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + half * 32));
-    const __m256i l = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128((g >> 1) * 4)),
-                                       _mm256_set1_epi8(0x0F));
-    const __m256i h = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(g * 2)),
-                                       _mm256_set1_epi8(3));
-    return _mm256_or_si256(l, _mm256_slli_epi16(h, 4));
+    return q6k_values(row + (sb >> 3) * 210, int(sb & 7));
   } else if constexpr (TYPE == kQ4_0) {
     return nibbles(row + sb * 18 + 2);
   } else if constexpr (TYPE == kQ5_0) {
@@ -686,6 +791,31 @@ inline __m256i panel_bytes(const uint8_t* row, int64_t sb) {
     return _mm256_or_si256(nibbles(b + 6), bit_bytes(qh));
   } else {  // signed bytes (Q8_0, int8 rows, MXFP4's values): + 128 is the sign bit flipped
     return _mm256_xor_si256(block_quants<TYPE>(row + sb * kBlockBytes<TYPE>), flip);
+  }
+}
+
+// Sub-block sb's float factors: dw (the block's scale; a K-quant's d), the integer scales of
+// its halves as floats (K-quants; 1 otherwise) and Q4_K's dmin * min: the tiles' values.
+template <int TYPE>
+inline void panel_scales(const uint8_t* row, int64_t sb, float& dw, float& s0, float& s1,
+                         float& mn) {
+  s0 = s1 = 1.f;
+  mn = 0.f;
+  if constexpr (TYPE == kQ4_K) {
+    const uint8_t* b = row + (sb >> 3) * 144;
+    int sc, m;
+    k4_scale_min(b + 4, int(sb & 7), sc, m);
+    dw = f16(b);
+    s0 = s1 = float(sc);
+    mn = f16(b + 2) * float(m);
+  } else if constexpr (TYPE == kQ6_K) {
+    const uint8_t* b = row + (sb >> 3) * 210;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 2 * (sb & 7);
+    dw = f16(b + 208);
+    s0 = float(sc[0]);
+    s1 = float(sc[1]);
+  } else {
+    dw = block_scale<TYPE>(row + sb * kBlockBytes<TYPE>);
   }
 }
 
@@ -711,146 +841,137 @@ inline void transpose_panel(const __m512i* r, __m512i* out) {
   }
 }
 
-// Weight rows n0 .. n0 + 15 of part p (rows past its end: zero) into a panel: v (K/32 sub-blocks
-// x 8 dwords x 16 rows), sc (K/32 x 2 halves x 16 rows: the halves' scales, times an int8
-// row's scale), mn (K/32 x 16: Q4_K's min).
+// A task's panel (one at a time, of this K): v (K/32 sub-blocks x 8 dwords x 16 rows), per
+// sub-block and row dw, the halves' integer scales s (K/32 x 2 x 16) and Q4_K's min mn; rs:
+// the int8 rows' scales.
+struct PanelBuffers {
+  std::vector<uint8_t> v;
+  std::vector<float> dw, s, mn;
+  float rs[kPanelRows];
+  bool row_scale = false;
+  explicit PanelBuffers(int64_t K)
+      : v(K / 32 * 512), dw(K / 32 * 16), s(K / 32 * 32), mn(K / 32 * 16) {}
+};
+
+// Weight rows n0 .. n0 + 15 of part p (rows past its end: zero) into the buffers.
 template <int TYPE>
-void pack_panel(const Part& p, int64_t n0, int64_t K, uint8_t* v, float* sc, float* mn) {
+void pack_panel(const Part& p, int64_t n0, int64_t K, PanelBuffers& pb) {
   const int64_t nsub = K / 32, rows = std::min(kPanelRows, p.rows - n0);
   const uint8_t* row[kPanelRows];
-  float rs[kPanelRows];
+  pb.row_scale = p.scale != nullptr;
   for (int64_t r = 0; r < kPanelRows; r++) {
     row[r] = r < rows ? p.w + (n0 + r) * p.row_bytes : nullptr;
-    rs[r] = r < rows && p.scale ? p.scale[n0 + r] : 1.f;
+    pb.rs[r] = r < rows && p.scale ? p.scale[n0 + r] : 1.f;
   }
-  Sub scales;
   for (int64_t sb = 0; sb < nsub; sb++) {
     __m256i b[kPanelRows];
     for (int64_t r = 0; r < kPanelRows; r++) {
+      float dw = 0.f, s0 = 0.f, s1 = 0.f, mn = 0.f;
       if (row[r]) {
         b[r] = panel_bytes<TYPE>(row[r], sb);
-        sub_scales<TYPE>(row[r], sb, scales);
+        panel_scales<TYPE>(row[r], sb, dw, s0, s1, mn);
       } else {
         b[r] = _mm256_setzero_si256();
-        scales.s0 = scales.s1 = scales.minv = 0.f;
       }
-      sc[sb * 32 + r] = scales.s0 * rs[r];
-      sc[sb * 32 + 16 + r] = scales.s1 * rs[r];
-      mn[sb * 16 + r] = scales.minv;
+      pb.dw[sb * 16 + r] = dw;
+      pb.s[sb * 32 + r] = s0;
+      pb.s[sb * 32 + 16 + r] = s1;
+      pb.mn[sb * 16 + r] = mn;
     }
     __m512i z[8], out[8];
     for (int k = 0; k < 8; k++)
       z[k] = _mm512_inserti64x4(_mm512_castsi256_si512(b[k]), b[k + 8], 1);
     transpose_panel(z, out);
-    for (int t = 0; t < 8; t++) _mm512_storeu_si512(v + sb * 512 + t * 64, out[t]);
+    for (int t = 0; t < 8; t++) _mm512_storeu_si512(pb.v.data() + sb * 512 + t * 64, out[t]);
   }
 }
 
-// out (MR x 16) = MR activation rows from m0 times a packed panel. SPLIT: the halves of a
-// sub-block have their own scales (Q6_K); MIN: a min per sub-block (Q4_K). The bias comes off
-// in float: dx * (sum((w + bias) x) - bias * sum(x)), with dx * sum(x) per half (sh) from the
-// call's activations (exact integer sums below 2^24 in float32).
-template <bool SPLIT, bool MIN, int MR>
-inline void panel_rows(const uint8_t* v, const float* sc, const float* mn, float bias,
-                       const Act& a, const float* sh, int64_t m0, float (*out)[16]) {
+// out (MR x 16) = MR activation rows from m0 times the packed panel, in the tiles' order.
+template <int TYPE, int MR>
+inline void panel_rows(const PanelBuffers& pb, const Act& a, int64_t m0, float (*out)[16]) {
+  constexpr int32_t bias = kPanelBias<TYPE>;
   const int64_t K = a.K, nsub = K / 32;
-  const __m512 bv = _mm512_set1_ps(bias);
+  const uint8_t* v = pb.v.data();
   __m512 acc[MR];
   for (int m = 0; m < MR; m++) acc[m] = _mm512_setzero_ps();
   for (int64_t sb = 0; sb < nsub; sb++) {
     __m512i w[8];
     for (int t = 0; t < 8; t++) w[t] = _mm512_loadu_si512(v + sb * 512 + t * 64);
-    constexpr int kHalves = SPLIT ? 2 : 1;
-    for (int hf = 0; hf < kHalves; hf++) {
-      const __m512 s = _mm512_loadu_ps(sc + sb * 32 + hf * 16);
+    const int16_t* hx = a.h + m0 * (K / 16) + sb * 2;  // row m's: hx[m * K / 16], [.. + 1]
+    __m512 f[MR];
+    if constexpr (TYPE == kQ6_K) {  // f = s_lo * I_lo + s_hi * I_hi, each half's sum exact
+      for (int hf = 0; hf < 2; hf++) {
+        __m512i i[MR];
+        for (int m = 0; m < MR; m++) i[m] = _mm512_set1_epi32(-bias * hx[m * (K / 16) + hf]);
+#pragma GCC unroll 4
+        for (int t = hf * 4; t < hf * 4 + 4; t++)
+          for (int m = 0; m < MR; m++) {
+            int32_t x4;
+            std::memcpy(&x4, a.q + (m0 + m) * K + sb * 32 + 4 * t, 4);
+            i[m] = _mm512_dpbusd_epi32(i[m], w[t], _mm512_set1_epi32(x4));
+          }
+        const __m512 s = _mm512_loadu_ps(pb.s.data() + sb * 32 + hf * 16);
+        for (int m = 0; m < MR; m++)
+          f[m] = hf == 0 ? _mm512_mul_ps(_mm512_cvtepi32_ps(i[m]), s)
+                         : _mm512_fmadd_ps(_mm512_cvtepi32_ps(i[m]), s, f[m]);
+      }
+    } else {
       __m512i i[MR];
-      for (int m = 0; m < MR; m++) i[m] = _mm512_setzero_si512();
+      for (int m = 0; m < MR; m++)
+        i[m] = _mm512_set1_epi32(-bias * (hx[m * (K / 16)] + hx[m * (K / 16) + 1]));
 #pragma GCC unroll 8
-      for (int t = hf * 8 / kHalves; t < (hf + 1) * 8 / kHalves; t++)
+      for (int t = 0; t < 8; t++)
         for (int m = 0; m < MR; m++) {
           int32_t x4;
           std::memcpy(&x4, a.q + (m0 + m) * K + sb * 32 + 4 * t, 4);
           i[m] = _mm512_dpbusd_epi32(i[m], w[t], _mm512_set1_epi32(x4));
         }
       for (int m = 0; m < MR; m++) {
-        const int64_t row = m0 + m;
-        const float xsum = SPLIT ? sh[row * (K / 16) + sb * 2 + hf] : a.s[row * nsub + sb];
-        const __m512 f = _mm512_fnmadd_ps(bv, _mm512_set1_ps(xsum),
-                                          _mm512_mul_ps(_mm512_cvtepi32_ps(i[m]),
-                                                        _mm512_set1_ps(a.d[row * nsub + sb])));
-        acc[m] = _mm512_fmadd_ps(f, s, acc[m]);
+        f[m] = _mm512_cvtepi32_ps(i[m]);
+        if constexpr (TYPE == kQ4_K) f[m] = _mm512_mul_ps(f[m], _mm512_loadu_ps(pb.s.data() + sb * 32));
       }
     }
-    if constexpr (MIN) {
-      const __m512 mv = _mm512_loadu_ps(mn + sb * 16);
-      for (int m = 0; m < MR; m++)
-        acc[m] = _mm512_fnmadd_ps(mv, _mm512_set1_ps(a.s[(m0 + m) * nsub + sb]), acc[m]);
+    const __m512 dw = _mm512_loadu_ps(pb.dw.data() + sb * 16);
+    for (int m = 0; m < MR; m++) {
+      const int64_t row = m0 + m;
+      acc[m] = _mm512_fmadd_ps(f[m], _mm512_mul_ps(dw, _mm512_set1_ps(a.d[row * nsub + sb])),
+                               acc[m]);
+      if constexpr (TYPE == kQ4_K)
+        acc[m] = _mm512_fnmadd_ps(_mm512_loadu_ps(pb.mn.data() + sb * 16),
+                                  _mm512_set1_ps(a.s[row * nsub + sb]), acc[m]);
     }
   }
   for (int m = 0; m < MR; m++) _mm512_storeu_ps(out[m], acc[m]);
 }
 
-template <bool SPLIT, bool MIN, typename T>
-void panel_all_rows(const uint8_t* v, const float* sc, const float* mn, float bias, const Act& a,
-                    const float* sh, int64_t M, const Part& p, int64_t n0, T* y, int64_t ldy) {
+// Panel `i` (local to the part) for all M rows.
+template <int TYPE, typename T>
+void panel(const Part& p, int64_t i, const Act& a, int64_t M, T* y, int64_t ldy,
+           PanelBuffers& pb) {
+  const int64_t n0 = i * kPanelRows;
+  pack_panel<TYPE>(p, n0, a.K, pb);
   float out[8][16];
   const int64_t valid = std::min(kPanelRows, p.rows - n0);
   for (int64_t m0 = 0; m0 < M;) {
     const int64_t left = M - m0;
     const int mr = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
     switch (mr) {
-      case 8: panel_rows<SPLIT, MIN, 8>(v, sc, mn, bias, a, sh, m0, out); break;
-      case 4: panel_rows<SPLIT, MIN, 4>(v, sc, mn, bias, a, sh, m0, out); break;
-      case 2: panel_rows<SPLIT, MIN, 2>(v, sc, mn, bias, a, sh, m0, out); break;
-      default: panel_rows<SPLIT, MIN, 1>(v, sc, mn, bias, a, sh, m0, out); break;
+      case 8: panel_rows<TYPE, 8>(pb, a, m0, out); break;
+      case 4: panel_rows<TYPE, 4>(pb, a, m0, out); break;
+      case 2: panel_rows<TYPE, 2>(pb, a, m0, out); break;
+      default: panel_rows<TYPE, 1>(pb, a, m0, out); break;
     }
     for (int m = 0; m < mr; m++)
-      for (int64_t n = 0; n < valid; n++) y[(m0 + m) * ldy + p.col + n0 + n] = T(out[m][n]);
+      for (int64_t n = 0; n < valid; n++)
+        y[(m0 + m) * ldy + p.col + n0 + n] = T(pb.row_scale ? out[m][n] * pb.rs[n] : out[m][n]);
     m0 += mr;
   }
 }
 
-// Panel `i` (local to the part) for all M rows; the buffers hold one panel of this K.
-template <int TYPE, typename T>
-void panel(const Part& p, int64_t i, const Act& a, const float* sh, int64_t M, T* y, int64_t ldy,
-           uint8_t* v, float* sc, float* mn) {
-  const int64_t n0 = i * kPanelRows;
-  pack_panel<TYPE>(p, n0, a.K, v, sc, mn);
-  panel_all_rows<TYPE == kQ6_K, TYPE == kQ4_K>(v, sc, mn, float(kPanelBias<TYPE>), a, sh, M, p,
-                                               n0, y, ldy);
-}
-
 template <typename T>
-void panel_any(const Part& p, int64_t i, const Act& a, const float* sh, int64_t M, T* y,
-               int64_t ldy, uint8_t* v, float* sc, float* mn) {
-  switch (p.type) {
-    case kQ8_0: return panel<kQ8_0>(p, i, a, sh, M, y, ldy, v, sc, mn);
-    case kQ4_0: return panel<kQ4_0>(p, i, a, sh, M, y, ldy, v, sc, mn);
-    case kQ5_0: return panel<kQ5_0>(p, i, a, sh, M, y, ldy, v, sc, mn);
-    case kMXFP4: return panel<kMXFP4>(p, i, a, sh, M, y, ldy, v, sc, mn);
-    case kQ4_K: return panel<kQ4_K>(p, i, a, sh, M, y, ldy, v, sc, mn);
-    case kQ6_K: return panel<kQ6_K>(p, i, a, sh, M, y, ldy, v, sc, mn);
-    default: return panel<kI8>(p, i, a, sh, M, y, ldy, v, sc, mn);
-  }
-}
-
-// A task's panel of this K (one at a time).
-struct PanelBuffers {
-  std::vector<uint8_t> v;
-  std::vector<float> sc, mn;
-  explicit PanelBuffers(int64_t K) : v(K / 32 * 512), sc(K / 32 * 32), mn(K / 32 * 16) {}
-  template <typename T>
-  void run(const Part& p, int64_t i, const Act& a, const float* sh, int64_t M, T* y,
-           int64_t ldy) {
-    panel_any(p, i, a, sh, M, y, ldy, v.data(), sc.data(), mn.data());
-  }
-};
-
-// dx * sum(x) per half block, (M, K/16): Q6_K's offset per half (the others use s, per block).
-inline std::vector<float> half_sums(const Act& a, int64_t M) {
-  std::vector<float> sh(M * (a.K / 16));
-  for (int64_t j = 0; j < M * (a.K / 16); j++) sh[j] = a.d[j / 2] * float(a.h[j]);
-  return sh;
+void panel_any(const Part& p, int64_t i, const Act& a, int64_t M, T* y, int64_t ldy,
+               PanelBuffers& pb) {
+  with_type(p.type, [&](auto t) { panel<decltype(t)::value>(p, i, a, M, y, ldy, pb); });
 }
 #endif
 
@@ -916,7 +1037,7 @@ std::vector<at::Tensor> quantize_blocks(const at::Tensor& x) {
 // covers are left as they are (the caller's dense parts).
 void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
                   const std::vector<int64_t>& types, const std::vector<at::Tensor>& scales,
-                  const std::vector<int64_t>& cols, at::Tensor y, bool invariant) {
+                  const std::vector<int64_t>& cols, at::Tensor y) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 32 == 0,
               "x must be contiguous (M, K) with K a multiple of 32");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
@@ -947,8 +1068,7 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
                       scales[i].numel() == w.size(0), "int8 part ", i, " needs a float32 scale per row");
       sc = scales[i].data_ptr<float>();
     }
-    const int64_t nr_tile = rows_per_tile(int(type), M);
-    const int64_t t = (w.size(0) + nr_tile - 1) / nr_tile;
+    const int64_t t = (w.size(0) + kNR - 1) / kNR;
     parts.push_back({static_cast<const uint8_t*>(w.data_ptr()), int(type), w.size(0), row_bytes,
                      cols[i], sc, tiles, t});
     tiles += t;
@@ -966,14 +1086,13 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
               h.data_ptr<int16_t>(), K};
   const int64_t ldy = y.stride(0);
 #if defined(LADLE_QUANT_512)
-  if (M >= kPanelMinRows && !invariant) {
+  if (M >= kPanelMinRows) {
     std::vector<int64_t> first;  // each part's first panel in the call's one range
     int64_t panels = 0;
     for (const Part& p : parts) {
       first.push_back(panels);
       panels += (p.rows + kPanelRows - 1) / kPanelRows;
     }
-    const std::vector<float> sh = half_sums(a, M);
     AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, y.scalar_type(), "quant_matmul_panels", [&] {
       scalar_t* yp = y.data_ptr<scalar_t>();
       at::parallel_for(0, panels, 1, [&](int64_t i0, int64_t i1) {
@@ -981,22 +1100,21 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
         for (size_t j = 0; j < parts.size(); j++) {
           const int64_t n = (parts[j].rows + kPanelRows - 1) / kPanelRows;
           const int64_t lo = std::max(i0, first[j]), hi = std::min(i1, first[j] + n);
-          for (int64_t i = lo; i < hi; i++) buf.run(parts[j], i - first[j], a, sh.data(), M, yp, ldy);
+          for (int64_t i = lo; i < hi; i++) panel_any(parts[j], i - first[j], a, M, yp, ldy, buf);
         }
       });
     });
     return;
   }
 #endif
-  const bool fold = M == 1 && !invariant;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, y.scalar_type(), "quant_matmul", [&] {
     scalar_t* yp = y.data_ptr<scalar_t>();
-    // A task's work: tiles of up to 4 weight rows (decode) or 2 (prefill) by M rows.
-    at::parallel_for(0, tiles, grain_for(M * K * (M == 1 ? 4 : kNR) * kQuantWork),
+    // A task's work: tiles of kNR weight rows by M rows.
+    at::parallel_for(0, tiles, grain_for(M * K * kNR * kQuantWork),
                      [&](int64_t t0, int64_t t1) {
       for (const Part& p : parts) {
         const int64_t lo = std::max(t0, p.tile0), hi = std::min(t1, p.tile0 + p.tiles);
-        if (lo < hi) part_tiles_any(p, lo - p.tile0, hi - p.tile0, a, M, yp, ldy, fold);
+        if (lo < hi) part_tiles_any(p, lo - p.tile0, hi - p.tile0, a, M, yp, ldy);
       }
     });
   });
@@ -1004,20 +1122,19 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
 
 // y rows of each expert = its rows of a (the activations, quantized) times its weight rows:
 // expert e's parts (gate and up into columns 0 and I, or down) from the stacked tensors, tiled
-// as quant_matmul tiles one expert's call (rows_per_tile by the expert's row count), all
+// as quant_matmul tiles (or puts in panels) one expert's call, all
 // experts' tiles in one parallel region.
 template <typename T>
 static void experts_quant(const Act& a, const std::vector<const at::Tensor*>& ws,
                           const std::vector<int64_t>& types, const ExpertRows& r, int64_t K,
-                          T* y, int64_t ldy, bool invariant) {
+                          T* y, int64_t ldy) {
   struct Job {
     Part part;
     int64_t row0, rows;
     bool panels;  // part.tiles counts panels (quant_matmul's rule for this many rows)
   };
 #if defined(LADLE_QUANT_512)
-  const std::vector<float> sh = half_sums(a, static_cast<int64_t>(r.slot.size()));
-  auto panels_for = [&](int64_t rows) { return rows >= kPanelMinRows && !invariant; };
+  auto panels_for = [](int64_t rows) { return rows >= kPanelMinRows; };
 #else
   auto panels_for = [](int64_t) { return false; };
 #endif
@@ -1033,9 +1150,9 @@ static void experts_quant(const Act& a, const std::vector<const at::Tensor*>& ws
       const int64_t rows = w.size(1), row_bytes = w.size(2);
       const bool panels = panels_for(r.count[e]);
 #if defined(LADLE_QUANT_512)
-      const int64_t nr_tile = panels ? kPanelRows : rows_per_tile(type, r.count[e]);
+      const int64_t nr_tile = panels ? kPanelRows : kNR;
 #else
-      const int64_t nr_tile = rows_per_tile(type, r.count[e]);
+      const int64_t nr_tile = kNR;
 #endif
       const int64_t t = (rows + nr_tile - 1) / nr_tile;
       jobs.push_back({{static_cast<const uint8_t*>(w.data_ptr()) + e * rows * row_bytes, type,
@@ -1048,21 +1165,23 @@ static void experts_quant(const Act& a, const std::vector<const at::Tensor*>& ws
   const int64_t avg = std::max<int64_t>(1, static_cast<int64_t>(r.slot.size()) /
                                                std::max<int64_t>(1, E));
   at::parallel_for(0, tiles, grain_for(avg * K * kNR * kQuantWork), [&](int64_t t0, int64_t t1) {
+#if defined(LADLE_QUANT_512)
+    std::optional<PanelBuffers> buf;  // the task's one panel, made at its first
+#endif
     for (const Job& j : jobs) {
       const Part& p = j.part;
       const int64_t lo = std::max(t0, p.tile0), hi = std::min(t1, p.tile0 + p.tiles);
       if (lo >= hi) continue;
 #if defined(LADLE_QUANT_512)
       if (j.panels) {
-        PanelBuffers buf(K);
+        if (!buf) buf.emplace(K);
         for (int64_t i = lo; i < hi; i++)
-          buf.run(p, i - p.tile0, a.from_row(j.row0), sh.data() + j.row0 * (K / 16), j.rows,
-                  y + j.row0 * ldy, ldy);
+          panel_any(p, i - p.tile0, a.from_row(j.row0), j.rows, y + j.row0 * ldy, ldy, *buf);
         continue;
       }
 #endif
       part_tiles_any(p, lo - p.tile0, hi - p.tile0, a.from_row(j.row0), j.rows,
-                     y + j.row0 * ldy, ldy, j.rows == 1 && !invariant);
+                     y + j.row0 * ldy, ldy);
     }
   });
 }
@@ -1071,8 +1190,7 @@ template <typename T>
 static void moe_quant_kernel(const at::Tensor& x, const at::Tensor& ids,
                              const at::Tensor& weights, const at::Tensor& gate,
                              int64_t gate_type, const at::Tensor& up, int64_t up_type,
-                             const at::Tensor& down, int64_t down_type, at::Tensor& y,
-                             bool invariant) {
+                             const at::Tensor& down, int64_t down_type, at::Tensor& y) {
   const int64_t Tn = x.size(0), H = x.size(1), k = ids.size(1), E = gate.size(0);
   const int64_t I = gate.size(1), P = Tn * k;
   const int64_t* id = ids.data_ptr<int64_t>();
@@ -1091,13 +1209,12 @@ static void moe_quant_kernel(const at::Tensor& x, const at::Tensor& ids,
                 s.data_ptr<float>(), h.data_ptr<int16_t>());
   experts_quant<T>({q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(),
                     h.data_ptr<int16_t>(), H}, {&gate, &up}, {gate_type, up_type}, r, H,
-                   gu.data_ptr<T>(), 2 * I, invariant);
+                   gu.data_ptr<T>(), 2 * I);
   silu_mul_kernel(static_cast<const T*>(gu.data_ptr<T>()), act.data_ptr<T>(), P, I, 2 * I);
   quantize_into(act.data_ptr<T>(), P, I, q.data_ptr<int8_t>(), d.data_ptr<float>(),
                 s.data_ptr<float>(), h.data_ptr<int16_t>());
   experts_quant<T>({q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(),
-                    h.data_ptr<int16_t>(), I}, {&down}, {down_type}, r, I, out.data_ptr<T>(), H,
-                   invariant);
+                    h.data_ptr<int16_t>(), I}, {&down}, {down_type}, r, I, out.data_ptr<T>(), H);
   combine(static_cast<const T*>(out.data_ptr<T>()), id, weights.data_ptr<float>(),
           r.slot.data(), y.data_ptr<T>(), Tn, k, H);
 }
@@ -1107,11 +1224,11 @@ static void moe_quant_kernel(const at::Tensor& x, const at::Tensor& ids,
 // (T, k) int64; weights (T, k) float32; gate and up (E, I, row bytes) and down (E, H, row
 // bytes) uint8 of their types. Equal bit for bit to one quant_matmul per expert and
 // projection (RoutedExperts' loop): the same rows, quantized the same way, tiled (or put in
-// panels) the same way, under the same batch-invariant flag.
+// panels) the same way.
 at::Tensor moe_quant_swiglu(const at::Tensor& x, const at::Tensor& ids,
                             const at::Tensor& weights, const at::Tensor& gate, int64_t gate_type,
                             const at::Tensor& up, int64_t up_type, const at::Tensor& down,
-                            int64_t down_type, bool invariant) {
+                            int64_t down_type) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "moe_quant_swiglu: x must be contiguous (T, H) float32 or bfloat16");
@@ -1134,10 +1251,9 @@ at::Tensor moe_quant_swiglu(const at::Tensor& x, const at::Tensor& ids,
   if (x.size(0) == 0) return y;
   if (x.scalar_type() == at::kBFloat16)
     moe_quant_kernel<at::BFloat16>(x, ids, weights, gate, gate_type, up, up_type, down,
-                                   down_type, y, invariant);
+                                   down_type, y);
   else
-    moe_quant_kernel<float>(x, ids, weights, gate, gate_type, up, up_type, down, down_type, y,
-                            invariant);
+    moe_quant_kernel<float>(x, ids, weights, gate, gate_type, up, up_type, down, down_type, y);
   return y;
 }
 
