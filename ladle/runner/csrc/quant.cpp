@@ -12,8 +12,8 @@
 // signed weights of Q8_0, Q4_0, Q5_0 and MXFP4 go in as |w| with the sign moved onto x
 // (vpsignb). The K-quants' values go in unsigned (Q4_K's nibbles, Q6_K's q before its -32), their
 // sub-block scales multiply the integer sums in the vpmaddwd, and what the unsigned form adds
-// (Q4_K's mins, Q6_K's offset) is taken off once per super-block from the activations' integer
-// sums kept beside their scales. An int8 row is read as Q8_0 blocks with scale 1, and its row
+// comes off per sub-block from the activations' sums kept beside their scales (Q6_K's offset in
+// integers, Q4_K's mins as one FMA). An int8 row is read as Q8_0 blocks with scale 1, and its row
 // scale multiplies the sum at the end. Everything is exact in integers up to the float32 scaling:
 // the result equals the float64 product of the dequantized weights and activations to ~1e-6
 // relative.
