@@ -144,7 +144,7 @@ async def abort_storm(port: int, num_requests: int, concurrency: int) -> None:
 def test_an_abort_storm_is_quiet_and_leaves_nothing_behind(server):
     """500 requests on chat, completions, responses and messages whose clients leave mid-body,
     mid-stream or before the response: no traceback and no ERROR line in the log, /health
-    answers within 0.5 s throughout, the engine's gauges return to 0, and every abort is
+    answers within 2 s throughout, the engine's gauges return to 0, and every abort is
     counted (mid-body ones, which never reach an engine, on their own counter)."""
     before = server.metrics()
     worst, stop = [0.0], threading.Event()
@@ -174,7 +174,10 @@ def test_an_abort_storm_is_quiet_and_leaves_nothing_behind(server):
         "ladle:request_body_disconnects_total", 0) == num_mid_body
     aborted = 'ladle:request_success_total{finished_reason="abort"}'
     assert after[aborted] - before.get(aborted, 0) == 500 - num_mid_body
-    assert worst[0] < 0.5
+    # The watcher shares this process's GIL with the storm's own 32 clients and the machine's 2
+    # cores with CI's other test worker: a served /health took up to 1.26 s there (storm 2.7 s).
+    # A loop blocked by the storm's aborts would hold it for the storm's length.
+    assert worst[0] < 2.0
     log = open(server.log_file.name).read()
     alarming = [ln for ln in log.splitlines() if "Traceback" in ln or " ERROR " in ln]
     assert not alarming, "\n".join(alarming[:20])
