@@ -167,7 +167,8 @@ def test_quantized_blocks_predict_like_the_float32_model(gemma_gguf, reference):
     distributions (KL of several nats), not shift them."""
     from prompt_logits import mean_kl, prompt_logits
 
-    from ladle.runner.quant import QuantWeight
+    from ladle.runner.cpu_kernels import load_cpu_kernels
+    from ladle.runner.quant import Q4_K_R16, QuantWeight
 
     tok, model = reference
     ids = [tok.bos_token_id] + tok(ENGLISH, add_special_tokens=False).input_ids[:256]
@@ -176,9 +177,15 @@ def test_quantized_blocks_predict_like_the_float32_model(gemma_gguf, reference):
     llm = LLM(str(gemma_gguf), max_model_len=1024, max_num_batched_tokens=512,
               enable_prefix_caching=False, kv_cache_memory="64MB")
     try:
-        kinds = {p.name() for m in llm.engine.runner.model.modules() for w in vars(m).values()
-                 if isinstance(w, QuantWeight) for p in w.parts}
+        parts = [p for m in llm.engine.runner.model.modules() for w in vars(m).values()
+                 if isinstance(w, QuantWeight) for p in w.parts]
+        kinds = {p.name() for p in parts}
         assert kinds == {"Q8_0", "Q5_0", "Q4_K", "Q6_K"}, kinds
+        # AVX-512 VNNI builds run the Q4_K linears repacked by 16 rows: this test covers them.
+        kernels = load_cpu_kernels()
+        repacked = kernels is not None and hasattr(kernels, "quant_q4k_r16") and \
+            kernels.quant_q4k_r16()
+        assert any(p.kind == Q4_K_R16 for p in parts) == repacked
         got = prompt_logits(llm, ids)
     finally:
         llm.close()

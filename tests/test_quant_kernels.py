@@ -212,6 +212,88 @@ def test_mxfp4_linear_at_extreme_exponents(dtype, monkeypatch):
         assert ((y.double() - twin.double()).abs() / bound).max() < 2 * tol, m
 
 
+needs_r16 = pytest.mark.skipif(kernels is None or not hasattr(kernels, "quant_q4k_r16")
+                               or not kernels.quant_q4k_r16(),
+                               reason="this build does not run Q4_K repacked (AVX-512 VNNI)")
+
+
+def test_q4k_repack_is_a_permutation_the_twin_reads():
+    """repack_q4k_r16 moves every bit and loses none (unpack gives the file's bytes back), and
+    a repacked part dequantizes (the torch twin, the embedding's row lookup) as the Q4_K rows."""
+    g = torch.Generator().manual_seed(11)
+    raw = random_blocks(Q.Q4_K, 48, 768, g)
+    packed = Q.repack_q4k_r16(raw)
+    assert packed.shape == (48, 3 * Q.R16_BYTES) and packed.dtype == torch.uint8
+    assert torch.equal(Q.unpack_q4k_r16(packed), raw)
+    w = Q.QuantWeight([Q.QuantPart(Q.Q4_K_R16, packed)], 768, torch.float32)
+    assert torch.equal(w.dequantize(), dequantize(raw, Q.Q4_K, (48, 768)))
+    ids = torch.tensor([47, 0, 17, 17, 31])
+    assert torch.equal(Q.quant_rows(w, ids), dequantize(raw[ids], Q.Q4_K, (5, 768)))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        Q.QuantWeight([Q.QuantPart(Q.Q4_K_R16, Q.repack_q4k_r16(raw)[:40])], 768, torch.float32)
+
+
+@needs_r16
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q4k_repacked_gives_the_blocks_bits(dtype):
+    """The repacked kernel (decode and batched rows in fours, prefill as the panels) computes
+    the Q4_K tiles' and panels' one order: its result equals the GGUF blocks' bit for bit, for
+    any M, in a fused weight beside parts of other types, and the reference within 1e-5."""
+    g = torch.Generator().manual_seed(12)
+    for m, n, k in [(1, 16, 256), (2, 48, 512), (3, 32, 256), (5, 64, 768), (12, 16, 512),
+                    (13, 32, 256), (40, 48, 1024)]:
+        raw = random_blocks(Q.Q4_K, n, k, g)
+        blocks = Q.QuantWeight([Q.QuantPart(Q.Q4_K, raw)], k, dtype)
+        packed = Q.QuantWeight([Q.QuantPart(Q.Q4_K_R16, Q.repack_q4k_r16(raw))], k, dtype)
+        x = torch.randn(m, k, generator=g).to(dtype)
+        y = Q.quant_linear(x, packed)
+        assert torch.equal(y, Q.quant_linear(x, blocks)), (m, n, k)
+        assert relative_error(y.float(), x, packed) < (1e-5 if dtype == torch.float32 else 4e-3)
+    # q|k|v-like: repacked Q4_K, a Q6_K and a Q4_K of 8 rows (not repackable) in one call.
+    k = 512
+    raws = [random_blocks(Q.Q4_K, 32, k, g), random_blocks(Q.Q6_K, 16, k, g),
+            random_blocks(Q.Q4_K, 8, k, g)]
+    fused = Q.QuantWeight([Q.QuantPart(Q.Q4_K_R16, Q.repack_q4k_r16(raws[0])),
+                           Q.QuantPart(Q.Q6_K, raws[1]), Q.QuantPart(Q.Q4_K, raws[2])], k, dtype)
+    plain = Q.QuantWeight([Q.QuantPart(Q.Q4_K, raws[0]), Q.QuantPart(Q.Q6_K, raws[1]),
+                           Q.QuantPart(Q.Q4_K, raws[2])], k, dtype)
+    for m in (1, 4, 16):
+        x = torch.randn(m, k, generator=g).to(dtype)
+        assert torch.equal(Q.quant_linear(x, fused), Q.quant_linear(x, plain)), m
+
+
+@needs_r16
+def test_repack_for_kernels_takes_linears_only():
+    """A model's Q4_K linears of 16-row multiples are repacked; an embedding's table (shared
+    with a tied lm_head), a part of other rows and experts stacked for the fused MoE keep
+    their GGUF blocks; the model's outputs do not move."""
+    g = torch.Generator().manual_seed(13)
+    k = 256
+    model = torch.nn.Module()
+    model.proj = torch.nn.Linear(k, 40, bias=False)
+    model.expert = torch.nn.Linear(k, 16, bias=False)
+    table = Q.QuantWeight([Q.QuantPart(Q.Q4_K, random_blocks(Q.Q4_K, 32, k, g))], k,
+                          torch.float32)
+    model.embed = Q.QuantEmbedding(table)
+    model.lm_head = torch.nn.Linear(k, 32, bias=False)
+    Q.install(model.lm_head, "weight", table)
+    Q.install(model.proj, "weight", Q.QuantWeight(
+        [Q.QuantPart(Q.Q4_K, random_blocks(Q.Q4_K, 32, k, g)),
+         Q.QuantPart(Q.Q4_K, random_blocks(Q.Q4_K, 8, k, g))], k, torch.float32))
+    stacked = Q.QuantWeight([Q.QuantPart(Q.Q4_K, random_blocks(Q.Q4_K, 16, k, g))], k,
+                            torch.float32)
+    stacked.stacked = True
+    Q.install(model.expert, "weight", stacked)
+    x = torch.randn(3, k, generator=g)
+    before = Q.quant_linear(x, model.proj.weight)
+    assert Q.repack_for_kernels(model) == 1
+    assert [p.kind for p in model.proj.weight.parts] == [Q.Q4_K_R16, Q.Q4_K]
+    assert [p.kind for p in table.parts] == [Q.Q4_K] and model.lm_head.weight is table
+    assert [p.kind for p in stacked.parts] == [Q.Q4_K]
+    assert torch.equal(Q.quant_linear(x, model.proj.weight), before)
+    assert Q.weight_bytes(model)["Q4_K"] == (32 * 148 + 8 * 144 + 32 * 144 + 16 * 144)
+
+
 def test_weight_shapes_are_checked():
     g = torch.Generator().manual_seed(5)
     with pytest.raises(ValueError, match="does not hold 512 values"):
@@ -219,8 +301,8 @@ def test_weight_shapes_are_checked():
 
 
 @needs_kernels
-@pytest.mark.parametrize("kind", sorted(Q.BLOCK_TYPES) + [Q.INT8_ROW],
-                         ids=lambda k: Q.BLOCK_TYPES.get(k, "int8"))
+@pytest.mark.parametrize("kind", sorted(Q.BLOCK_TYPES) + [Q.INT8_ROW, Q.Q4_K_R16],
+                         ids=lambda k: Q.BLOCK_TYPES.get(k, {Q.INT8_ROW: "int8"}.get(k, "Q4_K_R16")))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind, dtype):
     """Every row sums its blocks in one order whatever else the call holds: a decode row, a
@@ -229,10 +311,16 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind, dtype):
     prefill, with no flag (float32 shows every bit: a K-quant row alone once summed its
     super-block before d, and panels took their bias off in float). 21 weight rows: two tiles
     and a remainder, a panel and a remainder."""
+    if kind == Q.Q4_K_R16 and not (hasattr(kernels, "quant_q4k_r16") and kernels.quant_q4k_r16()):
+        pytest.skip("this build does not run Q4_K repacked")
     g = torch.Generator().manual_seed(7)
-    k, n, rows = (512 if kind in (Q.Q4_K, Q.Q6_K) else 800), 21, 40  # 800: 3 groups of 8 + 1
-    part = (Q.quantize_weight_rows(torch.randn(n, k, generator=g)) if kind == Q.INT8_ROW
-            else Q.QuantPart(kind, random_blocks(kind, n, k, g)))
+    k, n, rows = (512 if kind in (Q.Q4_K, Q.Q6_K, Q.Q4_K_R16) else 800), 21, 40  # 800: 3x8 + 1
+    if kind == Q.INT8_ROW:
+        part = Q.quantize_weight_rows(torch.randn(n, k, generator=g))
+    elif kind == Q.Q4_K_R16:  # two groups of 16 rows
+        part = Q.QuantPart(kind, Q.repack_q4k_r16(random_blocks(Q.Q4_K, 32, k, g)))
+    else:
+        part = Q.QuantPart(kind, random_blocks(kind, n, k, g))
     w = Q.QuantWeight([part], k, dtype)
     x = torch.randn(rows, k, generator=g).to(dtype)
     alone = torch.cat([Q.quant_linear(x[i:i + 1], w) for i in range(rows)])

@@ -219,6 +219,12 @@ def load_model(path: Path, hf_config: dict, dtype: torch.dtype, device: torch.de
         hook = getattr(module, "after_load", None)
         if hook is not None:
             hook()
+    from ladle.runner.quant import repack_for_kernels
+
+    repacked = repack_for_kernels(model)
+    if repacked:
+        logger.info("%s: %d Q4_K weight parts repacked by 16 rows for the AVX-512 VNNI kernels",
+                    path, repacked)
     return model.eval()
 
 

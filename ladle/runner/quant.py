@@ -46,6 +46,9 @@ BLOCK_SIZES = {Q4_0: (32, 18), Q5_0: (32, 22), Q8_0: (32, 34), Q4_K: (256, 144),
                Q6_K: (256, 210), MXFP4: (32, 17)}
 INT8_ROW = -1  # int8 rows with a float32 scale per row
 DENSE = -2  # the model dtype
+Q4_K_R16 = -3  # Q4_K repacked at load by 16 rows for the AVX-512 VNNI kernels (repack_q4k_r16)
+R16_ROWS = 16
+R16_BYTES = 148  # per row and super-block of 256 values (Q4_K's 144, scales unpacked to bytes)
 
 ACT_BLOCK = 32  # activations are quantized per this many values
 
@@ -66,8 +69,8 @@ class QuantPart:
         return n + (0 if self.scale is None else self.scale.numel() * self.scale.element_size())
 
     def name(self) -> str:
-        return BLOCK_TYPES.get(self.kind) or {INT8_ROW: "int8", DENSE: str(self.data.dtype)
-                                              .removeprefix("torch.")}[self.kind]
+        return BLOCK_TYPES.get(self.kind) or {INT8_ROW: "int8", Q4_K_R16: "Q4_K", DENSE: str(
+            self.data.dtype).removeprefix("torch.")}[self.kind]
 
     def dequantize(self, k: int) -> torch.Tensor:
         """float32 (rows, k)."""
@@ -77,6 +80,8 @@ class QuantPart:
             return self.data.float() * self.scale[:, None]
         from ladle.models.gguf.quants import dequantize  # (a cycle at import time)
 
+        if self.kind == Q4_K_R16:
+            return dequantize(unpack_q4k_r16(self.data), Q4_K, (self.rows, k))
         return dequantize(self.data, self.kind, (self.rows, k))
 
 
@@ -88,12 +93,16 @@ class QuantWeight:
         self.parts, self.in_features, self.dtype = parts, in_features, dtype
         self.shape = (sum(p.rows for p in parts), in_features)
         self.on_cpu = parts[0].data.is_cpu
+        self.stacked = False  # views of stacked experts' tensors (stack_expert_blocks)
         for p in parts:
-            if p.kind in BLOCK_SIZES:
-                block, size = BLOCK_SIZES[p.kind]
+            if p.kind in BLOCK_SIZES or p.kind == Q4_K_R16:
+                block, size = BLOCK_SIZES.get(p.kind, (256, R16_BYTES))
                 if in_features % block or p.data.shape[1] != in_features // block * size:
                     raise ValueError(f"{p.name()} part of {p.data.shape[1]} bytes per row does "
                                      f"not hold {in_features} values")
+                if p.kind == Q4_K_R16 and p.rows % R16_ROWS:
+                    raise ValueError(f"repacked Q4_K part of {p.rows} rows: a multiple of "
+                                     f"{R16_ROWS} expected")
             elif p.data.shape[1] != in_features:
                 raise ValueError(f"{p.name()} part has {p.data.shape[1]} columns, expected "
                                  f"{in_features}")
@@ -263,6 +272,14 @@ def _part_rows(p: QuantPart, local: torch.Tensor, w: QuantWeight) -> torch.Tenso
         return p.data[local].to(w.dtype)
     if p.kind == INT8_ROW:
         return (p.data[local].float() * p.scale[local, None]).to(w.dtype)
+    if p.kind == Q4_K_R16:  # (an embedding is never repacked; any weight's rows can be read)
+        from ladle.models.gguf.quants import dequantize
+
+        rb = p.data.shape[1]
+        groups = p.data.view(-1, R16_ROWS * rb)[local // R16_ROWS].view(-1, rb)
+        rows = unpack_q4k_r16(groups).view(-1, R16_ROWS, 144 * rb // R16_BYTES)
+        picked = rows[torch.arange(local.shape[0]), local % R16_ROWS]
+        return dequantize(picked, Q4_K, (local.shape[0], w.in_features)).to(w.dtype)
     out = torch.empty(local.shape[0], w.in_features, dtype=w.dtype, device=w.device)
     k = _kernels(out)
     if k is not None:
@@ -332,6 +349,7 @@ def stack_expert_blocks(gate_ups: list[QuantWeight], downs: list[QuantWeight]) -
         gu.__init__([QuantPart(first_gu[0], gate[e]), QuantPart(first_gu[1], up[e])],
                     gu.in_features, gu.dtype)
         dn.__init__([QuantPart(first_down[0], down[e])], dn.in_features, dn.dtype)
+        gu.stacked = dn.stacked = True
     return gate, first_gu[0], up, first_gu[1], down, first_down[0]
 
 
@@ -345,3 +363,74 @@ def moe_quant_swiglu(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         return None
     return k.moe_quant_swiglu(x.contiguous(), ids.contiguous(), weights.float().contiguous(),
                               *stacked)
+
+
+# --- Q4_K repacked by 16 rows (csrc/quant.cpp's r16_rows) ------------------------------------
+# Per 16 rows (16g .. 16g + 15) and super-block of 256 values, 2368 bytes in place of the rows'
+# 16 x 144: d[16] and dmin[16] (float16), scale[8][16] and min[8][16] (sub-block j's 6-bit
+# values as bytes), then per pair of sub-blocks (2p, 2p + 1) 8 x 64 bytes: dword r of the t-th
+# 64 is row r's bytes 4t .. 4t + 3 of the pair's 32 (low nibbles sub-block 2p's values, high
+# nibbles 2p + 1's). A part keeps its (rows, K / 256 x 148) shape: the group's rows are its
+# 16 x row bytes, in this order.
+
+def repack_q4k_r16(data: torch.Tensor) -> torch.Tensor:
+    """Q4_K rows (N, K/256 x 144), N a multiple of 16 -> the repacked (N, K/256 x 148)."""
+    n, rb = data.shape
+    nb = rb // 144
+    b = data.view(n // R16_ROWS, R16_ROWS, nb, 144).transpose(1, 2)  # (G, nb, 16, 144)
+    head = b[..., :4].reshape(*b.shape[:2], R16_ROWS, 2, 2).transpose(2, 3)  # d, dmin by row
+    packed = b[..., 4:16]
+    sc_lo, m_lo, hi = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = torch.cat([sc_lo & 63, (hi & 0xF) | ((sc_lo >> 6) << 4)], dim=-1)  # (G, nb, 16, 8)
+    mins = torch.cat([m_lo & 63, (hi >> 4) | ((m_lo >> 6) << 4)], dim=-1)
+    qs = b[..., 16:].reshape(*b.shape[:2], R16_ROWS, 4, 8, 4).permute(0, 1, 3, 4, 2, 5)
+    out = torch.cat([head.reshape(*b.shape[:2], 64), scales.transpose(2, 3).reshape(*b.shape[:2], 128),
+                     mins.transpose(2, 3).reshape(*b.shape[:2], 128),
+                     qs.reshape(*b.shape[:2], 2048)], dim=-1)
+    return out.reshape(n, nb * R16_BYTES)
+
+
+def unpack_q4k_r16(data: torch.Tensor) -> torch.Tensor:
+    """The inverse of repack_q4k_r16: the Q4_K rows, bit for bit."""
+    n, rb = data.shape
+    nb = rb // R16_BYTES
+    g = data.reshape(n // R16_ROWS, nb, R16_ROWS * R16_BYTES)
+    head = g[..., :64].reshape(*g.shape[:2], 2, R16_ROWS, 2).transpose(2, 3)  # (G, nb, 16, 2, 2)
+    scales = g[..., 64:192].reshape(*g.shape[:2], 8, R16_ROWS).transpose(2, 3)  # (G, nb, 16, 8)
+    mins = g[..., 192:320].reshape(*g.shape[:2], 8, R16_ROWS).transpose(2, 3)
+    packed = torch.cat([scales[..., :4] | ((scales[..., 4:] >> 4) << 6),
+                        mins[..., :4] | ((mins[..., 4:] >> 4) << 6),
+                        (scales[..., 4:] & 0xF) | ((mins[..., 4:] & 0xF) << 4)], dim=-1)
+    qs = g[..., 320:].reshape(*g.shape[:2], 4, 8, R16_ROWS, 4).permute(0, 1, 4, 2, 3, 5)
+    blocks = torch.cat([head.reshape(*g.shape[:2], R16_ROWS, 4), packed,
+                        qs.reshape(*g.shape[:2], R16_ROWS, 128)], dim=-1)  # (G, nb, 16, 144)
+    return blocks.transpose(1, 2).reshape(n, nb * 144)
+
+
+def repack_for_kernels(model: nn.Module) -> int:
+    """Repack the Q4_K parts of the model's quantized linears (rows a multiple of 16) for the
+    kernels, where this build runs them (AVX-512 VNNI); returns how many parts. Not an
+    embedding's table (a tied lm_head shares it; its rows are looked up) and not experts
+    stacked for the fused MoE kernel (views of the stacks)."""
+    skip = {id(m.weight) for m in model.modules() if isinstance(m, QuantEmbedding)}
+    todo: dict[int, QuantWeight] = {}
+    for m in model.modules():
+        w = vars(m).get("weight")
+        if isinstance(w, QuantWeight) and id(w) not in skip and not w.stacked and w.on_cpu \
+                and any(p.kind == Q4_K and p.rows % R16_ROWS == 0 for p in w.parts):
+            todo[id(w)] = w
+    if not todo:
+        return 0
+    from ladle.runner.cpu_kernels import load_cpu_kernels
+
+    k = load_cpu_kernels()
+    if k is None or not hasattr(k, "quant_q4k_r16") or not k.quant_q4k_r16():
+        return 0
+    done = 0
+    for w in todo.values():
+        parts = [QuantPart(Q4_K_R16, repack_q4k_r16(p.data))
+                 if p.kind == Q4_K and p.rows % R16_ROWS == 0 else p for p in w.parts]
+        done += sum(p.kind == Q4_K_R16 for p in parts)
+        w.__init__(parts, w.in_features, w.dtype)
+    return done
+

@@ -26,9 +26,10 @@
 // while the weight blocks are in registers, so for decode the weights are read once at memory
 // speed, and for prefill every unpacked weight block serves several rows. AVX-512 VNNI builds
 // run 12 or more rows in panels instead (below: 16 weight rows unpacked once per call, 64
-// products per instruction into 16 outputs). Tiles and panels sum every row in one order (see
-// the tiles), so a row's result does not depend on the rows beside it: quantized linears are
-// batch-invariant in every mode.
+// products per instruction into 16 outputs), and Q4_K repacked at load into that layout
+// (r16_rows) for every row count. Tiles, panels and repacked rows sum every row in one order
+// (see the tiles), so a row's result does not depend on the rows beside it: quantized linears
+// are batch-invariant in every mode.
 #include "quant.h"
 #include "kernels.h"
 #include "moe.h"
@@ -56,6 +57,7 @@ namespace {
 
 constexpr int kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kMXFP4 = 39;
 constexpr int kI8 = -1;  // int8 rows with a float scale per row (quant.py's INT8_ROW)
+constexpr int kQ4KR = -3;  // Q4_K repacked by 16 rows at load (quant.py's Q4_K_R16; the panels')
 
 // f(std::integral_constant<int, TYPE>{}) for a kernel type (checked by the caller): the one
 // switch from a part's type to the code compiled for it.
@@ -73,7 +75,9 @@ inline void with_type(int type, F&& f) {
 }
 
 // (values per block, bytes per block), as gguf's GGML_QUANT_SIZES.
-inline int64_t block_values(int type) { return (type == kQ4_K || type == kQ6_K) ? 256 : 32; }
+inline int64_t block_values(int type) {
+  return (type == kQ4_K || type == kQ6_K || type == kQ4KR) ? 256 : 32;
+}
 inline int64_t block_bytes(int type) {
   switch (type) {
     case kQ4_0: return 18;
@@ -83,6 +87,7 @@ inline int64_t block_bytes(int type) {
     case kQ4_K: return 144;
     case kQ6_K: return 210;
     case kI8: return 32;
+    case kQ4KR: return 148;  // per row: 16 rows' 2368 bytes
   }
   return 0;
 }
@@ -747,9 +752,101 @@ void part_tiles(const Part& p, int64_t t0, int64_t t1, const Act& a, int64_t M, 
   }
 }
 
+#if defined(LADLE_QUANT_512)
+// Q4_K repacked at load (quant.py's repack_q4k_r16). In a tile a Q4_K row's products are few
+// of its instructions: most move the sums across lanes and rows, and one activation row ran
+// compute-bound at about half the machine's read bandwidth. Repacked, 16 rows' super-block is
+// laid out as a panel (below) with the nibbles still packed: 2368 bytes, 148 per row against
+// Q4_K's 144:
+//   d[16], dmin[16] float16; scale[8][16], min[8][16] bytes (sub-block j's, row r's);
+//   the values, per pair of sub-blocks (2p, 2p + 1) 8 zmm: dword r of zmm t is row r's bytes
+//   4t .. 4t + 3 of the pair (low nibbles: values 4t .. 4t + 3 of 2p; high: of 2p + 1).
+// One vpdpbusd with 4 activation bytes broadcast adds 4 products into each of 16 rows' sums:
+// a sub-block is 8 of them, after an and (and a shift) per 128 nibbles. The float steps are
+// the tiles' and panels' (the one order), so a repacked part gives the GGUF blocks' bits.
+constexpr int64_t kR16Rows = 16, kR16Bytes = 2368;
+
+// out (MR x 16) = MR activation rows from m0 times the 16 repacked rows at g.
+template <int MR>
+inline void r16_rows(const uint8_t* g, const Act& a, int64_t m0, float (*out)[16]) {
+  const int64_t K = a.K, nsub = K / 32, nblocks = K / 256;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[MR];
+  for (int m = 0; m < MR; m++) acc[m] = _mm512_setzero_ps();
+  for (int64_t blk = 0; blk < nblocks; blk++) {
+    const uint8_t* b = g + blk * kR16Bytes;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32)));
+    for (int p = 0; p < 4; p++) {
+      const uint8_t* qs = b + 320 + p * 512;
+      const int64_t sb = blk * 8 + 2 * p;
+      __m512i lo[MR], hi[MR];
+      for (int m = 0; m < MR; m++) lo[m] = hi[m] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; t++) {
+        const __m512i z = _mm512_loadu_si512(qs + t * 64);
+        const __m512i zl = _mm512_and_si512(z, low4);
+        const __m512i zh = _mm512_and_si512(_mm512_srli_epi16(z, 4), low4);
+        for (int m = 0; m < MR; m++) {
+          const int8_t* x = a.q + (m0 + m) * K + sb * 32 + 4 * t;
+          int32_t x0, x1;
+          std::memcpy(&x0, x, 4);
+          std::memcpy(&x1, x + 32, 4);
+          lo[m] = _mm512_dpbusd_epi32(lo[m], zl, _mm512_set1_epi32(x0));
+          hi[m] = _mm512_dpbusd_epi32(hi[m], zh, _mm512_set1_epi32(x1));
+        }
+      }
+      for (int h = 0; h < 2; h++) {
+        const int j = 2 * p + h;
+        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 64 + j * 16))));
+        const __m512 mn = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192 + j * 16)))));
+        for (int m = 0; m < MR; m++) {
+          const int64_t row = m0 + m;
+          const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(h ? hi[m] : lo[m]), sc);
+          acc[m] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(a.d[row * nsub + sb + h])),
+                                   acc[m]);
+          acc[m] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(a.s[row * nsub + sb + h]), acc[m]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; m++) _mm512_storeu_ps(out[m], acc[m]);
+}
+
+// Group g (rows 16g .. 16g + 15, local to the part) of a repacked part for all M rows: the
+// group's bytes (K / 256 x 2368) stay in cache while the rows pass in fours.
+template <typename T>
+void r16_group(const Part& p, int64_t g, const Act& a, int64_t M, T* y, int64_t ldy) {
+  const uint8_t* w = p.w + g * kR16Rows * p.row_bytes;
+  float out[4][16];
+  for (int64_t m0 = 0; m0 < M;) {
+    const int64_t left = M - m0;
+    const int mr = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+    switch (mr) {
+      case 4: r16_rows<4>(w, a, m0, out); break;
+      case 2: r16_rows<2>(w, a, m0, out); break;
+      default: r16_rows<1>(w, a, m0, out); break;
+    }
+    for (int m = 0; m < mr; m++)
+      for (int64_t n = 0; n < kR16Rows; n++)
+        y[(m0 + m) * ldy + p.col + g * kR16Rows + n] = T(out[m][n]);
+    m0 += mr;
+  }
+}
+#endif
+
+// Tiles t0 .. t1 - 1 of part p (a repacked part's "tiles" are its groups of 16 rows).
 template <typename T>
 void part_tiles_any(const Part& p, int64_t t0, int64_t t1, const Act& a, int64_t M, T* y,
                     int64_t ldy) {
+#if defined(LADLE_QUANT_512)
+  if (p.type == kQ4KR) {
+    for (int64_t g = t0; g < t1; g++) r16_group(p, g, a, M, y, ldy);
+    return;
+  }
+#endif
   with_type(p.type, [&](auto t) { part_tiles<decltype(t)::value>(p, t0, t1, a, M, y, ldy); });
 }
 
@@ -971,13 +1068,22 @@ void panel(const Part& p, int64_t i, const Act& a, int64_t M, T* y, int64_t ldy,
 template <typename T>
 void panel_any(const Part& p, int64_t i, const Act& a, int64_t M, T* y, int64_t ldy,
                PanelBuffers& pb) {
+  if (p.type == kQ4KR) return r16_group(p, i, a, M, y, ldy);  // packed at load
   with_type(p.type, [&](auto t) { panel<decltype(t)::value>(p, i, a, M, y, ldy, pb); });
 }
 #endif
 
+// This build runs Q4_K repacked by 16 rows (quant.py repacks at load only where it does).
+constexpr bool kHasQ4KR =
+#if defined(LADLE_QUANT_512)
+    true;
+#else
+    false;
+#endif
+
 bool is_kernel_type(int64_t t) {
   return t == kQ4_0 || t == kQ5_0 || t == kQ8_0 || t == kMXFP4 || t == kQ4_K || t == kQ6_K ||
-         t == kI8;
+         t == kI8 || (t == kQ4KR && kHasQ4KR);
 }
 
 // Per block of 32 of x (M, K): d = max|x| / 127, q = round-half-even(x * (127 / max|x|)) (0 for
@@ -1068,7 +1174,10 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
                       scales[i].numel() == w.size(0), "int8 part ", i, " needs a float32 scale per row");
       sc = scales[i].data_ptr<float>();
     }
-    const int64_t t = (w.size(0) + kNR - 1) / kNR;
+    TORCH_CHECK(type != kQ4KR || w.size(0) % 16 == 0, "weight part ", i,
+                " (Q4_K repacked) must have a multiple of 16 rows");
+    const int64_t unit = type == kQ4KR ? 16 : kNR;  // a tile's rows (a repacked part: groups)
+    const int64_t t = (w.size(0) + unit - 1) / unit;
     parts.push_back({static_cast<const uint8_t*>(w.data_ptr()), int(type), w.size(0), row_bytes,
                      cols[i], sc, tiles, t});
     tiles += t;
@@ -1239,7 +1348,8 @@ at::Tensor moe_quant_swiglu(const at::Tensor& x, const at::Tensor& ids,
   const int64_t H = x.size(1), E = gate.size(0), I = gate.size(1);
   for (auto [w, type, n, kk] : {std::tuple{&gate, gate_type, I, H}, std::tuple{&up, up_type, I, H},
                                 std::tuple{&down, down_type, H, I}}) {
-    TORCH_CHECK(is_kernel_type(type) && type != kI8, "moe_quant_swiglu: type ", type);
+    TORCH_CHECK(is_kernel_type(type) && type != kI8 && type != kQ4KR, "moe_quant_swiglu: type ",
+                type);
     TORCH_CHECK(kk % block_values(int(type)) == 0 && kk % 32 == 0,
                 "moe_quant_swiglu: inputs of ", kk, " values do not fill type ", type, "'s blocks");
     TORCH_CHECK(w->dim() == 3 && w->is_contiguous() && w->scalar_type() == at::kByte &&
@@ -1259,7 +1369,8 @@ at::Tensor moe_quant_swiglu(const at::Tensor& x, const at::Tensor& ids,
 
 // out (T, K) = rows ids (T,) of w (N, row bytes) of `type`, dequantized: the embedding lookup.
 void dequantize_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, at::Tensor out) {
-  TORCH_CHECK(is_kernel_type(type) && type != kI8, "dequantize_rows: unsupported ggml type ", type);
+  TORCH_CHECK(is_kernel_type(type) && type != kI8 && type != kQ4KR,
+              "dequantize_rows: unsupported ggml type ", type);
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kByte, "w");
   TORCH_CHECK(ids.dim() == 1 && ids.is_contiguous() && ids.scalar_type() == at::kLong, "ids");
   const int64_t T = ids.size(0), K = out.size(1), N = w.size(0);
@@ -1283,6 +1394,8 @@ void dequantize_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, a
     }
   });
 }
+
+bool quant_q4k_r16() { return kHasQ4KR; }
 
 std::string quant_isa() {
 #if defined(LADLE_QUANT_512) && defined(__AVX512VL__)
