@@ -168,7 +168,7 @@ def test_quantized_blocks_predict_like_the_float32_model(gemma_gguf, reference):
     from prompt_logits import mean_kl, prompt_logits
 
     from ladle.runner.cpu_kernels import load_cpu_kernels
-    from ladle.runner.quant import Q4_K_R16, QuantWeight
+    from ladle.runner.quant import Q4_K, Q4_K_R16, Q6_K, Q6_K_R16, Q8_0, Q8_0_R16, QuantWeight
 
     tok, model = reference
     ids = [tok.bos_token_id] + tok(ENGLISH, add_special_tokens=False).input_ids[:256]
@@ -181,11 +181,11 @@ def test_quantized_blocks_predict_like_the_float32_model(gemma_gguf, reference):
                  if isinstance(w, QuantWeight) for p in w.parts]
         kinds = {p.name() for p in parts}
         assert kinds == {"Q8_0", "Q5_0", "Q4_K", "Q6_K"}, kinds
-        # AVX-512 VNNI builds run the Q4_K linears repacked by 16 rows: this test covers them.
+        # AVX-512 VNNI builds run Q4_K, Q6_K, Q8_0 repacked by 16 rows: this test covers them.
         kernels = load_cpu_kernels()
-        repacked = kernels is not None and hasattr(kernels, "quant_q4k_r16") and \
-            kernels.quant_q4k_r16()
-        assert any(p.kind == Q4_K_R16 for p in parts) == repacked
+        repacked = kernels is not None and hasattr(kernels, "quant_r16") and kernels.quant_r16()
+        assert {p.kind for p in parts} >= ({Q4_K_R16, Q6_K_R16, Q8_0_R16} if repacked else
+                                           {Q4_K, Q6_K, Q8_0})
         got = prompt_logits(llm, ids)
     finally:
         llm.close()

@@ -212,86 +212,103 @@ def test_mxfp4_linear_at_extreme_exponents(dtype, monkeypatch):
         assert ((y.double() - twin.double()).abs() / bound).max() < 2 * tol, m
 
 
-needs_r16 = pytest.mark.skipif(kernels is None or not hasattr(kernels, "quant_q4k_r16")
-                               or not kernels.quant_q4k_r16(),
-                               reason="this build does not run Q4_K repacked (AVX-512 VNNI)")
+needs_r16 = pytest.mark.skipif(kernels is None or not hasattr(kernels, "quant_r16")
+                               or not kernels.quant_r16(),
+                               reason="this build does not run repacked blocks (AVX-512 VNNI)")
+R16_KINDS = sorted(Q.R16_OF)
 
 
-def test_q4k_repack_is_a_permutation_the_twin_reads():
-    """repack_q4k_r16 moves every bit and loses none (unpack gives the file's bytes back), and
-    a repacked part dequantizes (the torch twin, the embedding's row lookup) as the Q4_K rows."""
+@pytest.mark.parametrize("kind", R16_KINDS, ids=lambda k: Q.BLOCK_TYPES[k])
+def test_repack_is_a_permutation_the_twin_reads(kind):
+    """repack_r16 moves every bit and loses none (unpack gives the file's bytes back), and a
+    repacked part dequantizes (the torch twin; the embedding's row lookup, kernel and twin) as
+    its blocks do."""
     g = torch.Generator().manual_seed(11)
-    raw = random_blocks(Q.Q4_K, 48, 768, g)
-    packed = Q.repack_q4k_r16(raw)
-    assert packed.shape == (48, 3 * Q.R16_BYTES) and packed.dtype == torch.uint8
-    assert torch.equal(Q.unpack_q4k_r16(packed), raw)
-    w = Q.QuantWeight([Q.QuantPart(Q.Q4_K_R16, packed)], 768, torch.float32)
-    assert torch.equal(w.dequantize(), dequantize(raw, Q.Q4_K, (48, 768)))
+    raw = random_blocks(kind, 48, 768, g)
+    packed = Q.repack_r16(raw, kind)
+    r16 = Q.R16_OF[kind]
+    assert packed.shape == (48, 768 // Q.R16_SIZES[r16][0] * Q.R16_SIZES[r16][1])
+    assert torch.equal(Q.unpack_r16(packed, r16), raw)
+    w = Q.QuantWeight([Q.QuantPart(r16, packed)], 768, torch.float32)
+    assert w.parts[0].name() == Q.BLOCK_TYPES[kind]
+    assert torch.equal(w.dequantize(), dequantize(raw, kind, (48, 768)))
     ids = torch.tensor([47, 0, 17, 17, 31])
-    assert torch.equal(Q.quant_rows(w, ids), dequantize(raw[ids], Q.Q4_K, (5, 768)))
+    want = dequantize(raw[ids], kind, (5, 768))
+    assert torch.equal(Q.quant_rows(w, ids), want)
+    assert torch.equal(Q._part_rows(w.parts[0], ids, w), want)  # the kernel's lookup, or
+    with pytest.MonkeyPatch.context() as mp:  # the twin's where none is built
+        mp.setattr(Q, "_kernels", lambda x: None)
+        assert torch.equal(Q.quant_rows(w, ids), want)
     with pytest.raises(ValueError, match="multiple of 16"):
-        Q.QuantWeight([Q.QuantPart(Q.Q4_K_R16, Q.repack_q4k_r16(raw)[:40])], 768, torch.float32)
+        Q.QuantWeight([Q.QuantPart(r16, packed[:40])], 768, torch.float32)
 
 
 @needs_r16
+@pytest.mark.parametrize("kind", R16_KINDS, ids=lambda k: Q.BLOCK_TYPES[k])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_q4k_repacked_gives_the_blocks_bits(dtype):
-    """The repacked kernel (decode and batched rows in fours, prefill as the panels) computes
-    the Q4_K tiles' and panels' one order: its result equals the GGUF blocks' bit for bit, for
-    any M, in a fused weight beside parts of other types, and the reference within 1e-5."""
-    g = torch.Generator().manual_seed(12)
+def test_repacked_blocks_give_the_blocks_bits(kind, dtype):
+    """The repacked kernel (decode and batched rows in fours or twos, prefill as the panels)
+    computes the tiles' and panels' one order: its result equals the GGUF blocks' bit for bit,
+    for any M, in a fused weight beside parts of other types, and the reference within 1e-5."""
+    g = torch.Generator().manual_seed(12 + kind)
     for m, n, k in [(1, 16, 256), (2, 48, 512), (3, 32, 256), (5, 64, 768), (12, 16, 512),
                     (13, 32, 256), (40, 48, 1024)]:
-        raw = random_blocks(Q.Q4_K, n, k, g)
-        blocks = Q.QuantWeight([Q.QuantPart(Q.Q4_K, raw)], k, dtype)
-        packed = Q.QuantWeight([Q.QuantPart(Q.Q4_K_R16, Q.repack_q4k_r16(raw))], k, dtype)
+        raw = random_blocks(kind, n, k, g)
+        blocks = Q.QuantWeight([Q.QuantPart(kind, raw)], k, dtype)
+        packed = Q.QuantWeight([Q.QuantPart(Q.R16_OF[kind], Q.repack_r16(raw, kind))], k, dtype)
         x = torch.randn(m, k, generator=g).to(dtype)
         y = Q.quant_linear(x, packed)
         assert torch.equal(y, Q.quant_linear(x, blocks)), (m, n, k)
         assert relative_error(y.float(), x, packed) < (1e-5 if dtype == torch.float32 else 4e-3)
-    # q|k|v-like: repacked Q4_K, a Q6_K and a Q4_K of 8 rows (not repackable) in one call.
+    # q|k|v-like: a repacked part, a Q4_0 and a part of 8 rows (not repackable) in one call.
     k = 512
-    raws = [random_blocks(Q.Q4_K, 32, k, g), random_blocks(Q.Q6_K, 16, k, g),
-            random_blocks(Q.Q4_K, 8, k, g)]
-    fused = Q.QuantWeight([Q.QuantPart(Q.Q4_K_R16, Q.repack_q4k_r16(raws[0])),
-                           Q.QuantPart(Q.Q6_K, raws[1]), Q.QuantPart(Q.Q4_K, raws[2])], k, dtype)
-    plain = Q.QuantWeight([Q.QuantPart(Q.Q4_K, raws[0]), Q.QuantPart(Q.Q6_K, raws[1]),
-                           Q.QuantPart(Q.Q4_K, raws[2])], k, dtype)
+    raws = [random_blocks(kind, 32, k, g), random_blocks(Q.Q4_0, 16, k, g),
+            random_blocks(kind, 8, k, g)]
+    fused = Q.QuantWeight([Q.QuantPart(Q.R16_OF[kind], Q.repack_r16(raws[0], kind)),
+                           Q.QuantPart(Q.Q4_0, raws[1]), Q.QuantPart(kind, raws[2])], k, dtype)
+    plain = Q.QuantWeight([Q.QuantPart(kind, raws[0]), Q.QuantPart(Q.Q4_0, raws[1]),
+                           Q.QuantPart(kind, raws[2])], k, dtype)
     for m in (1, 4, 16):
         x = torch.randn(m, k, generator=g).to(dtype)
         assert torch.equal(Q.quant_linear(x, fused), Q.quant_linear(x, plain)), m
 
 
 @needs_r16
-def test_repack_for_kernels_takes_linears_only():
-    """A model's Q4_K linears of 16-row multiples are repacked; an embedding's table (shared
-    with a tied lm_head), a part of other rows and experts stacked for the fused MoE keep
-    their GGUF blocks; the model's outputs do not move."""
+def test_repack_for_kernels_keeps_stacked_experts():
+    """A model's Q4_K, Q6_K and Q8_0 parts of 16-row multiples are repacked, the embedding's
+    table too (shared with a tied lm_head: both read the new layout); a part of other rows and
+    experts stacked for the fused MoE keep their GGUF blocks; outputs and rows do not move."""
     g = torch.Generator().manual_seed(13)
     k = 256
     model = torch.nn.Module()
-    model.proj = torch.nn.Linear(k, 40, bias=False)
+    model.proj = torch.nn.Linear(k, 56, bias=False)
     model.expert = torch.nn.Linear(k, 16, bias=False)
-    table = Q.QuantWeight([Q.QuantPart(Q.Q4_K, random_blocks(Q.Q4_K, 32, k, g))], k,
-                          torch.float32)
+    table_raw = random_blocks(Q.Q6_K, 32, k, g)
+    table = Q.QuantWeight([Q.QuantPart(Q.Q6_K, table_raw)], k, torch.float32)
     model.embed = Q.QuantEmbedding(table)
     model.lm_head = torch.nn.Linear(k, 32, bias=False)
     Q.install(model.lm_head, "weight", table)
     Q.install(model.proj, "weight", Q.QuantWeight(
         [Q.QuantPart(Q.Q4_K, random_blocks(Q.Q4_K, 32, k, g)),
+         Q.QuantPart(Q.Q8_0, random_blocks(Q.Q8_0, 16, k, g)),
          Q.QuantPart(Q.Q4_K, random_blocks(Q.Q4_K, 8, k, g))], k, torch.float32))
     stacked = Q.QuantWeight([Q.QuantPart(Q.Q4_K, random_blocks(Q.Q4_K, 16, k, g))], k,
                             torch.float32)
     stacked.stacked = True
     Q.install(model.expert, "weight", stacked)
     x = torch.randn(3, k, generator=g)
-    before = Q.quant_linear(x, model.proj.weight)
-    assert Q.repack_for_kernels(model) == 1
-    assert [p.kind for p in model.proj.weight.parts] == [Q.Q4_K_R16, Q.Q4_K]
-    assert [p.kind for p in table.parts] == [Q.Q4_K] and model.lm_head.weight is table
+    before = (Q.quant_linear(x, model.proj.weight), Q.quant_linear(x, model.lm_head.weight))
+    ids = torch.tensor([[31, 0, 5]])
+    rows = model.embed(ids)
+    assert Q.repack_for_kernels(model) == 3
+    assert [p.kind for p in model.proj.weight.parts] == [Q.Q4_K_R16, Q.Q8_0_R16, Q.Q4_K]
+    assert [p.kind for p in table.parts] == [Q.Q6_K_R16] and model.lm_head.weight is table
     assert [p.kind for p in stacked.parts] == [Q.Q4_K]
-    assert torch.equal(Q.quant_linear(x, model.proj.weight), before)
-    assert Q.weight_bytes(model)["Q4_K"] == (32 * 148 + 8 * 144 + 32 * 144 + 16 * 144)
+    assert torch.equal(Q.quant_linear(x, model.proj.weight), before[0])
+    assert torch.equal(Q.quant_linear(x, model.lm_head.weight), before[1])
+    assert torch.equal(model.embed(ids), rows)
+    assert Q.weight_bytes(model) == {"Q4_K": 32 * 148 + 8 * 144 + 16 * 144, "Q8_0": 16 * 272,
+                                     "Q6_K": 32 * 210}
 
 
 def test_weight_shapes_are_checked():
@@ -301,8 +318,9 @@ def test_weight_shapes_are_checked():
 
 
 @needs_kernels
-@pytest.mark.parametrize("kind", sorted(Q.BLOCK_TYPES) + [Q.INT8_ROW, Q.Q4_K_R16],
-                         ids=lambda k: Q.BLOCK_TYPES.get(k, {Q.INT8_ROW: "int8"}.get(k, "Q4_K_R16")))
+@pytest.mark.parametrize("kind", sorted(Q.BLOCK_TYPES) + [Q.INT8_ROW] + sorted(Q.R16_BASE),
+                         ids=lambda k: Q.BLOCK_TYPES.get(k) or ("int8" if k == Q.INT8_ROW else
+                                                                Q.BLOCK_TYPES[Q.R16_BASE[k]] + "_R16"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind, dtype):
     """Every row sums its blocks in one order whatever else the call holds: a decode row, a
@@ -311,14 +329,15 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind, dtype):
     prefill, with no flag (float32 shows every bit: a K-quant row alone once summed its
     super-block before d, and panels took their bias off in float). 21 weight rows: two tiles
     and a remainder, a panel and a remainder."""
-    if kind == Q.Q4_K_R16 and not (hasattr(kernels, "quant_q4k_r16") and kernels.quant_q4k_r16()):
-        pytest.skip("this build does not run Q4_K repacked")
+    if kind in Q.R16_BASE and not (hasattr(kernels, "quant_r16") and kernels.quant_r16()):
+        pytest.skip("this build does not run repacked blocks")
     g = torch.Generator().manual_seed(7)
-    k, n, rows = (512 if kind in (Q.Q4_K, Q.Q6_K, Q.Q4_K_R16) else 800), 21, 40  # 800: 3x8 + 1
+    k, n, rows = (512 if Q.R16_BASE.get(kind, kind) in (Q.Q4_K, Q.Q6_K) else 800), 21, 40
     if kind == Q.INT8_ROW:
         part = Q.quantize_weight_rows(torch.randn(n, k, generator=g))
-    elif kind == Q.Q4_K_R16:  # two groups of 16 rows
-        part = Q.QuantPart(kind, Q.repack_q4k_r16(random_blocks(Q.Q4_K, 32, k, g)))
+    elif kind in Q.R16_BASE:  # two groups of 16 rows
+        base = Q.R16_BASE[kind]
+        part = Q.QuantPart(kind, Q.repack_r16(random_blocks(base, 32, k, g), base))
     else:
         part = Q.QuantPart(kind, random_blocks(kind, n, k, g))
     w = Q.QuantWeight([part], k, dtype)

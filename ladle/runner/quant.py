@@ -46,9 +46,14 @@ BLOCK_SIZES = {Q4_0: (32, 18), Q5_0: (32, 22), Q8_0: (32, 34), Q4_K: (256, 144),
                Q6_K: (256, 210), MXFP4: (32, 17)}
 INT8_ROW = -1  # int8 rows with a float32 scale per row
 DENSE = -2  # the model dtype
-Q4_K_R16 = -3  # Q4_K repacked at load by 16 rows for the AVX-512 VNNI kernels (repack_q4k_r16)
+# Blocks repacked at load by 16 rows for the AVX-512 VNNI kernels (repack_r16): each kind, the
+# type it holds, and its (values per block, bytes per row and block): Q4_K's 6-bit scales
+# become bytes (148 against 144); Q6_K and Q8_0 keep their size.
+Q4_K_R16, Q6_K_R16, Q8_0_R16 = -3, -4, -5
+R16_OF = {Q4_K: Q4_K_R16, Q6_K: Q6_K_R16, Q8_0: Q8_0_R16}
+R16_BASE = {v: k for k, v in R16_OF.items()}
+R16_SIZES = {Q4_K_R16: (256, 148), Q6_K_R16: (256, 210), Q8_0_R16: (32, 34)}
 R16_ROWS = 16
-R16_BYTES = 148  # per row and super-block of 256 values (Q4_K's 144, scales unpacked to bytes)
 
 ACT_BLOCK = 32  # activations are quantized per this many values
 
@@ -69,8 +74,10 @@ class QuantPart:
         return n + (0 if self.scale is None else self.scale.numel() * self.scale.element_size())
 
     def name(self) -> str:
-        return BLOCK_TYPES.get(self.kind) or {INT8_ROW: "int8", Q4_K_R16: "Q4_K", DENSE: str(
-            self.data.dtype).removeprefix("torch.")}[self.kind]
+        if self.kind in R16_BASE:  # counted (weight_bytes, /metrics) as the type it holds
+            return BLOCK_TYPES[R16_BASE[self.kind]]
+        return BLOCK_TYPES.get(self.kind) or {INT8_ROW: "int8", DENSE: str(self.data.dtype)
+                                              .removeprefix("torch.")}[self.kind]
 
     def dequantize(self, k: int) -> torch.Tensor:
         """float32 (rows, k)."""
@@ -80,8 +87,9 @@ class QuantPart:
             return self.data.float() * self.scale[:, None]
         from ladle.models.gguf.quants import dequantize  # (a cycle at import time)
 
-        if self.kind == Q4_K_R16:
-            return dequantize(unpack_q4k_r16(self.data), Q4_K, (self.rows, k))
+        if self.kind in R16_BASE:
+            return dequantize(unpack_r16(self.data, self.kind), R16_BASE[self.kind],
+                              (self.rows, k))
         return dequantize(self.data, self.kind, (self.rows, k))
 
 
@@ -95,13 +103,13 @@ class QuantWeight:
         self.on_cpu = parts[0].data.is_cpu
         self.stacked = False  # views of stacked experts' tensors (stack_expert_blocks)
         for p in parts:
-            if p.kind in BLOCK_SIZES or p.kind == Q4_K_R16:
-                block, size = BLOCK_SIZES.get(p.kind, (256, R16_BYTES))
+            if p.kind in BLOCK_SIZES or p.kind in R16_SIZES:
+                block, size = BLOCK_SIZES.get(p.kind) or R16_SIZES[p.kind]
                 if in_features % block or p.data.shape[1] != in_features // block * size:
                     raise ValueError(f"{p.name()} part of {p.data.shape[1]} bytes per row does "
                                      f"not hold {in_features} values")
-                if p.kind == Q4_K_R16 and p.rows % R16_ROWS:
-                    raise ValueError(f"repacked Q4_K part of {p.rows} rows: a multiple of "
+                if p.kind in R16_SIZES and p.rows % R16_ROWS:
+                    raise ValueError(f"repacked {p.name()} part of {p.rows} rows: a multiple of "
                                      f"{R16_ROWS} expected")
             elif p.data.shape[1] != in_features:
                 raise ValueError(f"{p.name()} part has {p.data.shape[1]} columns, expected "
@@ -272,14 +280,6 @@ def _part_rows(p: QuantPart, local: torch.Tensor, w: QuantWeight) -> torch.Tenso
         return p.data[local].to(w.dtype)
     if p.kind == INT8_ROW:
         return (p.data[local].float() * p.scale[local, None]).to(w.dtype)
-    if p.kind == Q4_K_R16:  # (an embedding is never repacked; any weight's rows can be read)
-        from ladle.models.gguf.quants import dequantize
-
-        rb = p.data.shape[1]
-        groups = p.data.view(-1, R16_ROWS * rb)[local // R16_ROWS].view(-1, rb)
-        rows = unpack_q4k_r16(groups).view(-1, R16_ROWS, 144 * rb // R16_BYTES)
-        picked = rows[torch.arange(local.shape[0]), local % R16_ROWS]
-        return dequantize(picked, Q4_K, (local.shape[0], w.in_features)).to(w.dtype)
     out = torch.empty(local.shape[0], w.in_features, dtype=w.dtype, device=w.device)
     k = _kernels(out)
     if k is not None:
@@ -287,6 +287,12 @@ def _part_rows(p: QuantPart, local: torch.Tensor, w: QuantWeight) -> torch.Tenso
         return out
     from ladle.models.gguf.quants import dequantize
 
+    if p.kind in R16_BASE:  # the rows' groups, unpacked, then the rows
+        rb = p.data.shape[1]
+        groups = p.data.view(-1, R16_ROWS * rb)[local // R16_ROWS].view(-1, rb)
+        rows = unpack_r16(groups, p.kind).view(local.shape[0], R16_ROWS, -1)
+        picked = rows[torch.arange(local.shape[0]), local % R16_ROWS]
+        return dequantize(picked, R16_BASE[p.kind], (local.shape[0], w.in_features)).to(w.dtype)
     return dequantize(p.data[local], p.kind, (local.shape[0], w.in_features)).to(w.dtype)
 
 
@@ -365,72 +371,121 @@ def moe_quant_swiglu(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                               *stacked)
 
 
-# --- Q4_K repacked by 16 rows (csrc/quant.cpp's r16_rows) ------------------------------------
-# Per 16 rows (16g .. 16g + 15) and super-block of 256 values, 2368 bytes in place of the rows'
-# 16 x 144: d[16] and dmin[16] (float16), scale[8][16] and min[8][16] (sub-block j's 6-bit
-# values as bytes), then per pair of sub-blocks (2p, 2p + 1) 8 x 64 bytes: dword r of the t-th
-# 64 is row r's bytes 4t .. 4t + 3 of the pair's 32 (low nibbles sub-block 2p's values, high
-# nibbles 2p + 1's). A part keeps its (rows, K / 256 x 148) shape: the group's rows are its
-# 16 x row bytes, in this order.
+# --- blocks repacked by 16 rows (csrc/quant.cpp's r16_rows, which documents the layouts) ------
+# Per 16 rows (16g .. 16g + 15) and block, the rows' fields side by side: float16 scales by row,
+# sub-block scales by sub-block then row, and the values interleaved by 4 bytes (dword r of each
+# 64 bytes is row r's). A part keeps its (rows, row bytes) shape; a group's 16 x row bytes hold
+# its blocks in this order.
 
-def repack_q4k_r16(data: torch.Tensor) -> torch.Tensor:
-    """Q4_K rows (N, K/256 x 144), N a multiple of 16 -> the repacked (N, K/256 x 148)."""
+def _by_dword(v: torch.Tensor) -> torch.Tensor:
+    """(G, nb, 16, ..., n) bytes, n a multiple of 4 -> (G, nb, ..., n / 4, 16, 4): the rows'
+    dwords side by side (the inner dims before n keep their order)."""
+    *lead, n = v.shape
+    v = v.reshape(*lead, n // 4, 4)
+    return v.movedim(2, -2)
+
+
+def _from_dword(v: torch.Tensor) -> torch.Tensor:
+    """The inverse of _by_dword: (G, nb, ..., n / 4, 16, 4) -> (G, nb, 16, ..., n)."""
+    v = v.movedim(-2, 2)
+    return v.reshape(*v.shape[:-2], v.shape[-2] * 4)
+
+
+def repack_r16(data: torch.Tensor, kind: int) -> torch.Tensor:
+    """Rows (N, row bytes) of Q4_K, Q6_K or Q8_0 (`kind`), N a multiple of 16 -> the rows of
+    R16_OF[kind], bytes moved (Q4_K's scales unpacked, Q8_0's values + 128)."""
     n, rb = data.shape
-    nb = rb // 144
-    b = data.view(n // R16_ROWS, R16_ROWS, nb, 144).transpose(1, 2)  # (G, nb, 16, 144)
-    head = b[..., :4].reshape(*b.shape[:2], R16_ROWS, 2, 2).transpose(2, 3)  # d, dmin by row
-    packed = b[..., 4:16]
-    sc_lo, m_lo, hi = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-    scales = torch.cat([sc_lo & 63, (hi & 0xF) | ((sc_lo >> 6) << 4)], dim=-1)  # (G, nb, 16, 8)
-    mins = torch.cat([m_lo & 63, (hi >> 4) | ((m_lo >> 6) << 4)], dim=-1)
-    qs = b[..., 16:].reshape(*b.shape[:2], R16_ROWS, 4, 8, 4).permute(0, 1, 3, 4, 2, 5)
-    out = torch.cat([head.reshape(*b.shape[:2], 64), scales.transpose(2, 3).reshape(*b.shape[:2], 128),
-                     mins.transpose(2, 3).reshape(*b.shape[:2], 128),
-                     qs.reshape(*b.shape[:2], 2048)], dim=-1)
-    return out.reshape(n, nb * R16_BYTES)
+    size = BLOCK_SIZES[kind][1]
+    nb = rb // size
+    b = data.reshape(n // R16_ROWS, R16_ROWS, nb, size).transpose(1, 2)  # (G, nb, 16, size)
+    g = b.shape[:2]
+    if kind == Q4_K:
+        packed = b[..., 4:16]
+        sc_lo, m_lo, hi = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+        scales = torch.cat([sc_lo & 63, (hi & 0xF) | ((sc_lo >> 6) << 4)], dim=-1)
+        mins = torch.cat([m_lo & 63, (hi >> 4) | ((m_lo >> 6) << 4)], dim=-1)
+        fields = [b[..., 0:2], b[..., 2:4], scales, mins,
+                  _by_dword(b[..., 16:].reshape(*g, R16_ROWS, 4, 32))]
+    elif kind == Q6_K:  # per half and dword slot: ql's two chunks, then qh
+        ql = _by_dword(b[..., 0:128].reshape(*g, R16_ROWS, 2, 2, 32))  # (.., half, c, t, 16, 4)
+        qh = _by_dword(b[..., 128:192].reshape(*g, R16_ROWS, 2, 32))  # (.., half, t, 16, 4)
+        fields = [b[..., 208:210], b[..., 192:208],
+                  torch.cat([ql.transpose(2 + 1, 2 + 2), qh.unsqueeze(4)], dim=4)]
+    else:
+        fields = [b[..., 0:2], _by_dword(b[..., 2:] ^ 0x80)]
+    # fields with a row dim at 2 (d, scales): by row (d) or by sub-block then row (scales).
+    out = [f.transpose(2, 3).reshape(*g, -1) if f.dim() == 4 and f.shape[-1] > 2 else
+           f.reshape(*g, -1) for f in fields]
+    return torch.cat(out, dim=-1).reshape(n, rb * R16_SIZES[R16_OF[kind]][1] // size)
 
 
-def unpack_q4k_r16(data: torch.Tensor) -> torch.Tensor:
-    """The inverse of repack_q4k_r16: the Q4_K rows, bit for bit."""
+def unpack_r16(data: torch.Tensor, kind: int) -> torch.Tensor:
+    """The inverse of repack_r16 for a repacked `kind`: the rows' blocks, bit for bit."""
     n, rb = data.shape
-    nb = rb // R16_BYTES
-    g = data.reshape(n // R16_ROWS, nb, R16_ROWS * R16_BYTES)
-    head = g[..., :64].reshape(*g.shape[:2], 2, R16_ROWS, 2).transpose(2, 3)  # (G, nb, 16, 2, 2)
-    scales = g[..., 64:192].reshape(*g.shape[:2], 8, R16_ROWS).transpose(2, 3)  # (G, nb, 16, 8)
-    mins = g[..., 192:320].reshape(*g.shape[:2], 8, R16_ROWS).transpose(2, 3)
-    packed = torch.cat([scales[..., :4] | ((scales[..., 4:] >> 4) << 6),
-                        mins[..., :4] | ((mins[..., 4:] >> 4) << 6),
-                        (scales[..., 4:] & 0xF) | ((mins[..., 4:] & 0xF) << 4)], dim=-1)
-    qs = g[..., 320:].reshape(*g.shape[:2], 4, 8, R16_ROWS, 4).permute(0, 1, 4, 2, 3, 5)
-    blocks = torch.cat([head.reshape(*g.shape[:2], R16_ROWS, 4), packed,
-                        qs.reshape(*g.shape[:2], R16_ROWS, 128)], dim=-1)  # (G, nb, 16, 144)
-    return blocks.transpose(1, 2).reshape(n, nb * 144)
+    base = R16_BASE[kind]
+    size = R16_SIZES[kind][1]
+    nb = rb // size
+    v = data.reshape(n // R16_ROWS, nb, R16_ROWS * size)
+    g = v.shape[:2]
+
+    def take(nbytes: int) -> torch.Tensor:
+        nonlocal v
+        out, v = v[..., :nbytes], v[..., nbytes:]
+        return out
+
+    def by_row(nbytes: int) -> torch.Tensor:  # (G, nb, 16, nbytes) of a field stored by row
+        return take(R16_ROWS * nbytes).reshape(*g, R16_ROWS, nbytes)
+
+    def by_sub(subs: int) -> torch.Tensor:  # stored by sub-block then row
+        return take(subs * R16_ROWS).reshape(*g, subs, R16_ROWS).transpose(2, 3)
+
+    def values(*inner: int) -> torch.Tensor:
+        count = R16_ROWS
+        for i in inner:
+            count *= i
+        return _from_dword(take(count).reshape(*g, *inner[:-1], inner[-1] // 4, R16_ROWS, 4))
+
+    if base == Q4_K:
+        d, dmin, scales, mins = by_row(2), by_row(2), by_sub(8), by_sub(8)
+        packed = torch.cat([scales[..., :4] | ((scales[..., 4:] >> 4) << 6),
+                            mins[..., :4] | ((mins[..., 4:] >> 4) << 6),
+                            (scales[..., 4:] & 0xF) | ((mins[..., 4:] & 0xF) << 4)], dim=-1)
+        blocks = [d, dmin, packed, values(4, 32).reshape(*g, R16_ROWS, 128)]
+    elif base == Q6_K:
+        d, scales = by_row(2), by_sub(16)
+        q = take(3072).reshape(*g, 2, 8, 3, R16_ROWS, 4)  # (.., half, t, [ql c0, ql c1, qh])
+        ql = _from_dword(q[..., :2, :, :].transpose(3, 4))  # (.., 16, half, c, 32)
+        qh = _from_dword(q[..., 2, :, :])  # (.., 16, half, 32)
+        blocks = [ql.reshape(*g, R16_ROWS, 128), qh.reshape(*g, R16_ROWS, 64), scales, d]
+    else:
+        d = by_row(2)
+        blocks = [d, values(32) ^ 0x80]
+    out = torch.cat(blocks, dim=-1)  # (G, nb, 16, block bytes)
+    return out.transpose(1, 2).reshape(n, nb * BLOCK_SIZES[base][1])
 
 
 def repack_for_kernels(model: nn.Module) -> int:
-    """Repack the Q4_K parts of the model's quantized linears (rows a multiple of 16) for the
-    kernels, where this build runs them (AVX-512 VNNI); returns how many parts. Not an
-    embedding's table (a tied lm_head shares it; its rows are looked up) and not experts
-    stacked for the fused MoE kernel (views of the stacks)."""
-    skip = {id(m.weight) for m in model.modules() if isinstance(m, QuantEmbedding)}
+    """Repack the model's Q4_K, Q6_K and Q8_0 weight parts of a multiple of 16 rows for the
+    kernels, where this build runs them (AVX-512 VNNI); returns how many parts. Embedding
+    tables too (a tied lm_head multiplies by them; the row lookup reads the layout), but not
+    experts stacked for the fused MoE kernel (views of the stacks)."""
     todo: dict[int, QuantWeight] = {}
     for m in model.modules():
-        w = vars(m).get("weight")
-        if isinstance(w, QuantWeight) and id(w) not in skip and not w.stacked and w.on_cpu \
-                and any(p.kind == Q4_K and p.rows % R16_ROWS == 0 for p in w.parts):
-            todo[id(w)] = w
+        for w in vars(m).values():
+            if isinstance(w, QuantWeight) and not w.stacked and w.on_cpu and \
+                    any(p.kind in R16_OF and p.rows % R16_ROWS == 0 for p in w.parts):
+                todo[id(w)] = w
     if not todo:
         return 0
     from ladle.runner.cpu_kernels import load_cpu_kernels
 
     k = load_cpu_kernels()
-    if k is None or not hasattr(k, "quant_q4k_r16") or not k.quant_q4k_r16():
+    if k is None or not hasattr(k, "quant_r16") or not k.quant_r16():
         return 0
     done = 0
     for w in todo.values():
-        parts = [QuantPart(Q4_K_R16, repack_q4k_r16(p.data))
-                 if p.kind == Q4_K and p.rows % R16_ROWS == 0 else p for p in w.parts]
-        done += sum(p.kind == Q4_K_R16 for p in parts)
+        parts = [QuantPart(R16_OF[p.kind], repack_r16(p.data, p.kind))
+                 if p.kind in R16_OF and p.rows % R16_ROWS == 0 else p for p in w.parts]
+        done += sum(p.kind in R16_BASE for p in parts)
         w.__init__(parts, w.in_features, w.dtype)
     return done
-

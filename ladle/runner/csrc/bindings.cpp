@@ -157,5 +157,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"));
   m.def("dequantize_rows", &dequantize_rows, "rows of GGUF-block weights, dequantized");
   m.def("quant_isa", &quant_isa, "instruction set of the quantized kernels");
-  m.def("quant_q4k_r16", &quant_q4k_r16, "whether quant_matmul takes Q4_K repacked by 16 rows");
+  m.def("quant_r16", &quant_r16, "whether quant_matmul takes types repacked by 16 rows");
 }

@@ -57,7 +57,10 @@ namespace {
 
 constexpr int kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kMXFP4 = 39;
 constexpr int kI8 = -1;  // int8 rows with a float scale per row (quant.py's INT8_ROW)
-constexpr int kQ4KR = -3;  // Q4_K repacked by 16 rows at load (quant.py's Q4_K_R16; the panels')
+// Repacked at load by 16 rows (quant.py's Q4_K_R16, Q6_K_R16, Q8_0_R16; AVX-512 VNNI builds).
+constexpr int kQ4KR = -3, kQ6KR = -4, kQ8R = -5;
+inline bool is_r16(int type) { return type == kQ4KR || type == kQ6KR || type == kQ8R; }
+inline int r16_base(int type) { return type == kQ4KR ? kQ4_K : type == kQ6KR ? kQ6_K : kQ8_0; }
 
 // f(std::integral_constant<int, TYPE>{}) for a kernel type (checked by the caller): the one
 // switch from a part's type to the code compiled for it.
@@ -76,7 +79,7 @@ inline void with_type(int type, F&& f) {
 
 // (values per block, bytes per block), as gguf's GGML_QUANT_SIZES.
 inline int64_t block_values(int type) {
-  return (type == kQ4_K || type == kQ6_K || type == kQ4KR) ? 256 : 32;
+  return (type == kQ4_K || type == kQ6_K || type == kQ4KR || type == kQ6KR) ? 256 : 32;
 }
 inline int64_t block_bytes(int type) {
   switch (type) {
@@ -88,6 +91,8 @@ inline int64_t block_bytes(int type) {
     case kQ6_K: return 210;
     case kI8: return 32;
     case kQ4KR: return 148;  // per row: 16 rows' 2368 bytes
+    case kQ6KR: return 210;  // 16 rows' 3360
+    case kQ8R: return 34;  // 16 rows' 544 per 32 values
   }
   return 0;
 }
@@ -218,6 +223,49 @@ inline void unpack_scalar(const uint8_t* row, int64_t sb, Sub& o) {
     const int shift_l = (g >> 1) * 4, shift_h = g * 2;
     for (int i = 0; i < 32; i++)
       o.q[i] = int8_t((((ql[i] >> shift_l) & 0xF) | (((qh[i] >> shift_h) & 3) << 4)) - 32);
+  }
+}
+
+// Row r of a repacked group g (kQ4KR, kQ6KR, kQ8R; `nblocks` blocks) back in its GGUF blocks
+// (quant.py's unpack_r16 for one row): what the embedding's row lookup reads.
+inline void r16_row(int type, const uint8_t* g, int r, int64_t nblocks, uint8_t* out) {
+  for (int64_t blk = 0; blk < nblocks; blk++) {
+    if (type == kQ4KR) {
+      const uint8_t* b = g + blk * 2368;
+      uint8_t* o = out + blk * 144;
+      std::memcpy(o, b + 2 * r, 2);
+      std::memcpy(o + 2, b + 32 + 2 * r, 2);
+      uint8_t sc[8], mn[8];
+      for (int j = 0; j < 8; j++) {
+        sc[j] = b[64 + j * 16 + r];
+        mn[j] = b[192 + j * 16 + r];
+      }
+      for (int j = 0; j < 4; j++) {
+        o[4 + j] = uint8_t(sc[j] | ((sc[j + 4] >> 4) << 6));
+        o[8 + j] = uint8_t(mn[j] | ((mn[j + 4] >> 4) << 6));
+        o[12 + j] = uint8_t((sc[j + 4] & 0xF) | ((mn[j + 4] & 0xF) << 4));
+      }
+      for (int p = 0; p < 4; p++)
+        for (int t = 0; t < 8; t++)
+          std::memcpy(o + 16 + 32 * p + 4 * t, b + 320 + p * 512 + t * 64 + 4 * r, 4);
+    } else if (type == kQ6KR) {
+      const uint8_t* b = g + blk * 3360;
+      uint8_t* o = out + blk * 210;
+      std::memcpy(o + 208, b + 2 * r, 2);
+      for (int h = 0; h < 16; h++) o[192 + h] = b[32 + h * 16 + r];
+      for (int half = 0; half < 2; half++)
+        for (int t = 0; t < 8; t++) {
+          const uint8_t* q = b + 288 + half * 1536 + t * 192 + 4 * r;
+          for (int c = 0; c < 2; c++) std::memcpy(o + half * 64 + c * 32 + 4 * t, q + c * 64, 4);
+          std::memcpy(o + 128 + half * 32 + 4 * t, q + 128, 4);
+        }
+    } else {
+      const uint8_t* b = g + blk * 544;
+      uint8_t* o = out + blk * 34;
+      std::memcpy(o, b + 2 * r, 2);
+      for (int t = 0; t < 8; t++)
+        for (int i = 0; i < 4; i++) o[2 + 4 * t + i] = uint8_t(b[32 + t * 64 + 4 * r + i] ^ 0x80);
+    }
   }
 }
 
@@ -753,62 +801,149 @@ void part_tiles(const Part& p, int64_t t0, int64_t t1, const Act& a, int64_t M, 
 }
 
 #if defined(LADLE_QUANT_512)
-// Q4_K repacked at load (quant.py's repack_q4k_r16). In a tile a Q4_K row's products are few
-// of its instructions: most move the sums across lanes and rows, and one activation row ran
-// compute-bound at about half the machine's read bandwidth. Repacked, 16 rows' super-block is
-// laid out as a panel (below) with the nibbles still packed: 2368 bytes, 148 per row against
-// Q4_K's 144:
-//   d[16], dmin[16] float16; scale[8][16], min[8][16] bytes (sub-block j's, row r's);
-//   the values, per pair of sub-blocks (2p, 2p + 1) 8 zmm: dword r of zmm t is row r's bytes
-//   4t .. 4t + 3 of the pair (low nibbles: values 4t .. 4t + 3 of 2p; high: of 2p + 1).
-// One vpdpbusd with 4 activation bytes broadcast adds 4 products into each of 16 rows' sums:
-// a sub-block is 8 of them, after an and (and a shift) per 128 nibbles. The float steps are
-// the tiles' and panels' (the one order), so a repacked part gives the GGUF blocks' bits.
-constexpr int64_t kR16Rows = 16, kR16Bytes = 2368;
+// Repacked at load (quant.py's repack_r16): Q4_K, Q6_K and Q8_0 rows by 16, in the panels'
+// layout (below) with the values still in their bits. In a tile most of a row's instructions
+// move sums across lanes and rows, not products: one activation row of Q4_K ran compute-bound
+// at about half the read bandwidth, Q6_K's one-row stream at two thirds. Here one vpdpbusd
+// with 4 activation bytes broadcast adds 4 products into each of 16 rows' sums, after an and
+// and a shift or two per 64 values: a sub-block of 32 is 8 of them. Per 16 rows and block:
+//   Q4_K (2368 bytes per 256 values, 148 per row against 144): d[16], dmin[16] float16;
+//     scale[8][16], min[8][16] bytes (sub-block j's, row r's: the 6-bit values unpacked);
+//     then per pair of sub-blocks (2p, 2p + 1) 8 x 64 bytes, dword r of the t-th 64 being row
+//     r's bytes 4t .. 4t + 3 of the pair's 32 (low nibbles 2p's values, high 2p + 1's).
+//   Q6_K (3360 per 256, as the rows' 16 x 210): d[16] float16; scale[16][16] int8 (16 values'
+//     scale h, row r's); then per half of the block and dword slot t, 3 x 64 bytes: ql's
+//     32-byte chunks c = 0, 1 (low nibbles: sub-block 4 half + c's values; high: 4 half + 2 +
+//     c's) and qh (bits 2g, 2g + 1: sub-block 4 half + g's high bits), in the order read.
+//   Q8_0 (544 per 32, as 16 x 34): d[16] float16; 8 x 64 bytes of the values + 128 (unsigned).
+// A sub-block's int32 sums start at -bias * sum(x) (Q6_K 32 per half, Q8_0 128), and the float
+// steps are the tiles' and panels' (the one order): a repacked part gives its blocks' bits.
+constexpr int64_t kR16Rows = 16;
+template <int TYPE> constexpr int64_t kR16Block = TYPE == kQ4KR ? 2368 : TYPE == kQ6KR ? 3360 : 544;
+template <int TYPE> constexpr int kR16Subs = TYPE == kQ8R ? 1 : 8;  // sub-blocks per block
+template <int TYPE> constexpr int32_t kR16Bias = TYPE == kQ8R ? 128 : TYPE == kQ6KR ? 32 : 0;
+
+// The int32 sums of a sub-block of 32 for MR activation rows (i[m][h]: values 16h .. 16h + 15
+// where Q6_K's halves have a scale each, else one sum) start at -bias * sum(x).
+template <int TYPE, int MR, int H>
+inline void r16_start(const Act& a, int64_t m0, int64_t sb, __m512i (*i)[H]) {
+  constexpr int32_t bias = kR16Bias<TYPE>;
+  const int64_t ld = a.K / 16;
+  const int16_t* hx = a.h + m0 * ld + sb * 2;  // row m's: hx[m * ld], hx[m * ld + 1]
+  for (int m = 0; m < MR; m++) {
+    if constexpr (H == 2) {
+      i[m][0] = _mm512_set1_epi32(-bias * hx[m * ld]);
+      i[m][1] = _mm512_set1_epi32(-bias * hx[m * ld + 1]);
+    } else {
+      i[m][0] = _mm512_set1_epi32(-bias * (hx[m * ld] + hx[m * ld + 1]));
+    }
+  }
+}
+
+// i[m] += v (the 16 rows' dword slot t) times activation row m0 + m's values 4t .. 4t + 3 of
+// sub-block sb.
+template <int MR, int H>
+inline void r16_dot(const Act& a, int64_t m0, int64_t sb, int t, __m512i v, __m512i (*i)[H]) {
+  for (int m = 0; m < MR; m++) {
+    int32_t x4;
+    std::memcpy(&x4, a.q + (m0 + m) * a.K + sb * 32 + 4 * t, 4);
+    i[m][H == 2 ? t >> 2 : 0] = _mm512_dpbusd_epi32(i[m][H == 2 ? t >> 2 : 0], v,
+                                                    _mm512_set1_epi32(x4));
+  }
+}
+
+// Sub-block j (sb of the rows) of the block at b, its sums i done: the float steps of the one
+// order into acc.
+template <int TYPE, int MR, int H>
+inline void r16_finish(const uint8_t* b, int j, const Act& a, int64_t m0, int64_t sb,
+                       const __m512i (*i)[H], __m512* acc) {
+  const int64_t nsub = a.K / 32;
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+  __m512 f[MR];
+  if constexpr (TYPE == kQ6KR) {  // f = s_lo * I_lo + s_hi * I_hi, each product exact
+    const __m512 s0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32 + (2 * j) * 16))));
+    const __m512 s1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32 + (2 * j + 1) * 16))));
+    for (int m = 0; m < MR; m++)
+      f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i[m][H - 1]), s1,
+                             _mm512_mul_ps(_mm512_cvtepi32_ps(i[m][0]), s0));
+  } else if constexpr (TYPE == kQ4KR) {
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 64 + j * 16))));
+    for (int m = 0; m < MR; m++) f[m] = _mm512_mul_ps(_mm512_cvtepi32_ps(i[m][0]), sc);
+  } else {
+    for (int m = 0; m < MR; m++) f[m] = _mm512_cvtepi32_ps(i[m][0]);
+  }
+  for (int m = 0; m < MR; m++)
+    acc[m] = _mm512_fmadd_ps(f[m], _mm512_mul_ps(d, _mm512_set1_ps(a.d[(m0 + m) * nsub + sb])),
+                             acc[m]);
+  if constexpr (TYPE == kQ4KR) {
+    const __m512 mn = _mm512_mul_ps(
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32))),
+        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192 + j * 16)))));
+    for (int m = 0; m < MR; m++)
+      acc[m] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(a.s[(m0 + m) * nsub + sb]), acc[m]);
+  }
+}
 
 // out (MR x 16) = MR activation rows from m0 times the 16 repacked rows at g.
-template <int MR>
+template <int TYPE, int MR>
 inline void r16_rows(const uint8_t* g, const Act& a, int64_t m0, float (*out)[16]) {
-  const int64_t K = a.K, nsub = K / 32, nblocks = K / 256;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const int64_t nsub = a.K / 32;
   __m512 acc[MR];
   for (int m = 0; m < MR; m++) acc[m] = _mm512_setzero_ps();
-  for (int64_t blk = 0; blk < nblocks; blk++) {
-    const uint8_t* b = g + blk * kR16Bytes;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32)));
-    for (int p = 0; p < 4; p++) {
-      const uint8_t* qs = b + 320 + p * 512;
-      const int64_t sb = blk * 8 + 2 * p;
-      __m512i lo[MR], hi[MR];
-      for (int m = 0; m < MR; m++) lo[m] = hi[m] = _mm512_setzero_si512();
+  if constexpr (TYPE == kQ6KR) {
+    // Per half of a block, its four sub-blocks at once: each 64 bytes is read once, in order.
+    const __m512i bits45 = _mm512_set1_epi8(0x30);
+    for (int64_t sb0 = 0; sb0 < nsub; sb0 += 8) {
+      const uint8_t* b = g + sb0 / 8 * kR16Block<TYPE>;
+      for (int half = 0; half < 2; half++) {
+        __m512i i[4][MR][2];
+        for (int j = 0; j < 4; j++) r16_start<TYPE, MR, 2>(a, m0, sb0 + 4 * half + j, i[j]);
 #pragma GCC unroll 8
-      for (int t = 0; t < 8; t++) {
-        const __m512i z = _mm512_loadu_si512(qs + t * 64);
-        const __m512i zl = _mm512_and_si512(z, low4);
-        const __m512i zh = _mm512_and_si512(_mm512_srli_epi16(z, 4), low4);
-        for (int m = 0; m < MR; m++) {
-          const int8_t* x = a.q + (m0 + m) * K + sb * 32 + 4 * t;
-          int32_t x0, x1;
-          std::memcpy(&x0, x, 4);
-          std::memcpy(&x1, x + 32, 4);
-          lo[m] = _mm512_dpbusd_epi32(lo[m], zl, _mm512_set1_epi32(x0));
-          hi[m] = _mm512_dpbusd_epi32(hi[m], zh, _mm512_set1_epi32(x1));
+        for (int t = 0; t < 8; t++) {
+          const uint8_t* q = b + 288 + half * 1536 + t * 192;
+          const __m512i l0 = _mm512_loadu_si512(q), l1 = _mm512_loadu_si512(q + 64);
+          const __m512i h = _mm512_loadu_si512(q + 128);  // bits 2j, 2j + 1: sub-block j's
+          const __m512i v[4] = {
+              _mm512_or_si512(_mm512_and_si512(l0, low4),
+                              _mm512_and_si512(_mm512_slli_epi16(h, 4), bits45)),
+              _mm512_or_si512(_mm512_and_si512(l1, low4),
+                              _mm512_and_si512(_mm512_slli_epi16(h, 2), bits45)),
+              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), low4),
+                              _mm512_and_si512(h, bits45)),
+              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), low4),
+                              _mm512_and_si512(_mm512_srli_epi16(h, 2), bits45))};
+          for (int j = 0; j < 4; j++) r16_dot<MR, 2>(a, m0, sb0 + 4 * half + j, t, v[j], i[j]);
         }
+        for (int j = 0; j < 4; j++)
+          r16_finish<TYPE, MR, 2>(b, 4 * half + j, a, m0, sb0 + 4 * half + j, i[j], acc);
       }
-      for (int h = 0; h < 2; h++) {
-        const int j = 2 * p + h;
-        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 64 + j * 16))));
-        const __m512 mn = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192 + j * 16)))));
-        for (int m = 0; m < MR; m++) {
-          const int64_t row = m0 + m;
-          const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(h ? hi[m] : lo[m]), sc);
-          acc[m] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(a.d[row * nsub + sb + h])),
-                                   acc[m]);
-          acc[m] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(a.s[row * nsub + sb + h]), acc[m]);
+    }
+  } else {
+    constexpr int subs = kR16Subs<TYPE>;
+    for (int64_t sb0 = 0; sb0 < nsub; sb0 += subs) {
+      const uint8_t* b = g + sb0 / subs * kR16Block<TYPE>;
+#pragma GCC unroll 8  // every j's offsets and shifts fixed at compile time
+      for (int j = 0; j < subs; j++) {
+        const int64_t sb = sb0 + j;
+        __m512i i[MR][1];
+        r16_start<TYPE, MR, 1>(a, m0, sb, i);
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) {
+          __m512i v;
+          if constexpr (TYPE == kQ4KR) {
+            const __m512i z = _mm512_loadu_si512(b + 320 + (j >> 1) * 512 + t * 64);
+            v = _mm512_and_si512((j & 1) ? _mm512_srli_epi16(z, 4) : z, low4);
+          } else {
+            v = _mm512_loadu_si512(b + 32 + t * 64);
+          }
+          r16_dot<MR, 1>(a, m0, sb, t, v, i);
         }
+        r16_finish<TYPE, MR, 1>(b, j, a, m0, sb, i, acc);
       }
     }
   }
@@ -816,23 +951,33 @@ inline void r16_rows(const uint8_t* g, const Act& a, int64_t m0, float (*out)[16
 }
 
 // Group g (rows 16g .. 16g + 15, local to the part) of a repacked part for all M rows: the
-// group's bytes (K / 256 x 2368) stay in cache while the rows pass in fours.
-template <typename T>
+// group's bytes stay in cache while the rows pass in fours (Q6_K: twos, for its registers).
+template <int TYPE, typename T>
 void r16_group(const Part& p, int64_t g, const Act& a, int64_t M, T* y, int64_t ldy) {
   const uint8_t* w = p.w + g * kR16Rows * p.row_bytes;
+  constexpr int most = TYPE == kQ6KR ? 2 : 4;
   float out[4][16];
   for (int64_t m0 = 0; m0 < M;) {
     const int64_t left = M - m0;
-    const int mr = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+    const int mr = left >= most ? most : left >= 2 ? 2 : 1;
     switch (mr) {
-      case 4: r16_rows<4>(w, a, m0, out); break;
-      case 2: r16_rows<2>(w, a, m0, out); break;
-      default: r16_rows<1>(w, a, m0, out); break;
+      case 4: r16_rows<TYPE, most>(w, a, m0, out); break;
+      case 2: r16_rows<TYPE, 2>(w, a, m0, out); break;
+      default: r16_rows<TYPE, 1>(w, a, m0, out); break;
     }
     for (int m = 0; m < mr; m++)
       for (int64_t n = 0; n < kR16Rows; n++)
         y[(m0 + m) * ldy + p.col + g * kR16Rows + n] = T(out[m][n]);
     m0 += mr;
+  }
+}
+
+template <typename T>
+void r16_group_any(const Part& p, int64_t g, const Act& a, int64_t M, T* y, int64_t ldy) {
+  switch (p.type) {
+    case kQ4KR: return r16_group<kQ4KR>(p, g, a, M, y, ldy);
+    case kQ6KR: return r16_group<kQ6KR>(p, g, a, M, y, ldy);
+    default: return r16_group<kQ8R>(p, g, a, M, y, ldy);
   }
 }
 #endif
@@ -842,8 +987,8 @@ template <typename T>
 void part_tiles_any(const Part& p, int64_t t0, int64_t t1, const Act& a, int64_t M, T* y,
                     int64_t ldy) {
 #if defined(LADLE_QUANT_512)
-  if (p.type == kQ4KR) {
-    for (int64_t g = t0; g < t1; g++) r16_group(p, g, a, M, y, ldy);
+  if (is_r16(p.type)) {
+    for (int64_t g = t0; g < t1; g++) r16_group_any(p, g, a, M, y, ldy);
     return;
   }
 #endif
@@ -1068,13 +1213,13 @@ void panel(const Part& p, int64_t i, const Act& a, int64_t M, T* y, int64_t ldy,
 template <typename T>
 void panel_any(const Part& p, int64_t i, const Act& a, int64_t M, T* y, int64_t ldy,
                PanelBuffers& pb) {
-  if (p.type == kQ4KR) return r16_group(p, i, a, M, y, ldy);  // packed at load
+  if (is_r16(p.type)) return r16_group_any(p, i, a, M, y, ldy);  // packed at load
   with_type(p.type, [&](auto t) { panel<decltype(t)::value>(p, i, a, M, y, ldy, pb); });
 }
 #endif
 
-// This build runs Q4_K repacked by 16 rows (quant.py repacks at load only where it does).
-constexpr bool kHasQ4KR =
+// This build runs the repacked types (quant.py repacks at load only where it does).
+constexpr bool kHasR16 =
 #if defined(LADLE_QUANT_512)
     true;
 #else
@@ -1083,7 +1228,7 @@ constexpr bool kHasQ4KR =
 
 bool is_kernel_type(int64_t t) {
   return t == kQ4_0 || t == kQ5_0 || t == kQ8_0 || t == kMXFP4 || t == kQ4_K || t == kQ6_K ||
-         t == kI8 || (t == kQ4KR && kHasQ4KR);
+         t == kI8 || (is_r16(int(t)) && kHasR16);
 }
 
 // Per block of 32 of x (M, K): d = max|x| / 127, q = round-half-even(x * (127 / max|x|)) (0 for
@@ -1174,9 +1319,9 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
                       scales[i].numel() == w.size(0), "int8 part ", i, " needs a float32 scale per row");
       sc = scales[i].data_ptr<float>();
     }
-    TORCH_CHECK(type != kQ4KR || w.size(0) % 16 == 0, "weight part ", i,
-                " (Q4_K repacked) must have a multiple of 16 rows");
-    const int64_t unit = type == kQ4KR ? 16 : kNR;  // a tile's rows (a repacked part: groups)
+    TORCH_CHECK(!is_r16(int(type)) || w.size(0) % 16 == 0, "weight part ", i,
+                " (repacked by 16 rows) must have a multiple of 16 rows");
+    const int64_t unit = is_r16(int(type)) ? 16 : kNR;  // a tile's rows (a repacked part: groups)
     const int64_t t = (w.size(0) + unit - 1) / unit;
     parts.push_back({static_cast<const uint8_t*>(w.data_ptr()), int(type), w.size(0), row_bytes,
                      cols[i], sc, tiles, t});
@@ -1348,8 +1493,8 @@ at::Tensor moe_quant_swiglu(const at::Tensor& x, const at::Tensor& ids,
   const int64_t H = x.size(1), E = gate.size(0), I = gate.size(1);
   for (auto [w, type, n, kk] : {std::tuple{&gate, gate_type, I, H}, std::tuple{&up, up_type, I, H},
                                 std::tuple{&down, down_type, H, I}}) {
-    TORCH_CHECK(is_kernel_type(type) && type != kI8 && type != kQ4KR, "moe_quant_swiglu: type ",
-                type);
+    TORCH_CHECK(is_kernel_type(type) && type != kI8 && !is_r16(int(type)),
+                "moe_quant_swiglu: type ", type);
     TORCH_CHECK(kk % block_values(int(type)) == 0 && kk % 32 == 0,
                 "moe_quant_swiglu: inputs of ", kk, " values do not fill type ", type, "'s blocks");
     TORCH_CHECK(w->dim() == 3 && w->is_contiguous() && w->scalar_type() == at::kByte &&
@@ -1369,8 +1514,9 @@ at::Tensor moe_quant_swiglu(const at::Tensor& x, const at::Tensor& ids,
 
 // out (T, K) = rows ids (T,) of w (N, row bytes) of `type`, dequantized: the embedding lookup.
 void dequantize_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, at::Tensor out) {
-  TORCH_CHECK(is_kernel_type(type) && type != kI8 && type != kQ4KR,
-              "dequantize_rows: unsupported ggml type ", type);
+  TORCH_CHECK(is_kernel_type(type) && type != kI8, "dequantize_rows: unsupported ggml type ",
+              type);
+  TORCH_CHECK(!is_r16(int(type)) || w.size(0) % 16 == 0, "dequantize_rows: repacked rows");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kByte, "w");
   TORCH_CHECK(ids.dim() == 1 && ids.is_contiguous() && ids.scalar_type() == at::kLong, "ids");
   const int64_t T = ids.size(0), K = out.size(1), N = w.size(0);
@@ -1383,11 +1529,19 @@ void dequantize_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, a
   const int64_t row_bytes = w.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out.scalar_type(), "dequantize_rows", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
+    const bool packed = is_r16(int(type));
+    const int base = packed ? r16_base(int(type)) : int(type);
+    std::vector<uint8_t> blocks(packed ? K / block_values(base) * block_bytes(base) : 0);
     for (int64_t t = 0; t < T; t++) {
       const uint8_t* row = wp + id[t] * row_bytes;
+      if (packed) {  // the row's blocks, out of its group's
+        r16_row(int(type), wp + id[t] / 16 * 16 * row_bytes, int(id[t] % 16),
+                K / block_values(base), blocks.data());
+        row = blocks.data();
+      }
       for (int64_t sb = 0; sb < K / 32; sb++) {
         Sub s;
-        unpack_any(int(type), row, sb, s);
+        unpack_any(base, row, sb, s);
         for (int i = 0; i < 32; i++)
           op[t * K + sb * 32 + i] = scalar_t((i < 16 ? s.s0 : s.s1) * float(s.q[i]) - s.minv);
       }
@@ -1395,7 +1549,7 @@ void dequantize_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, a
   });
 }
 
-bool quant_q4k_r16() { return kHasQ4KR; }
+bool quant_r16() { return kHasR16; }
 
 std::string quant_isa() {
 #if defined(LADLE_QUANT_512) && defined(__AVX512VL__)

@@ -16,4 +16,4 @@ at::Tensor moe_quant_swiglu(const at::Tensor& x, const at::Tensor& ids,
                             const at::Tensor& up, int64_t up_type, const at::Tensor& down,
                             int64_t down_type);
 std::string quant_isa();
-bool quant_q4k_r16();  // whether quant_matmul takes Q4_K repacked by 16 rows (type -3)
+bool quant_r16();  // whether quant_matmul takes Q4_K, Q6_K, Q8_0 repacked by 16 rows (-3, -4, -5)
