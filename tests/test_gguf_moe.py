@@ -26,6 +26,7 @@ from ladle import LLM, SamplingParams
 from ladle.models.gguf import hf_config_from_gguf, iter_hf_tensors, open_gguf
 from ladle.models.loader import ModelLoadError, check_checkpoint, load_model, read_hf_config
 from ladle.models.moe import SparseMoeBlock
+from ladle.runner import quant as Q
 from ladle.runner.quant import QuantWeight
 
 T = gguf.GGMLQuantizationType
@@ -309,6 +310,10 @@ def test_quantized_experts_kernel_equals_the_per_expert_loop(tmp_path, case, dty
     model = load_model(path, read_hf_config(path), dtype, torch.device("cpu"))
     (block,) = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
     assert block.quant_stacked is not None
+    # AVX-512 VNNI builds stack Q4_K, Q6_K and Q8_0 experts repacked by 16 rows (quant.py).
+    r16 = Q._r16_kernels()
+    assert list(block.quant_stacked[1::2]) == [Q.R16_OF.get(int(t), int(t)) if r16 else int(t)
+                                               for t in (gate, up, down)]
     stacked_gate = block.quant_stacked[0]
     for e, expert in enumerate(block.experts):
         part = expert.gate_up_proj.weight.parts[0].data

@@ -338,7 +338,8 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
 def stack_expert_blocks(gate_ups: list[QuantWeight], downs: list[QuantWeight]) -> tuple | None:
     """A layer's SwiGLU experts held in GGUF blocks, stacked for `moe_quant_swiglu`: (gate
     (E, I, row bytes), its type, up, its type, down (E, H, row bytes), its type), each expert's
-    QuantWeights rebuilt over views of the stacks (so no bytes are held twice). None when an
+    QuantWeights rebuilt over views of the stacks (so no bytes are held twice); Q4_K, Q6_K and
+    Q8_0 stacks repacked by 16 rows where the kernels run that (repack_r16). None when an
     expert is not [gate, up] + [down] block parts of one type per projection (int8 rows, dense
     parts: the per-expert loop runs them)."""
     layout = [[p.kind for p in w.parts] for w in gate_ups + downs]
@@ -348,9 +349,17 @@ def stack_expert_blocks(gate_ups: list[QuantWeight], downs: list[QuantWeight]) -
             any(kinds != first_gu for kinds in layout[:len(gate_ups)]) or \
             any(kinds != first_down for kinds in layout[len(gate_ups):]):
         return None
-    gate = torch.stack([w.parts[0].data for w in gate_ups])
-    up = torch.stack([w.parts[1].data for w in gate_ups])
-    down = torch.stack([w.parts[0].data for w in downs])
+    stacks = [torch.stack([w.parts[i].data for w in ws])
+              for ws, i in ((gate_ups, 0), (gate_ups, 1), (downs, 0))]
+    kinds = [first_gu[0], first_gu[1], first_down[0]]
+    if gate_ups[0].on_cpu and _r16_kernels():  # as repack_for_kernels, per expert's rows
+        for i, (st, kind) in enumerate(zip(stacks, kinds, strict=True)):
+            if kind in R16_OF and st.shape[1] % R16_ROWS == 0:
+                e, n, rb = st.shape
+                stacks[i] = repack_r16(st.reshape(e * n, rb), kind).reshape(e, n, -1)
+                kinds[i] = R16_OF[kind]
+    gate, up, down = stacks
+    first_gu, first_down = kinds[:2], kinds[2:]
     for e, (gu, dn) in enumerate(zip(gate_ups, downs, strict=True)):
         gu.__init__([QuantPart(first_gu[0], gate[e]), QuantPart(first_gu[1], up[e])],
                     gu.in_features, gu.dtype)
@@ -464,6 +473,14 @@ def unpack_r16(data: torch.Tensor, kind: int) -> torch.Tensor:
     return out.transpose(1, 2).reshape(n, nb * BLOCK_SIZES[base][1])
 
 
+def _r16_kernels() -> bool:
+    """Whether this machine's kernels run the repacked kinds (AVX-512 VNNI builds)."""
+    from ladle.runner.cpu_kernels import load_cpu_kernels
+
+    k = load_cpu_kernels()
+    return k is not None and hasattr(k, "quant_r16") and k.quant_r16()
+
+
 def repack_for_kernels(model: nn.Module) -> int:
     """Repack the model's Q4_K, Q6_K and Q8_0 weight parts of a multiple of 16 rows for the
     kernels, where this build runs them (AVX-512 VNNI); returns how many parts. Embedding
@@ -477,10 +494,7 @@ def repack_for_kernels(model: nn.Module) -> int:
                 todo[id(w)] = w
     if not todo:
         return 0
-    from ladle.runner.cpu_kernels import load_cpu_kernels
-
-    k = load_cpu_kernels()
-    if k is None or not hasattr(k, "quant_r16") or not k.quant_r16():
+    if not _r16_kernels():
         return 0
     done = 0
     for w in todo.values():

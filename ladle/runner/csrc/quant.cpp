@@ -1404,7 +1404,7 @@ static void experts_quant(const Act& a, const std::vector<const at::Tensor*>& ws
       const int64_t rows = w.size(1), row_bytes = w.size(2);
       const bool panels = panels_for(r.count[e]);
 #if defined(LADLE_QUANT_512)
-      const int64_t nr_tile = panels ? kPanelRows : kNR;
+      const int64_t nr_tile = panels || is_r16(type) ? kPanelRows : kNR;
 #else
       const int64_t nr_tile = kNR;
 #endif
@@ -1493,8 +1493,8 @@ at::Tensor moe_quant_swiglu(const at::Tensor& x, const at::Tensor& ids,
   const int64_t H = x.size(1), E = gate.size(0), I = gate.size(1);
   for (auto [w, type, n, kk] : {std::tuple{&gate, gate_type, I, H}, std::tuple{&up, up_type, I, H},
                                 std::tuple{&down, down_type, H, I}}) {
-    TORCH_CHECK(is_kernel_type(type) && type != kI8 && !is_r16(int(type)),
-                "moe_quant_swiglu: type ", type);
+    TORCH_CHECK(is_kernel_type(type) && type != kI8, "moe_quant_swiglu: type ", type);
+    TORCH_CHECK(!is_r16(int(type)) || n % 16 == 0, "moe_quant_swiglu: repacked rows");
     TORCH_CHECK(kk % block_values(int(type)) == 0 && kk % 32 == 0,
                 "moe_quant_swiglu: inputs of ", kk, " values do not fill type ", type, "'s blocks");
     TORCH_CHECK(w->dim() == 3 && w->is_contiguous() && w->scalar_type() == at::kByte &&
