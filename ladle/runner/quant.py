@@ -484,17 +484,15 @@ def _r16_kernels() -> bool:
 def repack_for_kernels(model: nn.Module) -> int:
     """Repack the model's Q4_K, Q6_K and Q8_0 weight parts of a multiple of 16 rows for the
     kernels, where this build runs them (AVX-512 VNNI); returns how many parts. Embedding
-    tables too (a tied lm_head multiplies by them; the row lookup reads the layout), but not
-    experts stacked for the fused MoE kernel (views of the stacks)."""
+    tables too (a tied lm_head multiplies by them; the row lookup reads the layout). Experts
+    stacked for the fused MoE are views of their stacks, which stack_expert_blocks repacks."""
     todo: dict[int, QuantWeight] = {}
     for m in model.modules():
         for w in vars(m).values():
             if isinstance(w, QuantWeight) and not w.stacked and w.on_cpu and \
                     any(p.kind in R16_OF and p.rows % R16_ROWS == 0 for p in w.parts):
                 todo[id(w)] = w
-    if not todo:
-        return 0
-    if not _r16_kernels():
+    if not todo or not _r16_kernels():
         return 0
     done = 0
     for w in todo.values():

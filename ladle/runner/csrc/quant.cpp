@@ -26,8 +26,8 @@
 // while the weight blocks are in registers, so for decode the weights are read once at memory
 // speed, and for prefill every unpacked weight block serves several rows. AVX-512 VNNI builds
 // run 12 or more rows in panels instead (below: 16 weight rows unpacked once per call, 64
-// products per instruction into 16 outputs), and Q4_K repacked at load into that layout
-// (r16_rows) for every row count. Tiles, panels and repacked rows sum every row in one order
+// products per instruction into 16 outputs), and Q4_K, Q6_K and Q8_0 repacked at load into
+// that layout (r16_rows) for every row count. Tiles, panels and repacked rows sum every row in one order
 // (see the tiles), so a row's result does not depend on the rows beside it: quantized linears
 // are batch-invariant in every mode.
 #include "quant.h"
@@ -1553,7 +1553,7 @@ bool quant_r16() { return kHasR16; }
 
 std::string quant_isa() {
 #if defined(LADLE_QUANT_512) && defined(__AVX512VL__)
-  return "avx512-vnni (256-bit tiles, 512-bit panels from 12 rows)";
+  return "avx512-vnni (256-bit tiles, 512-bit panels from 12 rows, Q4_K/Q6_K/Q8_0 repacked)";
 #elif defined(LADLE_QUANT_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return "avx512-vnni (256-bit)";
 #elif defined(LADLE_QUANT_AVX2) && defined(__AVXVNNI__)
