@@ -216,35 +216,47 @@ needs_r16 = pytest.mark.skipif(kernels is None or not hasattr(kernels, "quant_r1
                                or not kernels.quant_r16(),
                                reason="this build does not run repacked blocks (AVX-512 VNNI)")
 R16_KINDS = sorted(Q.R16_OF)
+R16_ID = {Q.INT8_ROW: "int8", **Q.BLOCK_TYPES}.get
 
 
-@pytest.mark.parametrize("kind", R16_KINDS, ids=lambda k: Q.BLOCK_TYPES[k])
+def r16_weight(kind: int, rows: int, k: int, g: torch.Generator) -> Q.QuantPart:
+    """A part of `kind` (a key of R16_OF): random blocks, or int8 rows of random weights."""
+    if kind == Q.INT8_ROW:
+        return Q.quantize_weight_rows(torch.randn(rows, k, generator=g))
+    return Q.QuantPart(kind, random_blocks(kind, rows, k, g))
+
+
+def repacked(p: Q.QuantPart) -> Q.QuantPart:
+    return Q.QuantPart(Q.R16_OF[p.kind], Q.repack_r16(p.data, p.kind), p.scale)
+
+
+@pytest.mark.parametrize("kind", R16_KINDS, ids=R16_ID)
 def test_repack_is_a_permutation_the_twin_reads(kind):
     """repack_r16 moves every bit and loses none (unpack gives the file's bytes back), and a
     repacked part dequantizes (the torch twin; the embedding's row lookup, kernel and twin) as
     its blocks do."""
     g = torch.Generator().manual_seed(11)
-    raw = random_blocks(kind, 48, 768, g)
-    packed = Q.repack_r16(raw, kind)
-    r16 = Q.R16_OF[kind]
-    assert packed.shape == (48, 768 // Q.R16_SIZES[r16][0] * Q.R16_SIZES[r16][1])
-    assert torch.equal(Q.unpack_r16(packed, r16), raw)
-    w = Q.QuantWeight([Q.QuantPart(r16, packed)], 768, torch.float32)
-    assert w.parts[0].name() == Q.BLOCK_TYPES[kind]
-    assert torch.equal(w.dequantize(), dequantize(raw, kind, (48, 768)))
+    part = r16_weight(kind, 48, 768, g)
+    r16 = repacked(part)
+    assert r16.data.shape == (48, 768 // Q.R16_SIZES[r16.kind][0] * Q.R16_SIZES[r16.kind][1])
+    assert torch.equal(Q.unpack_r16(r16.data, r16.kind), part.data)
+    packed = r16.data
+    w = Q.QuantWeight([r16], 768, torch.float32)
+    assert w.parts[0].name() == part.name()
+    assert torch.equal(w.dequantize(), part.dequantize(768))
     ids = torch.tensor([47, 0, 17, 17, 31])
-    want = dequantize(raw[ids], kind, (5, 768))
+    want = part.dequantize(768)[ids]
     assert torch.equal(Q.quant_rows(w, ids), want)
     assert torch.equal(Q._part_rows(w.parts[0], ids, w), want)  # the kernel's lookup, or
     with pytest.MonkeyPatch.context() as mp:  # the twin's where none is built
         mp.setattr(Q, "_kernels", lambda x: None)
         assert torch.equal(Q.quant_rows(w, ids), want)
     with pytest.raises(ValueError, match="multiple of 16"):
-        Q.QuantWeight([Q.QuantPart(r16, packed[:40])], 768, torch.float32)
+        Q.QuantWeight([Q.QuantPart(r16.kind, packed[:40], part.scale)], 768, torch.float32)
 
 
 @needs_r16
-@pytest.mark.parametrize("kind", R16_KINDS, ids=lambda k: Q.BLOCK_TYPES[k])
+@pytest.mark.parametrize("kind", R16_KINDS, ids=R16_ID)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_repacked_blocks_give_the_blocks_bits(kind, dtype):
     """The repacked kernel (decode and batched rows in fours or twos, prefill as the panels)
@@ -253,21 +265,19 @@ def test_repacked_blocks_give_the_blocks_bits(kind, dtype):
     g = torch.Generator().manual_seed(12 + kind)
     for m, n, k in [(1, 16, 256), (2, 48, 512), (3, 32, 256), (5, 64, 768), (12, 16, 512),
                     (13, 32, 256), (40, 48, 1024)]:
-        raw = random_blocks(kind, n, k, g)
-        blocks = Q.QuantWeight([Q.QuantPart(kind, raw)], k, dtype)
-        packed = Q.QuantWeight([Q.QuantPart(Q.R16_OF[kind], Q.repack_r16(raw, kind))], k, dtype)
+        part = r16_weight(kind, n, k, g)
+        blocks = Q.QuantWeight([part], k, dtype)
+        packed = Q.QuantWeight([repacked(part)], k, dtype)
         x = torch.randn(m, k, generator=g).to(dtype)
         y = Q.quant_linear(x, packed)
         assert torch.equal(y, Q.quant_linear(x, blocks)), (m, n, k)
         assert relative_error(y.float(), x, packed) < (1e-5 if dtype == torch.float32 else 4e-3)
     # q|k|v-like: a repacked part, a Q4_0 and a part of 8 rows (not repackable) in one call.
     k = 512
-    raws = [random_blocks(kind, 32, k, g), random_blocks(Q.Q4_0, 16, k, g),
-            random_blocks(kind, 8, k, g)]
-    fused = Q.QuantWeight([Q.QuantPart(Q.R16_OF[kind], Q.repack_r16(raws[0], kind)),
-                           Q.QuantPart(Q.Q4_0, raws[1]), Q.QuantPart(kind, raws[2])], k, dtype)
-    plain = Q.QuantWeight([Q.QuantPart(kind, raws[0]), Q.QuantPart(Q.Q4_0, raws[1]),
-                           Q.QuantPart(kind, raws[2])], k, dtype)
+    parts = [r16_weight(kind, 32, k, g), Q.QuantPart(Q.Q4_0, random_blocks(Q.Q4_0, 16, k, g)),
+             r16_weight(kind, 8, k, g)]
+    fused = Q.QuantWeight([repacked(parts[0]), *parts[1:]], k, dtype)
+    plain = Q.QuantWeight(parts, k, dtype)
     for m in (1, 4, 16):
         x = torch.randn(m, k, generator=g).to(dtype)
         assert torch.equal(Q.quant_linear(x, fused), Q.quant_linear(x, plain)), m
@@ -319,8 +329,7 @@ def test_weight_shapes_are_checked():
 
 @needs_kernels
 @pytest.mark.parametrize("kind", sorted(Q.BLOCK_TYPES) + [Q.INT8_ROW] + sorted(Q.R16_BASE),
-                         ids=lambda k: Q.BLOCK_TYPES.get(k) or ("int8" if k == Q.INT8_ROW else
-                                                                Q.BLOCK_TYPES[Q.R16_BASE[k]] + "_R16"))
+                         ids=lambda k: R16_ID(k) or R16_ID(Q.R16_BASE[k]) + "_R16")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind, dtype):
     """Every row sums its blocks in one order whatever else the call holds: a decode row, a
@@ -336,8 +345,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind, dtype):
     if kind == Q.INT8_ROW:
         part = Q.quantize_weight_rows(torch.randn(n, k, generator=g))
     elif kind in Q.R16_BASE:  # two groups of 16 rows
-        base = Q.R16_BASE[kind]
-        part = Q.QuantPart(kind, Q.repack_r16(random_blocks(base, 32, k, g), base))
+        part = repacked(r16_weight(Q.R16_BASE[kind], 32, k, g))
     else:
         part = Q.QuantPart(kind, random_blocks(kind, n, k, g))
     w = Q.QuantWeight([part], k, dtype)

@@ -46,13 +46,14 @@ BLOCK_SIZES = {Q4_0: (32, 18), Q5_0: (32, 22), Q8_0: (32, 34), Q4_K: (256, 144),
                Q6_K: (256, 210), MXFP4: (32, 17)}
 INT8_ROW = -1  # int8 rows with a float32 scale per row
 DENSE = -2  # the model dtype
-# Blocks repacked at load by 16 rows for the AVX-512 VNNI kernels (repack_r16): each kind, the
-# type it holds, and its (values per block, bytes per row and block): Q4_K's 6-bit scales
-# become bytes (148 against 144); Q6_K and Q8_0 keep their size.
-Q4_K_R16, Q6_K_R16, Q8_0_R16 = -3, -4, -5
-R16_OF = {Q4_K: Q4_K_R16, Q6_K: Q6_K_R16, Q8_0: Q8_0_R16}
+# Blocks (and int8 rows) repacked at load by 16 rows for the AVX-512 VNNI kernels (repack_r16):
+# each kind, the kind it holds, and its (values per block, bytes per row and block): Q4_K's
+# 6-bit scales become bytes (148 against 144); the others keep their size.
+Q4_K_R16, Q6_K_R16, Q8_0_R16, INT8_ROW_R16 = -3, -4, -5, -6
+R16_OF = {Q4_K: Q4_K_R16, Q6_K: Q6_K_R16, Q8_0: Q8_0_R16, INT8_ROW: INT8_ROW_R16}
 R16_BASE = {v: k for k, v in R16_OF.items()}
-R16_SIZES = {Q4_K_R16: (256, 148), Q6_K_R16: (256, 210), Q8_0_R16: (32, 34)}
+R16_SIZES = {Q4_K_R16: (256, 148), Q6_K_R16: (256, 210), Q8_0_R16: (32, 34),
+             INT8_ROW_R16: (32, 32)}
 R16_ROWS = 16
 
 ACT_BLOCK = 32  # activations are quantized per this many values
@@ -74,8 +75,8 @@ class QuantPart:
         return n + (0 if self.scale is None else self.scale.numel() * self.scale.element_size())
 
     def name(self) -> str:
-        if self.kind in R16_BASE:  # counted (weight_bytes, /metrics) as the type it holds
-            return BLOCK_TYPES[R16_BASE[self.kind]]
+        if self.kind in R16_BASE:  # counted (weight_bytes, /metrics) as the kind it holds
+            return QuantPart(R16_BASE[self.kind], self.data).name()
         return BLOCK_TYPES.get(self.kind) or {INT8_ROW: "int8", DENSE: str(self.data.dtype)
                                               .removeprefix("torch.")}[self.kind]
 
@@ -83,8 +84,9 @@ class QuantPart:
         """float32 (rows, k)."""
         if self.kind == DENSE:
             return self.data.float()
-        if self.kind == INT8_ROW:
-            return self.data.float() * self.scale[:, None]
+        if self.kind in (INT8_ROW, INT8_ROW_R16):
+            data = self.data if self.kind == INT8_ROW else unpack_r16(self.data, self.kind)
+            return data.float() * self.scale[:, None]
         from ladle.models.gguf.quants import dequantize  # (a cycle at import time)
 
         if self.kind in R16_BASE:
@@ -280,6 +282,8 @@ def _part_rows(p: QuantPart, local: torch.Tensor, w: QuantWeight) -> torch.Tenso
         return p.data[local].to(w.dtype)
     if p.kind == INT8_ROW:
         return (p.data[local].float() * p.scale[local, None]).to(w.dtype)
+    if p.kind == INT8_ROW_R16:
+        return (_r16_rows(p, local).float() * p.scale[local, None]).to(w.dtype)
     out = torch.empty(local.shape[0], w.in_features, dtype=w.dtype, device=w.device)
     k = _kernels(out)
     if k is not None:
@@ -287,13 +291,18 @@ def _part_rows(p: QuantPart, local: torch.Tensor, w: QuantWeight) -> torch.Tenso
         return out
     from ladle.models.gguf.quants import dequantize
 
-    if p.kind in R16_BASE:  # the rows' groups, unpacked, then the rows
-        rb = p.data.shape[1]
-        groups = p.data.view(-1, R16_ROWS * rb)[local // R16_ROWS].view(-1, rb)
-        rows = unpack_r16(groups, p.kind).view(local.shape[0], R16_ROWS, -1)
-        picked = rows[torch.arange(local.shape[0]), local % R16_ROWS]
-        return dequantize(picked, R16_BASE[p.kind], (local.shape[0], w.in_features)).to(w.dtype)
+    if p.kind in R16_BASE:
+        return dequantize(_r16_rows(p, local), R16_BASE[p.kind],
+                          (local.shape[0], w.in_features)).to(w.dtype)
     return dequantize(p.data[local], p.kind, (local.shape[0], w.in_features)).to(w.dtype)
+
+
+def _r16_rows(p: QuantPart, local: torch.Tensor) -> torch.Tensor:
+    """Rows `local` of a repacked part, unpacked from their groups: (T, the held kind's row)."""
+    rb = p.data.shape[1]
+    groups = p.data.reshape(-1, R16_ROWS * rb)[local // R16_ROWS].view(-1, rb)
+    rows = unpack_r16(groups, p.kind).view(local.shape[0], R16_ROWS, -1)
+    return rows[torch.arange(local.shape[0]), local % R16_ROWS]
 
 
 class QuantEmbedding(nn.Module):
@@ -401,10 +410,13 @@ def _from_dword(v: torch.Tensor) -> torch.Tensor:
 
 
 def repack_r16(data: torch.Tensor, kind: int) -> torch.Tensor:
-    """Rows (N, row bytes) of Q4_K, Q6_K or Q8_0 (`kind`), N a multiple of 16 -> the rows of
-    R16_OF[kind], bytes moved (Q4_K's scales unpacked, Q8_0's values + 128)."""
+    """Rows (N, row bytes) of Q4_K, Q6_K, Q8_0 or int8 (`kind`), N a multiple of 16 -> the rows
+    of R16_OF[kind], uint8, bytes moved (Q4_K's scales unpacked, Q8_0's and int8's values +
+    128)."""
+    if kind == INT8_ROW:  # as Q8_0's values, without a scale per block
+        data = data.view(torch.uint8)
     n, rb = data.shape
-    size = BLOCK_SIZES[kind][1]
+    size = BLOCK_SIZES[kind][1] if kind != INT8_ROW else 32
     nb = rb // size
     b = data.reshape(n // R16_ROWS, R16_ROWS, nb, size).transpose(1, 2)  # (G, nb, 16, size)
     g = b.shape[:2]
@@ -420,8 +432,10 @@ def repack_r16(data: torch.Tensor, kind: int) -> torch.Tensor:
         qh = _by_dword(b[..., 128:192].reshape(*g, R16_ROWS, 2, 32))  # (.., half, t, 16, 4)
         fields = [b[..., 208:210], b[..., 192:208],
                   torch.cat([ql.transpose(2 + 1, 2 + 2), qh.unsqueeze(4)], dim=4)]
-    else:
+    elif kind == Q8_0:
         fields = [b[..., 0:2], _by_dword(b[..., 2:] ^ 0x80)]
+    else:
+        fields = [_by_dword(b ^ 0x80)]
     # fields with a row dim at 2 (d, scales): by row (d) or by sub-block then row (scales).
     out = [f.transpose(2, 3).reshape(*g, -1) if f.dim() == 4 and f.shape[-1] > 2 else
            f.reshape(*g, -1) for f in fields]
@@ -429,7 +443,8 @@ def repack_r16(data: torch.Tensor, kind: int) -> torch.Tensor:
 
 
 def unpack_r16(data: torch.Tensor, kind: int) -> torch.Tensor:
-    """The inverse of repack_r16 for a repacked `kind`: the rows' blocks, bit for bit."""
+    """The inverse of repack_r16 for a repacked `kind`: the rows' blocks (int8 rows: int8),
+    bit for bit."""
     n, rb = data.shape
     base = R16_BASE[kind]
     size = R16_SIZES[kind][1]
@@ -466,11 +481,14 @@ def unpack_r16(data: torch.Tensor, kind: int) -> torch.Tensor:
         ql = _from_dword(q[..., :2, :, :].transpose(3, 4))  # (.., 16, half, c, 32)
         qh = _from_dword(q[..., 2, :, :])  # (.., 16, half, 32)
         blocks = [ql.reshape(*g, R16_ROWS, 128), qh.reshape(*g, R16_ROWS, 64), scales, d]
-    else:
+    elif base == Q8_0:
         d = by_row(2)
         blocks = [d, values(32) ^ 0x80]
+    else:
+        blocks = [values(32) ^ 0x80]
     out = torch.cat(blocks, dim=-1)  # (G, nb, 16, block bytes)
-    return out.transpose(1, 2).reshape(n, nb * BLOCK_SIZES[base][1])
+    out = out.transpose(1, 2).reshape(n, nb * (32 if base == INT8_ROW else BLOCK_SIZES[base][1]))
+    return out.view(torch.int8) if base == INT8_ROW else out
 
 
 def _r16_kernels() -> bool:
@@ -482,7 +500,7 @@ def _r16_kernels() -> bool:
 
 
 def repack_for_kernels(model: nn.Module) -> int:
-    """Repack the model's Q4_K, Q6_K and Q8_0 weight parts of a multiple of 16 rows for the
+    """Repack the model's Q4_K, Q6_K, Q8_0 and int8 weight parts of a multiple of 16 rows for the
     kernels, where this build runs them (AVX-512 VNNI); returns how many parts. Embedding
     tables too (a tied lm_head multiplies by them; the row lookup reads the layout). Experts
     stacked for the fused MoE are views of their stacks, which stack_expert_blocks repacks."""
@@ -496,7 +514,7 @@ def repack_for_kernels(model: nn.Module) -> int:
         return 0
     done = 0
     for w in todo.values():
-        parts = [QuantPart(R16_OF[p.kind], repack_r16(p.data, p.kind))
+        parts = [QuantPart(R16_OF[p.kind], repack_r16(p.data, p.kind), p.scale)
                  if p.kind in R16_OF and p.rows % R16_ROWS == 0 else p for p in w.parts]
         done += sum(p.kind in R16_BASE for p in parts)
         w.__init__(parts, w.in_features, w.dtype)

@@ -57,9 +57,12 @@ namespace {
 
 constexpr int kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kMXFP4 = 39;
 constexpr int kI8 = -1;  // int8 rows with a float scale per row (quant.py's INT8_ROW)
-// Repacked at load by 16 rows (quant.py's Q4_K_R16, Q6_K_R16, Q8_0_R16; AVX-512 VNNI builds).
-constexpr int kQ4KR = -3, kQ6KR = -4, kQ8R = -5;
-inline bool is_r16(int type) { return type == kQ4KR || type == kQ6KR || type == kQ8R; }
+// Repacked at load by 16 rows (quant.py's Q4_K_R16, Q6_K_R16, Q8_0_R16, INT8_ROW_R16; AVX-512
+// VNNI builds).
+constexpr int kQ4KR = -3, kQ6KR = -4, kQ8R = -5, kI8R = -6;
+inline bool is_r16(int type) {
+  return type == kQ4KR || type == kQ6KR || type == kQ8R || type == kI8R;
+}
 inline int r16_base(int type) { return type == kQ4KR ? kQ4_K : type == kQ6KR ? kQ6_K : kQ8_0; }
 
 // f(std::integral_constant<int, TYPE>{}) for a kernel type (checked by the caller): the one
@@ -93,6 +96,7 @@ inline int64_t block_bytes(int type) {
     case kQ4KR: return 148;  // per row: 16 rows' 2368 bytes
     case kQ6KR: return 210;  // 16 rows' 3360
     case kQ8R: return 34;  // 16 rows' 544 per 32 values
+    case kI8R: return 32;  // 16 rows' 512
   }
   return 0;
 }
@@ -816,12 +820,16 @@ void part_tiles(const Part& p, int64_t t0, int64_t t1, const Act& a, int64_t M, 
 //     32-byte chunks c = 0, 1 (low nibbles: sub-block 4 half + c's values; high: 4 half + 2 +
 //     c's) and qh (bits 2g, 2g + 1: sub-block 4 half + g's high bits), in the order read.
 //   Q8_0 (544 per 32, as 16 x 34): d[16] float16; 8 x 64 bytes of the values + 128 (unsigned).
+//   int8 rows (512 per 32, as 16 x 32): the values + 128 as Q8_0's; the rows' float scales stay
+//     beside the part and multiply the sums at the end, as in a tile.
 // A sub-block's int32 sums start at -bias * sum(x) (Q6_K 32 per half, Q8_0 128), and the float
 // steps are the tiles' and panels' (the one order): a repacked part gives its blocks' bits.
 constexpr int64_t kR16Rows = 16;
-template <int TYPE> constexpr int64_t kR16Block = TYPE == kQ4KR ? 2368 : TYPE == kQ6KR ? 3360 : 544;
-template <int TYPE> constexpr int kR16Subs = TYPE == kQ8R ? 1 : 8;  // sub-blocks per block
-template <int TYPE> constexpr int32_t kR16Bias = TYPE == kQ8R ? 128 : TYPE == kQ6KR ? 32 : 0;
+template <int TYPE> constexpr int64_t kR16Block =
+    TYPE == kQ4KR ? 2368 : TYPE == kQ6KR ? 3360 : TYPE == kQ8R ? 544 : 512;
+template <int TYPE> constexpr int kR16Subs = TYPE == kQ8R || TYPE == kI8R ? 1 : 8;  // per block
+template <int TYPE> constexpr int32_t kR16Bias =
+    TYPE == kQ8R || TYPE == kI8R ? 128 : TYPE == kQ6KR ? 32 : 0;
 
 // The int32 sums of a sub-block of 32 for MR activation rows (i[m][h]: values 16h .. 16h + 15
 // where Q6_K's halves have a scale each, else one sum) start at -bias * sum(x).
@@ -858,7 +866,8 @@ template <int TYPE, int MR, int H>
 inline void r16_finish(const uint8_t* b, int j, const Act& a, int64_t m0, int64_t sb,
                        const __m512i (*i)[H], __m512* acc) {
   const int64_t nsub = a.K / 32;
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+  const __m512 d = TYPE == kI8R ? _mm512_set1_ps(1.f)  // (int8 rows: their scale at the end)
+                   : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
   __m512 f[MR];
   if constexpr (TYPE == kQ6KR) {  // f = s_lo * I_lo + s_hi * I_hi, each product exact
     const __m512 s0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
@@ -939,7 +948,7 @@ inline void r16_rows(const uint8_t* g, const Act& a, int64_t m0, float (*out)[16
             const __m512i z = _mm512_loadu_si512(b + 320 + (j >> 1) * 512 + t * 64);
             v = _mm512_and_si512((j & 1) ? _mm512_srli_epi16(z, 4) : z, low4);
           } else {
-            v = _mm512_loadu_si512(b + 32 + t * 64);
+            v = _mm512_loadu_si512(b + (TYPE == kI8R ? 0 : 32) + t * 64);
           }
           r16_dot<MR, 1>(a, m0, sb, t, v, i);
         }
@@ -965,9 +974,10 @@ void r16_group(const Part& p, int64_t g, const Act& a, int64_t M, T* y, int64_t 
       case 2: r16_rows<TYPE, 2>(w, a, m0, out); break;
       default: r16_rows<TYPE, 1>(w, a, m0, out); break;
     }
+    const float* sc = p.scale ? p.scale + g * kR16Rows : nullptr;  // int8 rows' scales
     for (int m = 0; m < mr; m++)
       for (int64_t n = 0; n < kR16Rows; n++)
-        y[(m0 + m) * ldy + p.col + g * kR16Rows + n] = T(out[m][n]);
+        y[(m0 + m) * ldy + p.col + g * kR16Rows + n] = T(sc ? out[m][n] * sc[n] : out[m][n]);
     m0 += mr;
   }
 }
@@ -977,7 +987,8 @@ void r16_group_any(const Part& p, int64_t g, const Act& a, int64_t M, T* y, int6
   switch (p.type) {
     case kQ4KR: return r16_group<kQ4KR>(p, g, a, M, y, ldy);
     case kQ6KR: return r16_group<kQ6KR>(p, g, a, M, y, ldy);
-    default: return r16_group<kQ8R>(p, g, a, M, y, ldy);
+    case kQ8R: return r16_group<kQ8R>(p, g, a, M, y, ldy);
+    default: return r16_group<kI8R>(p, g, a, M, y, ldy);
   }
 }
 #endif
@@ -1314,7 +1325,7 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
                 row_bytes, ") bytes");
     TORCH_CHECK(cols[i] >= 0 && cols[i] + w.size(0) <= N, "weight part ", i, " outside out");
     const float* sc = nullptr;
-    if (type == kI8) {
+    if (type == kI8 || type == kI8R) {
       TORCH_CHECK(scales[i].scalar_type() == at::kFloat && scales[i].is_contiguous() &&
                       scales[i].numel() == w.size(0), "int8 part ", i, " needs a float32 scale per row");
       sc = scales[i].data_ptr<float>();
@@ -1493,7 +1504,8 @@ at::Tensor moe_quant_swiglu(const at::Tensor& x, const at::Tensor& ids,
   const int64_t H = x.size(1), E = gate.size(0), I = gate.size(1);
   for (auto [w, type, n, kk] : {std::tuple{&gate, gate_type, I, H}, std::tuple{&up, up_type, I, H},
                                 std::tuple{&down, down_type, H, I}}) {
-    TORCH_CHECK(is_kernel_type(type) && type != kI8, "moe_quant_swiglu: type ", type);
+    TORCH_CHECK(is_kernel_type(type) && type != kI8 && type != kI8R, "moe_quant_swiglu: type ",
+                type);
     TORCH_CHECK(!is_r16(int(type)) || n % 16 == 0, "moe_quant_swiglu: repacked rows");
     TORCH_CHECK(kk % block_values(int(type)) == 0 && kk % 32 == 0,
                 "moe_quant_swiglu: inputs of ", kk, " values do not fill type ", type, "'s blocks");
@@ -1514,8 +1526,8 @@ at::Tensor moe_quant_swiglu(const at::Tensor& x, const at::Tensor& ids,
 
 // out (T, K) = rows ids (T,) of w (N, row bytes) of `type`, dequantized: the embedding lookup.
 void dequantize_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, at::Tensor out) {
-  TORCH_CHECK(is_kernel_type(type) && type != kI8, "dequantize_rows: unsupported ggml type ",
-              type);
+  TORCH_CHECK(is_kernel_type(type) && type != kI8 && type != kI8R,
+              "dequantize_rows: unsupported ggml type ", type);
   TORCH_CHECK(!is_r16(int(type)) || w.size(0) % 16 == 0, "dequantize_rows: repacked rows");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kByte, "w");
   TORCH_CHECK(ids.dim() == 1 && ids.is_contiguous() && ids.scalar_type() == at::kLong, "ids");
