@@ -283,6 +283,40 @@ def test_repacked_blocks_give_the_blocks_bits(kind, dtype):
         assert torch.equal(Q.quant_linear(x, fused), Q.quant_linear(x, plain)), m
 
 
+def cpu_has_amx_int8() -> bool:
+    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
+    return "amx_int8" in flags.split()
+
+
+@needs_r16
+@pytest.mark.parametrize("kind", R16_KINDS, ids=R16_ID)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_amx_tiles_give_the_vector_kernels_bits(kind, dtype):
+    """On a CPU with AMX-INT8 the repacked parts run 16 activation rows at a time on the tile
+    unit (the rest of the rows on the vector kernel): the same bits as the vector kernel for
+    every row, float32 and bfloat16, with one 16-row chunk and with two and a remainder, at K
+    of one and of several super-blocks. Elsewhere AMX stays off and the call says so."""
+    if not cpu_has_amx_int8():
+        assert kernels.set_quant_amx(True) is False
+        pytest.skip("this CPU has no AMX-INT8")
+    assert kernels.set_quant_amx(True), "AMX-INT8 on the CPU but not in use"
+    assert "amx-int8" in kernels.quant_isa()
+    g = torch.Generator().manual_seed(21 + kind)
+    try:
+        for m, n, k in [(16, 32, 256), (37, 48, 1024), (20, 16, 2048)]:
+            w = Q.QuantWeight([repacked(r16_weight(kind, n, k, g))], k, dtype)
+            x = torch.randn(m, k, generator=g).to(dtype)
+            x[3] = 0  # an all-zero activation row (its blocks' scale 0)
+            amx = Q.quant_linear(x, w)
+            assert not kernels.set_quant_amx(False)
+            vector = Q.quant_linear(x, w)
+            kernels.set_quant_amx(True)
+            assert torch.equal(amx, vector), (m, n, k)
+            assert relative_error(amx.float(), x, w) < (1e-5 if dtype == torch.float32 else 4e-3)
+    finally:
+        kernels.set_quant_amx(True)
+
+
 @needs_r16
 def test_repack_for_kernels_keeps_stacked_experts():
     """A model's Q4_K, Q6_K and Q8_0 parts of 16-row multiples are repacked, the embedding's

@@ -50,6 +50,12 @@
 #include <immintrin.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define LADLE_QUANT_512 1  // the panels (prefill, batched decode)
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define LADLE_QUANT_AMX 1  // repacked parts 16 rows at a time on the tile unit
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <atomic>
+#endif
 #endif
 #endif
 
@@ -959,16 +965,210 @@ inline void r16_rows(const uint8_t* g, const Act& a, int64_t m0, float (*out)[16
   for (int m = 0; m < MR; m++) _mm512_storeu_ps(out[m], acc[m]);
 }
 
+#if defined(LADLE_QUANT_AMX)
+// AMX (Intel Sapphire Rapids and later): 16 activation rows x 16 repacked weight rows per tile
+// instruction. A repacked sub-block's bytes are already AMX's B-tile layout (dword t of the 16
+// rows side by side, 64 bytes per tile row); they go through a 512-byte buffer as signed bytes
+// (Q8_0's and int8 rows' sign bit flipped back, Q4_K's nibbles, Q6_K's q - 32). TDPBSSD (signed
+// activations times signed weights) gives each sub-block's exact int32 sums for all 256 (row,
+// output) pairs, the integers r16_rows reaches, and the float steps are r16_finish's: the
+// result has the repacked rows' bits (which are the blocks' bits), so a row's numbers do not
+// depend on whether it ran with 15 others on the tile unit or alone.
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  explicit AmxConfig(int k) {  // k: the bytes of an A row (32, or Q6_K's halves 16)
+    const int shape[8][2] = {{16, k}, {k / 4, 64}, {16, 64}, {16, k},
+                             {k / 4, 64}, {16, 64}, {16, 64}, {16, 64}};
+    for (int t = 0; t < 8; t++) {
+      rows[t] = uint8_t(shape[t][0]);
+      colsb[t] = uint16_t(shape[t][1]);
+    }
+  }
+};
+
+// Linux hands out the tile registers' state only to a process that asks (ARCH_REQ_XCOMP_PERM
+// for XFEATURE_XTILEDATA); without it the first tile instruction faults.
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kReqPerm = 0x1023, kGetPerm = 0x1022, kXtileData = 18;
+    unsigned long bits = 0;
+    if (syscall(SYS_arch_prctl, kReqPerm, kXtileData) != 0) return false;
+    if (syscall(SYS_arch_prctl, kGetPerm, &bits) != 0) return false;
+    return ((bits >> kXtileData) & 1) != 0;
+  }();
+  return ok;
+}
+
+std::atomic<bool> g_amx_on{true};  // set_quant_amx: tests and benchmarks compare both paths
+bool amx_active() { return g_amx_on.load(std::memory_order_relaxed) && amx_permitted(); }
+
+// Sub-block j's (block b) weights for the B tile, as signed bytes in buf: Q4_K's nibbles as they
+// are, Q8_0's and int8 rows' unsigned w + 128 with the sign bit flipped back. (Signed weights:
+// TDPBSSD's sums need no bias taken off.)
+template <int TYPE>
+inline const uint8_t* amx_weights(const uint8_t* b, int j, uint8_t* buf) {
+  for (int t = 0; t < 8; t++) {
+    __m512i v;
+    if constexpr (TYPE == kQ4KR) {
+      const __m512i z = _mm512_loadu_si512(b + 320 + (j >> 1) * 512 + t * 64);
+      v = _mm512_and_si512((j & 1) ? _mm512_srli_epi16(z, 4) : z, _mm512_set1_epi8(0x0F));
+    } else {
+      v = _mm512_xor_si512(_mm512_loadu_si512(b + (TYPE == kI8R ? 0 : 32) + t * 64),
+                           _mm512_set1_epi8(char(0x80)));
+    }
+    _mm512_storeu_si512(buf + t * 64, v);
+  }
+  return buf;
+}
+
+// Q6_K: the four sub-blocks of one half of the block at b, unpacked as r16_rows does, into
+// bufs[j] (512 bytes each) as signed values.
+inline void amx_q6k_half(const uint8_t* b, int half, uint8_t (*bufs)[512]) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
+  for (int t = 0; t < 8; t++) {
+    const uint8_t* q = b + 288 + half * 1536 + t * 192;
+    const __m512i l0 = _mm512_loadu_si512(q), l1 = _mm512_loadu_si512(q + 64);
+    const __m512i h = _mm512_loadu_si512(q + 128);
+    const __m512i v[4] = {
+        _mm512_or_si512(_mm512_and_si512(l0, low4),
+                        _mm512_and_si512(_mm512_slli_epi16(h, 4), bits45)),
+        _mm512_or_si512(_mm512_and_si512(l1, low4),
+                        _mm512_and_si512(_mm512_slli_epi16(h, 2), bits45)),
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), low4),
+                        _mm512_and_si512(h, bits45)),
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), low4),
+                        _mm512_and_si512(_mm512_srli_epi16(h, 2), bits45))};
+    for (int j = 0; j < 4; j++)  // q - 32: the signed values
+      _mm512_storeu_si512(bufs[j] + t * 64, _mm512_sub_epi8(v[j], _mm512_set1_epi8(32)));
+  }
+}
+
+// Sub-block sb's int32 sums c[h] (16 x 16: activation row, output; the signed weights', so
+// the sums r16_rows reaches after its bias start) done: the float steps, four activation rows at
+// a time (for the registers).
+template <int TYPE, int H>
+inline void amx_finish(const uint8_t* b, int j, const Act& a, int64_t m0, int64_t sb,
+                       const int32_t (*c)[256], __m512* acc) {
+  for (int m = 0; m < 16; m += 4) {
+    __m512i i[4][H];
+    for (int r = 0; r < 4; r++)
+      for (int h = 0; h < H; h++) i[r][h] = _mm512_load_si512(c[h] + (m + r) * 16);
+    r16_finish<TYPE, 4, H>(b, j, a, m0 + m, sb, i, acc + m);
+  }
+}
+
+// One sub-block's products: A tile TA (16 activation rows' bytes at x, row stride ld) times
+// B tile TB (the weights at w) into C tile TC. (A macro: the tile intrinsics spell their
+// register numbers into the assembly, so they must be literals.)
+#define LADLE_AMX_DP(TA, TB, TC, x, ld, w) \
+  do {                                      \
+    _tile_zero(TC);                         \
+    _tile_loadd(TA, x, ld);                 \
+    _tile_loadd(TB, w, 64);                 \
+    _tile_dpbssd(TC, TA, TB);               \
+  } while (0)
+
+// The B tiles of the 16 repacked rows at g, every sub-block's 512 bytes in order, as signed
+// bytes into wb. Once per group for all its activation rows, and well before the tile loads:
+// a tile load of bytes just written by vector stores stalls (measured: ~2x slower).
+template <int TYPE>
+void amx_unpack(const uint8_t* g, int64_t nsub, uint8_t* wb) {
+  if constexpr (TYPE == kQ6KR) {
+    for (int64_t sb0 = 0; sb0 < nsub; sb0 += 8)
+      for (int half = 0; half < 2; half++)
+        amx_q6k_half(g + sb0 / 8 * kR16Block<TYPE>, half,
+                     reinterpret_cast<uint8_t(*)[512]>(wb + (sb0 + 4 * half) * 512));
+  } else {
+    constexpr int subs = kR16Subs<TYPE>;
+    for (int64_t sb = 0; sb < nsub; sb++)
+      amx_weights<TYPE>(g + sb / subs * kR16Block<TYPE>, int(sb % subs), wb + sb * 512);
+  }
+}
+
+// out (16 x 16) = activation rows m0 .. m0 + 15 times the 16 repacked rows at g, whose B tiles
+// amx_unpack wrote to wb; the tile configuration is loaded (AmxConfig(32), Q6_K
+// AmxConfig(16)). Software-pipelined: sub-block sb's tile products (alternate C tiles) run
+// while sb - 1's sums take their float steps, and only then are stored (vector loads wait
+// behind a pending tile store).
+template <int TYPE>
+void amx_rows(const uint8_t* g, const uint8_t* wb, const Act& a, int64_t m0,
+              float (*out)[16]) {
+  constexpr int subs = TYPE == kQ6KR ? 8 : kR16Subs<TYPE>;
+  constexpr int H = TYPE == kQ6KR ? 2 : 1;
+  const int64_t nsub = a.K / 32;
+  const int8_t* x = a.q + m0 * a.K;
+  alignas(64) int32_t c[2][2][256];  // [sub-block parity][half]
+  __m512 acc[16];
+  for (int m = 0; m < 16; m++) acc[m] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb <= nsub; sb++) {
+    const int p = int(sb & 1);
+    if (sb < nsub) {
+      const uint8_t* w = wb + sb * 512;
+      if constexpr (H == 2) {
+        if (p) {
+          LADLE_AMX_DP(0, 1, 5, x + sb * 32, a.K, w);
+          LADLE_AMX_DP(3, 4, 7, x + sb * 32 + 16, a.K, w + 256);
+        } else {
+          LADLE_AMX_DP(0, 1, 2, x + sb * 32, a.K, w);
+          LADLE_AMX_DP(3, 4, 6, x + sb * 32 + 16, a.K, w + 256);
+        }
+      } else {
+        if (p)
+          LADLE_AMX_DP(3, 4, 5, x + sb * 32, a.K, w);
+        else
+          LADLE_AMX_DP(0, 1, 2, x + sb * 32, a.K, w);
+      }
+    }
+    if (sb > 0) {
+      const int64_t pb = sb - 1;
+      amx_finish<TYPE, H>(g + pb / subs * kR16Block<TYPE>, int(pb % subs), a, m0, pb,
+                          c[pb & 1], acc);
+    }
+    if (sb < nsub) {
+      if (p) {
+        _tile_stored(5, c[1][0], 64);
+        if constexpr (H == 2) _tile_stored(7, c[1][1], 64);
+      } else {
+        _tile_stored(2, c[0][0], 64);
+        if constexpr (H == 2) _tile_stored(6, c[0][1], 64);
+      }
+    }
+  }
+  for (int m = 0; m < 16; m++) _mm512_storeu_ps(out[m], acc[m]);
+}
+#endif
+
 // Group g (rows 16g .. 16g + 15, local to the part) of a repacked part for all M rows: the
-// group's bytes stay in cache while the rows pass in fours (Q6_K: twos, for its registers).
+// group's bytes stay in cache while the rows pass in fours (Q6_K: twos, for its registers), or
+// with AMX in sixteens.
 template <int TYPE, typename T>
 void r16_group(const Part& p, int64_t g, const Act& a, int64_t M, T* y, int64_t ldy) {
   const uint8_t* w = p.w + g * kR16Rows * p.row_bytes;
   constexpr int most = TYPE == kQ6KR ? 2 : 4;
-  float out[4][16];
+  alignas(64) float out[16][16];
+#if defined(LADLE_QUANT_AMX)
+  const bool amx = M >= 16 && amx_active();
+  uint8_t* wb = nullptr;
+  if (amx) {
+    static const AmxConfig config(TYPE == kQ6KR ? 16 : 32);
+    _tile_loadconfig(&config);
+    thread_local std::vector<uint8_t> buf;  // this thread's B tiles
+    buf.resize(size_t(a.K / 32 * 512));
+    wb = buf.data();
+    amx_unpack<TYPE>(w, a.K / 32, wb);
+  }
+#endif
   for (int64_t m0 = 0; m0 < M;) {
     const int64_t left = M - m0;
-    const int mr = left >= most ? most : left >= 2 ? 2 : 1;
+    int mr = left >= most ? most : left >= 2 ? 2 : 1;
+#if defined(LADLE_QUANT_AMX)
+    if (amx && left >= 16) {
+      mr = 16;
+      amx_rows<TYPE>(w, wb, a, m0, out);
+    } else
+#endif
     switch (mr) {
       case 4: r16_rows<TYPE, most>(w, a, m0, out); break;
       case 2: r16_rows<TYPE, 2>(w, a, m0, out); break;
@@ -980,6 +1180,9 @@ void r16_group(const Part& p, int64_t g, const Act& a, int64_t M, T* y, int64_t 
         y[(m0 + m) * ldy + p.col + g * kR16Rows + n] = T(sc ? out[m][n] * sc[n] : out[m][n]);
     m0 += mr;
   }
+#if defined(LADLE_QUANT_AMX)
+  if (amx) _tile_release();
+#endif
 }
 
 template <typename T>
@@ -1563,7 +1766,22 @@ void dequantize_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, a
 
 bool quant_r16() { return kHasR16; }
 
+bool set_quant_amx(bool on) {
+#if defined(LADLE_QUANT_AMX)
+  g_amx_on.store(on);
+  return on && amx_permitted();
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 std::string quant_isa() {
+#if defined(LADLE_QUANT_AMX)
+  if (amx_active())
+    return "avx512-vnni (256-bit tiles, 512-bit panels from 12 rows, Q4_K/Q6_K/Q8_0 repacked) "
+           "+ amx-int8 (repacked parts, 16 rows at a time)";
+#endif
 #if defined(LADLE_QUANT_512) && defined(__AVX512VL__)
   return "avx512-vnni (256-bit tiles, 512-bit panels from 12 rows, Q4_K/Q6_K/Q8_0 repacked)";
 #elif defined(LADLE_QUANT_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)

@@ -17,3 +17,4 @@ at::Tensor moe_quant_swiglu(const at::Tensor& x, const at::Tensor& ids,
                             int64_t down_type);
 std::string quant_isa();
 bool quant_r16();  // whether quant_matmul takes Q4_K, Q6_K, Q8_0 repacked by 16 rows (-3, -4, -5)
+bool set_quant_amx(bool on);  // repacked parts on AMX from 16 rows; returns whether it now is
