@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from invariance_cases import (
+    EXERCISED,
     cases,
     completions_over_http,
     differences,
@@ -33,9 +34,6 @@ TOKENS = 20
 # default budget, which "prefix caching off" and "prefix-cache hit" already run with.
 CASES = [name for name in cases(seed=5) if name != "max_num_batched_tokens 2048"]
 BASE = dict(dtype="bfloat16", batch_invariant=True, max_num_seqs=32)
-# What each case must show it did (beyond equal outputs).
-EXERCISED = {"prefix-cache hit": "prefix_hit_tokens", "preemption": "preemptions",
-             "ngram k=2": "accepted_drafts", "ngram k=4": "accepted_drafts"}
 
 
 def requests(vocab: int):
