@@ -1173,10 +1173,18 @@ void r16_group(const Part& p, int64_t g, const Act& a, int64_t M, T* y, int64_t 
       case 2: r16_rows<TYPE, 2>(w, a, m0, out); break;
       default: r16_rows<TYPE, 1>(w, a, m0, out); break;
     }
-    const float* sc = p.scale ? p.scale + g * kR16Rows : nullptr;  // int8 rows' scales
-    for (int m = 0; m < mr; m++)
-      for (int64_t n = 0; n < kR16Rows; n++)
-        y[(m0 + m) * ldy + p.col + g * kR16Rows + n] = T(sc ? out[m][n] * sc[n] : out[m][n]);
+    for (int m = 0; m < mr; m++) {  // 16 outputs: times the int8 rows' scales, rounded to T
+      __m512 v = _mm512_load_ps(out[m]);
+      if (p.scale) v = _mm512_mul_ps(v, _mm512_loadu_ps(p.scale + g * kR16Rows));
+      T* dst = y + (m0 + m) * ldy + p.col + g * kR16Rows;
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+        store16(dst, round_to(v, dst));
+      } else {  // (instantiated by the dispatch, refused by quant_matmul's checks)
+        alignas(64) float f[16];
+        _mm512_store_ps(f, v);
+        for (int n = 0; n < 16; n++) dst[n] = T(f[n]);
+      }
+    }
     m0 += mr;
   }
 #if defined(LADLE_QUANT_AMX)
