@@ -161,8 +161,8 @@ def test_quantization_flag_is_checked(tmp_path):
 def test_quantized_blocks_predict_like_the_float32_model(gemma_gguf, reference):
     """The file served as users run it (its blocks kept, the quantized kernels, bfloat16
     activations) against transformers' float32 run of the dequantized weights, over 256
-    teacher-forced positions of real English text: the same next token almost everywhere and
-    a small mean KL. The weights are identical in both, so what differs is only the activations'
+    teacher-forced positions of real English text: the same next token wherever float32's is
+    decisive, almost everywhere else, and a small mean KL. The weights are identical in both, so what differs is only the activations'
     int8 quantization and bfloat16; a misplaced block or a wrong scale would scramble the
     distributions (KL of several nats), not shift them."""
     from prompt_logits import mean_kl, prompt_logits
@@ -189,7 +189,16 @@ def test_quantized_blocks_predict_like_the_float32_model(gemma_gguf, reference):
         got = prompt_logits(llm, ids)
     finally:
         llm.close()
-    agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    same = got.argmax(-1) == want.argmax(-1)
+    agree = same.float().mean().item()
+    # Where float32's top token leads its second by half a logit or more, ladle must pick it
+    # too. The rest are near-ties, which the activations' rounding may flip either way: the
+    # overall share moves with the CPU (0.945 on a Zen 4, 0.938 on an AMX Xeon, every flip at
+    # a lead under 0.23), while a wrong block or scale breaks the decisive positions.
+    top2 = want.topk(2, -1).values
+    decisive = top2[:, 0] - top2[:, 1] >= 0.5
     kl = mean_kl(want, got)
-    print(f"top-1 agreement {agree:.3f}, mean KL(f32 || ladle) {kl:.4f} nats")
-    assert agree >= 0.94 and kl < 0.02
+    print(f"top-1 agreement {agree:.3f} ({int(decisive.sum())} decisive positions: "
+          f"{same[decisive].float().mean().item():.3f}), mean KL(f32 || ladle) {kl:.4f} nats")
+    assert decisive.sum() >= 128 and bool(same[decisive].all())
+    assert agree >= 0.9 and kl < 0.02
