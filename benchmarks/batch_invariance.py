@@ -14,7 +14,7 @@ holds at scale.
     with --batch-invariant; prints per case how many are identical (tokens and logprobs) and
     what the case exercised (preemptions, prefix-hit tokens, accepted drafts). --dp adds the
     data-parallel case, a `ladle serve -dp 2` against `-dp 1` over HTTP; --cases runs only the
-    cases named. A case that did not do what it is named for (no prefix-cache hit, no
+    cases named (`dp` names that one; with it alone no engine runs the requests alone). A case that did not do what it is named for (no prefix-cache hit, no
     preemption, no accepted draft) fails as NOT EXERCISED.
 
 Models (--model): ladle-demo (default), a checkpoint directory, or a .gguf file; --dtype
@@ -97,6 +97,9 @@ def acceptance(model: str, dtype: str, n: int, greedy: bool, dp: bool, seed: int
     base = dict(dtype=dtype, batch_invariant=True, max_num_seqs=32, max_model_len=512)
     llm = LLM(model, **base)
     reqs = make_requests(n, seed, llm.engine.vocab_size, greedy=greedy)
+    if only == ["dp"]:
+        llm.close()
+        return _dp_case(model, dtype, reqs)
     t = time.perf_counter()
     ref = run_alone(llm, reqs)
     llm.close()
@@ -118,7 +121,7 @@ def acceptance(model: str, dtype: str, n: int, greedy: bool, dp: bool, seed: int
               f"{'(NOT EXERCISED: ' if idle else '('}{ev}; "
               f"{time.perf_counter() - t:.0f} s)", *diff[:3], sep="\n    " if diff else "",
               flush=True)
-    if dp:
+    if dp or (only and "dp" in only):
         ok &= _dp_case(model, dtype, reqs)
     return ok
 
@@ -151,8 +154,8 @@ def main() -> None:
     ap.add_argument("--greedy", action="store_true")
     ap.add_argument("--dp", action="store_true")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--cases", nargs="+", choices=list(cases(1)), metavar="CASE",
-                    help="run only these cases (default: all)")
+    ap.add_argument("--cases", nargs="+", choices=[*cases(1), "dp"], metavar="CASE",
+                    help="run only these cases (default: all; dp: the -dp 2 case)")
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     if args.acceptance:
