@@ -204,6 +204,46 @@ def test_decode_attention_with_sinks_matches_torch(kernels, dtype, H, KVH, D, wi
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+# Query groups of 1, 2 (four rows share keys), 4 and 16 (no sharing), and the scalar path (40).
+@pytest.mark.parametrize("H,KVH,D", [(4, 4, 64), (16, 8, 128), (8, 2, 64), (16, 1, 32),
+                                     (6, 2, 40)])
+@pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (7, None, False),
+                                                  (50, 30.0, True), (None, 20.0, True)])
+def test_decode_attention_rows_of_one_sequence_equal_rows_alone(kernels, dtype, H, KVH, D,
+                                                                window, softcap, sinks,
+                                                                monkeypatch):
+    """Batch-invariant mode sends each token of a prefill chunk as a decode row (the query at
+    position p over positions 0..p); the kernel groups consecutive rows of one sequence to load
+    their keys and values once. Every row must equal the same row attended alone, bit for bit,
+    and the twin within rounding: chunks of 1 to 37 rows from several starts, a decode row of
+    another sequence between them, windows that cut some rows' contexts and not others'."""
+    torch.manual_seed(11)
+    bs, nblocks = 16, 24
+    k_cache = torch.randn(nblocks, KVH, bs, D).to(dtype)
+    v_cache = torch.randn(nblocks, KVH, bs, D).to(dtype)
+    tables = [torch.randperm(nblocks)[:8] for _ in range(3)]
+    ctx, table = [], []
+    for seq, (start, rows) in enumerate([(0, 37), (63, 1), (5, 1), (20, 9), (90, 6)]):
+        for r in range(rows):
+            ctx.append(start + r + 1)
+            table.append(tables[seq % 3])
+    q = (torch.randn(len(ctx), H, D) * 2).to(dtype)
+    batch = DecodeBatch(rows=torch.arange(len(ctx)), block_table=torch.stack(table),
+                        ctx_lens=torch.tensor(ctx))
+    sink = torch.linspace(-3, 3, H) if sinks else None
+    got = decode_attention(q, k_cache, v_cache, batch, D**-0.5, window, softcap, sink)
+    for b in range(len(ctx)):
+        alone = DecodeBatch(rows=torch.arange(1), block_table=batch.block_table[b:b + 1],
+                            ctx_lens=batch.ctx_lens[b:b + 1])
+        one = decode_attention(q[b:b + 1], k_cache, v_cache, alone, D**-0.5, window, softcap,
+                               sink)
+        assert torch.equal(one[0], got[b]), f"row {b} (context {ctx[b]}) differs from alone"
+    monkeypatch.setitem(cpu_kernels._loaded, "module", None)  # the torch path
+    want = decode_attention(q, k_cache, v_cache, batch, D**-0.5, window, softcap, sink)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_window_wider_than_context_is_bit_identical(kernels, dtype):
     """A window that reaches every cached token reads exactly what full attention reads."""
     torch.manual_seed(6)

@@ -1,6 +1,13 @@
-// Paged decode attention: one query token per sequence against its paged KV cache, with an
-// optional sliding window, score soft-cap and per-head sink logit (gpt-oss). Its twin is decode_attention's torch path in
-// ladle/runner/attention.py.
+// Paged decode attention: one query token per row against its sequence's paged KV cache, with
+// an optional sliding window, score soft-cap and per-head sink logit (gpt-oss). Its twin is
+// decode_attention's torch path in ladle/runner/attention.py.
+//
+// A query's result depends only on its query, its context length and the cached keys and
+// values: every query reduces over its keys in one fixed order (scores four keys at a time from
+// the first, softmax over its own length, values summed token by token). Batch-invariant mode
+// sends every token of a prefill chunk here as a row of its own (the query at position p over
+// positions 0..p); consecutive rows of one sequence then form a group whose keys and values are
+// loaded once for all its queries, each query still summing exactly as it would alone.
 #include "kernels.h"
 #include "vec.h"
 
@@ -40,35 +47,78 @@ static inline void key_scores(const float* q, const T* const* keys, int64_t n, i
   }
 }
 
-// out[g][d] = sum_t p[g][t] * values[t][d] for GB (1 or 2) heads and P chunks of 16 dims starting
-// at d0: the GB * P accumulators stay in registers across all n values.
-template <int GB, int P, typename T>
-static inline void weighted_values(const float* p, int64_t n, const T* const* values,
-                                   int64_t d0, float* out, int64_t D) {
-  __m512 a[GB][P];
-  for (int g = 0; g < GB; ++g)
-    for (int c = 0; c < P; ++c) a[g][c] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < n; ++t) {
-    if (t + kPrefetchTokens < n) prefetch_rows(values, t + kPrefetchTokens, t + kPrefetchTokens + 1, D);
-    __m512 pg[GB];
-    for (int g = 0; g < GB; ++g) pg[g] = _mm512_set1_ps(p[g * n + t]);
-    for (int c = 0; c < P; ++c) {
-      const __m512 vv = load16(values[t] + d0 + 16 * c);
-      for (int g = 0; g < GB; ++g) a[g][c] = _mm512_fmadd_ps(pg[g], vv, a[g][c]);
+// Keys [0, n) (n a multiple of 4) scored for HN query heads: each group of four keys is loaded
+// once for the HN heads, and each (head, key) gets key_scores' own fma chain over d and hsum4
+// tree, so the scores are bit-equal to key_scores' for each head alone.
+template <int HN, typename T>
+static inline void key_scores_shared(const float* const* q, const T* const* keys, int64_t n,
+                                     int64_t D, float* const* scores) {
+  for (int64_t t = 0; t < n; t += 4) {
+    prefetch_rows(keys, t + kPrefetchTokens, std::min(n, t + kPrefetchTokens + 4), D);
+    __m512 a[HN][4];
+    for (int i = 0; i < HN; ++i)
+      for (int j = 0; j < 4; ++j) a[i][j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      __m512 kv[4];
+      for (int j = 0; j < 4; ++j) kv[j] = load16(keys[t + j] + d);
+      for (int i = 0; i < HN; ++i) {
+        const __m512 qv = _mm512_loadu_ps(q[i] + d);
+        for (int j = 0; j < 4; ++j) a[i][j] = _mm512_fmadd_ps(qv, kv[j], a[i][j]);
+      }
     }
+    for (int i = 0; i < HN; ++i) _mm_storeu_ps(scores[i] + t, hsum4(a[i]));
   }
-  for (int g = 0; g < GB; ++g)
-    for (int c = 0; c < P; ++c) _mm512_storeu_ps(out + g * D + d0 + 16 * c, a[g][c]);
 }
 
-template <int P, typename T>
-static void weighted_values_all(const float* p, int64_t n, const T* const* values, int64_t G,
-                                int64_t D, float* out) {
-  for (int64_t g = 0; g < G; g += 2)
-    for (int64_t d0 = 0; d0 < D; d0 += 16 * P) {
-      if (G - g >= 2) weighted_values<2, P>(p + g * n, n, values, d0, out + g * D, D);
-      else weighted_values<1, P>(p + g * n, n, values, d0, out + g * D, D);
+// out[i][d0 + 16c] = sum_{t < n[i]} p[i][t] * values[t][d0 + 16c] for HN query heads and P
+// chunks of 16 dims: each value chunk is loaded once for the HN heads (while t < n[i] for all
+// of them, then for those still summing), and each (head, chunk) accumulates over t in order
+// from zero, one fma per token.
+template <int HN, int P, typename T>
+static inline void weighted_values_shared(const float* const* p, const int64_t* n,
+                                          const T* const* values, int64_t d0, int64_t D,
+                                          float* const* out) {
+  int64_t lo = n[0], hi = n[0];
+  for (int i = 1; i < HN; ++i) {
+    lo = std::min(lo, n[i]);
+    hi = std::max(hi, n[i]);
+  }
+  __m512 a[HN][P];
+  for (int i = 0; i < HN; ++i)
+    for (int c = 0; c < P; ++c) a[i][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < lo; ++t) {
+    if (t + kPrefetchTokens < hi) prefetch_rows(values, t + kPrefetchTokens, t + kPrefetchTokens + 1, D);
+    __m512 pi[HN];
+    for (int i = 0; i < HN; ++i) pi[i] = _mm512_set1_ps(p[i][t]);
+    for (int c = 0; c < P; ++c) {
+      const __m512 vv = load16(values[t] + d0 + 16 * c);
+      for (int i = 0; i < HN; ++i) a[i][c] = _mm512_fmadd_ps(pi[i], vv, a[i][c]);
     }
+  }
+  for (int64_t t = lo; t < hi; ++t)
+    for (int c = 0; c < P; ++c) {
+      const __m512 vv = load16(values[t] + d0 + 16 * c);
+      for (int i = 0; i < HN; ++i)
+        if (t < n[i]) a[i][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[i][t]), vv, a[i][c]);
+    }
+  for (int i = 0; i < HN; ++i)
+    for (int c = 0; c < P; ++c) _mm512_storeu_ps(out[i] + d0 + 16 * c, a[i][c]);
+}
+
+// F(std::integral_constant<int, N>{}) for a head count 1 <= N <= 8 (the shared kernels'
+// register blocks).
+template <typename F>
+static inline void with_heads(int64_t n, F&& f) {
+  switch (n) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
 }
 #endif
 
@@ -132,45 +182,85 @@ static inline void softcap_in_place(float* x, int64_t n, float cap) {
   for (; t < n; ++t) x[t] = cap * std::tanh(x[t] * inv);
 }
 
-// One (sequence, KV head): out[g] = softmax(q[g] . K^T) V for its G query heads, in float32.
-// qf: (G, D) queries already scaled; keys/values: row pointers of the n cached tokens; scores:
-// (G, n) scratch; acc: (G, D) result; softcap > 0 caps the scores before the softmax; sinks:
-// the G heads' sink logits, or null.
+// QN query heads sharing one KV head: out[i] = softmax(q[i] . K[0, n[i])^T) V[0, n[i]), in
+// float32. qf: (QN, D) queries already scaled; keys/values: row pointers of the cached tokens
+// (at least max n[i]); scores: (QN, max n) scratch; acc: (QN, D) result; softcap > 0 caps the
+// scores before the softmax; sinks: the QN heads' sink logits, or null. Head i's result is the
+// same whatever the other heads are (see key_scores_shared, weighted_values_shared).
 template <typename T>
-static void attend(const float* qf, const T* const* keys, const T* const* values, int64_t n,
-                   int64_t G, int64_t D, float* scores, float* acc, float softcap,
-                   const float* sinks) {
+static void attend(const float* qf, const int64_t* n, const T* const* keys,
+                   const T* const* values, int64_t QN, int64_t D, float* scores, float* acc,
+                   float softcap, const float* sinks) {
+  int64_t lo = n[0], hi = n[0];
+  for (int64_t i = 1; i < QN; ++i) {
+    lo = std::min(lo, n[i]);
+    hi = std::max(hi, n[i]);
+  }
 #if defined(__AVX512F__)
-  const bool vec = D % 16 == 0;
-#else
-  const bool vec = false;
-#endif
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores + g * n;
-#if defined(__AVX512F__)
-    if (vec) key_scores(qf + g * D, keys, n, D, sg);
-#endif
-    if (!vec)
-      for (int64_t t = 0; t < n; ++t) {
-        float dot = 0.f;
-        for (int64_t d = 0; d < D; ++d) dot += qf[g * D + d] * to_f(keys[t][d]);
-        sg[t] = dot;
+  if (D % 16 == 0) {
+    const int64_t shared = lo - lo % 4;  // keys every head scores in whole groups of four
+    for (int64_t i0 = 0; i0 < QN; i0 += 4) {
+      const float* q[4];
+      float* s[4];
+      const int64_t hn = std::min<int64_t>(4, QN - i0);
+      for (int64_t i = 0; i < hn; ++i) {
+        q[i] = qf + (i0 + i) * D;
+        s[i] = scores + (i0 + i) * hi;
       }
-    if (softcap > 0.f) softcap_in_place(sg, n, softcap);
-    softmax_in_place(sg, n, sinks != nullptr ? sinks[g] : -INFINITY);
-  }
-#if defined(__AVX512F__)
-  if (vec) {
-    if (D % 128 == 0) return weighted_values_all<8>(scores, n, values, G, D, acc);
-    if (D % 64 == 0) return weighted_values_all<4>(scores, n, values, G, D, acc);
-    if (D % 32 == 0) return weighted_values_all<2>(scores, n, values, G, D, acc);
-    return weighted_values_all<1>(scores, n, values, G, D, acc);
+      with_heads(hn, [&](auto c) {
+        constexpr int HN = decltype(c)::value;
+        if constexpr (HN <= 4) key_scores_shared<HN>(q, keys, shared, D, s);
+      });
+    }
+    for (int64_t i = 0; i < QN; ++i) {  // each head's own last groups and tail
+      float* si = scores + i * hi;
+      key_scores(qf + i * D, keys + shared, n[i] - shared, D, si + shared);
+      if (softcap > 0.f) softcap_in_place(si, n[i], softcap);
+      softmax_in_place(si, n[i], sinks != nullptr ? sinks[i] : -INFINITY);
+    }
+    for (int64_t i0 = 0; i0 < QN; i0 += 8) {
+      const int64_t hn = std::min<int64_t>(8, QN - i0);
+      const float* p[8];
+      float* o[8];
+      for (int64_t i = 0; i < hn; ++i) {
+        p[i] = scores + (i0 + i) * hi;
+        o[i] = acc + (i0 + i) * D;
+      }
+      // As many 16-dim chunks per pass over the tokens as 16 accumulators allow.
+      with_heads(hn, [&](auto c) {
+        constexpr int HN = decltype(c)::value;
+        auto passes = [&](auto chunks) {
+          constexpr int P = decltype(chunks)::value;
+          for (int64_t d0 = 0; d0 < D; d0 += 16 * P)
+            weighted_values_shared<HN, P>(p, n + i0, values, d0, D, o);
+        };
+        if constexpr (HN <= 2) {
+          if (D % 128 == 0) return passes(std::integral_constant<int, 8>{});
+        }
+        if constexpr (HN <= 4) {
+          if (D % 64 == 0) return passes(std::integral_constant<int, 4>{});
+        }
+        if (D % 32 == 0) return passes(std::integral_constant<int, 2>{});
+        passes(std::integral_constant<int, 1>{});
+      });
+    }
+    return;
   }
 #endif
-  std::fill(acc, acc + G * D, 0.f);
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t d = 0; d < D; ++d) acc[g * D + d] += scores[g * n + t] * to_f(values[t][d]);
+  for (int64_t i = 0; i < QN; ++i) {
+    float* si = scores + i * hi;
+    for (int64_t t = 0; t < n[i]; ++t) {
+      float dot = 0.f;
+      for (int64_t d = 0; d < D; ++d) dot += qf[i * D + d] * to_f(keys[t][d]);
+      si[t] = dot;
+    }
+    if (softcap > 0.f) softcap_in_place(si, n[i], softcap);
+    softmax_in_place(si, n[i], sinks != nullptr ? sinks[i] : -INFINITY);
+    float* ai = acc + i * D;
+    std::fill(ai, ai + D, 0.f);
+    for (int64_t t = 0; t < n[i]; ++t)
+      for (int64_t d = 0; d < D; ++d) ai[d] += si[t] * to_f(values[t][d]);
+  }
 }
 
 template <typename T>
@@ -180,29 +270,58 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* b
                           float softcap, const float* sinks) {
   const int64_t G = H / KVH;
   // Cache layout: (num_blocks, KVH, bs, D); one block of one head is bs*D contiguous values.
-  // Per (sequence, KV head): the scores of every cached key for the G query heads sharing it,
-  // the softmax, then the weighted sum of the values; each key and value is read once per pair
-  // of query heads. With a sliding window (window > 0) a sequence reads only its last `window`
-  // tokens: the walk starts in the block holding the first of them.
+  // Per (group of rows, KV head): the scores of every cached key for the query heads sharing it,
+  // the softmax, then the weighted sum of the values. With a sliding window (window > 0) a row
+  // reads only its last `window` tokens: the walk starts in the block holding the first of them.
   auto first_token = [&](int64_t n) {
     return window > 0 ? std::max<int64_t>(0, n - window) : int64_t(0);
   };
+  // Groups: rows r + 1 .. of one sequence (context one longer each, the same blocks) join row
+  // r's group while every row reads from token 0 and the group has at most 8 query heads per KV
+  // head; a decode step's rows are groups of one. groups[i] is group i's first row; follows[i]:
+  // group i reads the keys of group i - 1 and more (the same sequence, the next rows).
+  std::vector<int64_t> groups;
+  std::vector<char> follows;
+  const int64_t max_rows = std::max<int64_t>(1, 8 / G);
+  auto same_blocks = [&](int64_t a, int64_t b) {  // row b's blocks start with row a's
+    return std::memcmp(bt + a * max_blocks, bt + b * max_blocks,
+                       sizeof(int64_t) * ((ctx[a] + bs - 1) / bs)) == 0;
+  };
+  for (int64_t b = 0; b < B;) {
+    follows.push_back(b > 0 && same_blocks(b - 1, b));
+    groups.push_back(b);
+    int64_t r = 1;
+    while (b + r < B && r < max_rows && ctx[b + r] == ctx[b] + r && first_token(ctx[b + r]) == 0 &&
+           std::memcmp(bt + b * max_blocks, bt + (b + r) * max_blocks,
+                       sizeof(int64_t) * ((ctx[b + r] + bs - 1) / bs)) == 0)
+      ++r;
+    b += r;
+  }
+  const int64_t num_groups = static_cast<int64_t>(groups.size());
+  groups.push_back(B);
   // Work per job in grain_for's units (a multiply-add streaming weights from memory): each
   // multiply-add here also reads a cached key or value that is usually not in cache, about 4x
   // the cost (measured: 8 heads x 160 tokens x G=2, D=128 take ~55 us with a cold cache).
   int64_t total_ctx = 0;
   for (int64_t b = 0; b < B; ++b) total_ctx += ctx[b] - first_token(ctx[b]);
   const int64_t job_work =
-      std::max<int64_t>(1, total_ctx / std::max<int64_t>(1, B)) * G * D * 2 * 4;
-  at::parallel_for(0, B * KVH, grain_for(job_work), [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores;
+      std::max<int64_t>(1, total_ctx / std::max<int64_t>(1, num_groups)) * G * D * 2 * 4;
+  // Jobs run head by head (job = h * num_groups + group): the groups of one prefill chunk then
+  // follow each other on one KV head, whose keys and values stay in L2 between them.
+  at::parallel_for(0, num_groups * KVH, grain_for(job_work), [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(max_rows * G * D), acc(max_rows * G * D), scores;
+    std::vector<int64_t> lens(max_rows * G);
     std::vector<const T*> keys, values;
     for (int64_t job = begin; job < end; ++job) {
-      const int64_t b = job / KVH, h = job % KVH;
-      const int64_t n = ctx[b], start = first_token(n), m = n - start;
+      const int64_t grp = job % num_groups, h = job / num_groups;
+      const int64_t b0 = groups[grp], rows = groups[grp + 1] - b0, QN = rows * G;
+      // The group's rows share the blocks of its longest context n (its last row).
+      const int64_t n = ctx[b0 + rows - 1], start = first_token(n), m = n - start;
 #if defined(__AVX512F__)
-      if (job + 1 < end) {  // the next job's keys and values into L2 while this one runs
-        const int64_t nb = job + 1, b2 = nb / KVH, h2 = nb % KVH;
+      // The next job's keys and values into L2 while this one runs, unless they are this job's.
+      if (job + 1 < end && !(grp + 1 < num_groups && follows[grp + 1])) {
+        const int64_t g2 = (job + 1) % num_groups, h2 = (job + 1) / num_groups;
+        const int64_t b2 = groups[g2 + 1] - 1;
         const int64_t bytes = bs * D * static_cast<int64_t>(sizeof(T));
         const int64_t start2 = first_token(ctx[b2]);
         for (int64_t t0 = start2 - start2 % bs; t0 < ctx[b2]; t0 += bs) {
@@ -215,10 +334,11 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* b
         }
       }
 #endif
-      scores.resize(G * m);
+      scores.resize(QN * m);
       keys.resize(m);
       values.resize(m);
       // Block by block (no division per token); keys[i] is token start + i.
+      const int64_t b = b0 + rows - 1;
       for (int64_t t0 = start - start % bs; t0 < n; t0 += bs) {
         const int64_t first = std::max(t0, start);
         const int64_t base = (bt[b * max_blocks + t0 / bs] * KVH + h) * bs * D;
@@ -228,14 +348,22 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* b
           values[t - start] = vc + row;
         }
       }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          qf[g * D + d] = to_f(q[(b * H + h * G + g) * D + d]) * scale;
-      attend(qf.data(), keys.data(), values.data(), m, G, D, scores.data(), acc.data(), softcap,
-             sinks != nullptr ? sinks + h * G : nullptr);
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          out[(b * H + h * G + g) * D + d] = static_cast<T>(acc[g * D + d]);
+      float head_sinks[8];
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t i = r * G + g;
+          lens[i] = m - (rows - 1 - r);  // row r's context, from the same first token
+          if (sinks != nullptr && QN <= 8) head_sinks[i] = sinks[h * G + g];
+          for (int64_t d = 0; d < D; ++d)
+            qf[i * D + d] = to_f(q[((b0 + r) * H + h * G + g) * D + d]) * scale;
+        }
+      const float* sk = sinks == nullptr ? nullptr : QN <= 8 ? head_sinks : sinks + h * G;
+      attend(qf.data(), lens.data(), keys.data(), values.data(), QN, D, scores.data(),
+             acc.data(), softcap, sk);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t d = 0; d < D; ++d)
+            out[((b0 + r) * H + h * G + g) * D + d] = static_cast<T>(acc[(r * G + g) * D + d]);
     }
   });
 }

@@ -95,7 +95,7 @@ static inline void store16(at::BFloat16* p, __m512 x) {  // x already rounded: t
 #if defined(__AVX512F__)
 // The four sums of a[0..3] in one __m128: one shuffle tree for four outputs instead of four
 // full horizontal reductions (a reduction costs about a quarter of a K=1024 dot product).
-static inline __m128 hsum4(const __m512* a) {
+__attribute__((always_inline)) static inline __m128 hsum4(const __m512* a) {
   const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
   const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
   // Each 128-bit lane now holds (a0, a1, a0, a1) and (a2, a3, a2, a3) partial sums.
