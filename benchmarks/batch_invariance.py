@@ -51,8 +51,10 @@ def _timed(fn) -> float:
 
 
 def cost(model: str, dtype: str, reps: int) -> None:
+    # max_model_len: the longest prompt is 1024 tokens; a 40k-context model's default would not
+    # fit the KV cache.
     llm = LLM(model, dtype=dtype, enable_prefix_caching=False, max_num_seqs=32,
-              max_num_batched_tokens=2048, batch_invariant=True)
+              max_num_batched_tokens=2048, max_model_len=2048, batch_invariant=True)
     vocab = llm.engine.vocab_size
     prompt16 = [[(7 * i + 13 * j) % 5000 + 10 for j in range(16)] for i in range(32)]
     greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
