@@ -158,6 +158,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_rows", &dequantize_rows, "rows of GGUF-block weights, dequantized");
   m.def("quant_isa", &quant_isa, "instruction set of the quantized kernels");
   m.def("quant_r16", &quant_r16, "whether quant_matmul takes types repacked by 16 rows");
+  m.def("set_linear_amx", &set_linear_amx,
+        "batch-invariant bfloat16 linears on AMX tiles (on: where the CPU allows); returns whether "
+        "they now run there", py::arg("on"));
   m.def("set_quant_amx", &set_quant_amx,
         "run repacked parts on AMX from 16 rows where the CPU has it (default on); returns "
         "whether AMX is now in use");

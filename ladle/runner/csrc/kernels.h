@@ -35,6 +35,9 @@ void linear_cols(const T* x, const T* w, const T* b, T* y, int64_t M, int64_t N,
                  int64_t ldx, bool invariant, int64_t n_begin, int64_t n_end);
 at::Tensor linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> b,
                   bool invariant);
+// Batch-invariant bfloat16 linears on AMX tiles (where built and permitted); returns whether
+// they now run there. For tests and benchmarks.
+bool set_linear_amx(bool on);
 
 // elementwise.cpp
 at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor w,
