@@ -3,9 +3,7 @@
 #include "vec.h"
 
 #if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#define LADLE_LINEAR_AMX 1  // batch-invariant bfloat16 linears on the tile unit
-#include <sys/syscall.h>
-#include <unistd.h>
+#define LADLE_LINEAR_AMX 1  // bfloat16 linears on the tile unit (vec.h asks Linux for the tiles)
 #include <atomic>
 #endif
 
@@ -432,19 +430,6 @@ struct TileShapes {  // the LDTILECFG image: eight tiles of 16 rows x 64 bytes
   }
 };
 
-// Linux hands out the tile state only to a process that asks (ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); if refused, the dense kernel serves (quant.cpp asks the same way).
-bool amx_tiles_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqPerm = 0x1023, kGetPerm = 0x1022, kXtileData = 18;
-    unsigned long bits = 0;
-    if (syscall(SYS_arch_prctl, kReqPerm, kXtileData) != 0) return false;
-    if (syscall(SYS_arch_prctl, kGetPerm, &bits) != 0) return false;
-    return ((bits >> kXtileData) & 1) != 0;
-  }();
-  return ok;
-}
-
 std::atomic<bool> g_linear_amx{true};  // set_linear_amx: tests and benchmarks compare both
 
 // r[i][j] -> r[j][i] for 16 vectors of 16 32-bit values: pairs within 128-bit lanes, then
@@ -573,7 +558,7 @@ static void amx_linear(const at::BFloat16* x, const at::BFloat16* w, const at::B
 bool set_linear_amx(bool on) {
 #if defined(LADLE_LINEAR_AMX)
   g_linear_amx.store(on);
-  return on && amx_tiles_permitted();
+  return on && amx_permitted();
 #else
   (void)on;
   return false;
@@ -607,7 +592,7 @@ at::Tensor linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> b,
     // 0.19 against 1.27 ms; 0.6B decode of 32 rows 143 -> 389 tok/s), while one row stays on
     // the blocks, which stream the weights 3-15% faster.
     if ((invariant || M >= 2) && N % 16 == 0 && K % 32 == 0 &&
-        g_linear_amx.load(std::memory_order_relaxed) && amx_tiles_permitted()) {
+        g_linear_amx.load(std::memory_order_relaxed) && amx_permitted()) {
       amx_linear(x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(),
                  has_b ? b->data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>(), M, N,
                  K, x.stride(0));

@@ -51,9 +51,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define LADLE_QUANT_512 1  // the panels (prefill, batched decode)
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
-#define LADLE_QUANT_AMX 1  // repacked parts 16 rows at a time on the tile unit
-#include <sys/syscall.h>
-#include <unistd.h>
+#define LADLE_QUANT_AMX 1  // repacked parts 16 rows at a time on the tile unit (vec.h asks Linux)
 #include <atomic>
 #endif
 #endif
@@ -997,19 +995,6 @@ struct alignas(64) AmxConfig {
     }
   }
 };
-
-// Linux hands out the tile registers' state only to a process that asks (ARCH_REQ_XCOMP_PERM
-// for XFEATURE_XTILEDATA); without it the first tile instruction faults.
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqPerm = 0x1023, kGetPerm = 0x1022, kXtileData = 18;
-    unsigned long bits = 0;
-    if (syscall(SYS_arch_prctl, kReqPerm, kXtileData) != 0) return false;
-    if (syscall(SYS_arch_prctl, kGetPerm, &bits) != 0) return false;
-    return ((bits >> kXtileData) & 1) != 0;
-  }();
-  return ok;
-}
 
 std::atomic<bool> g_amx_on{true};  // set_quant_amx: tests and benchmarks compare both paths
 bool amx_active() { return g_amx_on.load(std::memory_order_relaxed) && amx_permitted(); }

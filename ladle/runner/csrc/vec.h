@@ -1,6 +1,6 @@
-// Helpers shared by the CPU kernels (attention.cpp, linear.cpp, elementwise.cpp, sampler.cpp):
-// bfloat16 widening, the parallel grain, and the AVX-512 loads, stores, rounding, exp and
-// horizontal sums. Every function is static inline, so each translation unit that includes this
+// Helpers shared by the CPU kernels (attention.cpp, linear.cpp, elementwise.cpp, sampler.cpp,
+// quant.cpp): bfloat16 widening, the parallel grain, the AVX-512 loads, stores, rounding, exp and
+// horizontal sums, and the request for AMX tile state. Every function is static inline, so each translation unit that includes this
 // has its own copy. Built with -march=native: the AVX-512 (and AVX512-BF16) paths are chosen by
 // the compiler macros of the CPU the build is for; every kernel also has a portable scalar loop.
 #pragma once
@@ -104,5 +104,23 @@ __attribute__((always_inline)) static inline __m128 hsum4(const __m512* a) {
   const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s),
                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+#endif
+
+#if defined(__AMX_TILE__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+// Linux hands out the tile registers' state only to a process that asks (ARCH_REQ_XCOMP_PERM
+// for XFEATURE_XTILEDATA); without it the first tile instruction faults. Asked once per
+// translation unit that uses the tiles (linear.cpp, quant.cpp); the answer is the process's.
+static inline bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kReqPerm = 0x1023, kGetPerm = 0x1022, kXtileData = 18;
+    unsigned long bits = 0;
+    if (syscall(SYS_arch_prctl, kReqPerm, kXtileData) != 0) return false;
+    if (syscall(SYS_arch_prctl, kGetPerm, &bits) != 0) return false;
+    return ((bits >> kXtileData) & 1) != 0;
+  }();
+  return ok;
 }
 #endif
