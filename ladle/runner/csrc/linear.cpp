@@ -5,6 +5,7 @@
 #if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define LADLE_LINEAR_AMX 1  // bfloat16 linears on the tile unit (vec.h asks Linux for the tiles)
 #include <atomic>
+#include <memory>
 #endif
 
 // ---------------------------------------------------------------------------------------------
@@ -498,9 +499,10 @@ inline void store_tile(const float* cb, const at::BFloat16* b, at::BFloat16* y, 
 static void amx_linear(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* b,
                        at::BFloat16* y, int64_t M, int64_t N, int64_t K, int64_t ldx) {
   const int64_t KB = K / 32, MB = (M + 15) / 16;
-  std::vector<uint32_t> xp(MB * KB * 256);
-  pack_rows(x, M, K, ldx, xp.data());
-  const uint32_t* xt = xp.data();
+  // Not zeroed first: pack_rows writes every value (zeros past M).
+  std::unique_ptr<uint32_t[]> xp(new uint32_t[MB * KB * 256]);
+  pack_rows(x, M, K, ldx, xp.get());
+  const uint32_t* xt = xp.get();
   at::parallel_for(0, (N + 31) / 32, grain_for(32 * K * M), [&](int64_t begin, int64_t end) {
     TileShapes shapes;
     _tile_loadconfig(&shapes);
