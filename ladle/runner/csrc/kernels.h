@@ -38,6 +38,11 @@ at::Tensor linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> b,
 // Batch-invariant bfloat16 linears on AMX tiles (where built and permitted); returns whether
 // they now run there. For tests and benchmarks.
 bool set_linear_amx(bool on);
+// Whether linear runs a bfloat16 (M rows, (N, K) weight) product on AMX tiles, and that path
+// itself (built where the CPU has AMX-BF16; moe.cpp runs its experts by the same rule).
+bool amx_linear_serves(int64_t M, int64_t N, int64_t K, bool invariant);
+void amx_linear(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* b,
+                at::BFloat16* y, int64_t M, int64_t N, int64_t K, int64_t ldx);
 
 // elementwise.cpp
 at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor w,

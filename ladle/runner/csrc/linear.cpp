@@ -496,8 +496,8 @@ inline void store_tile(const float* cb, const at::BFloat16* b, at::BFloat16* y, 
 }  // namespace
 
 // y (M, N) = x (M, K) @ w (N, K)^T + b on the tile unit; N % 16 == 0, K % 32 == 0.
-static void amx_linear(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* b,
-                       at::BFloat16* y, int64_t M, int64_t N, int64_t K, int64_t ldx) {
+void amx_linear(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* b,
+                at::BFloat16* y, int64_t M, int64_t N, int64_t K, int64_t ldx) {
   const int64_t KB = K / 32, MB = (M + 15) / 16;
   // Not zeroed first: pack_rows writes every value (zeros past M).
   std::unique_ptr<uint32_t[]> xp(new uint32_t[MB * KB * 256]);
@@ -557,6 +557,29 @@ static void amx_linear(const at::BFloat16* x, const at::BFloat16* w, const at::B
 }
 #endif
 
+#if !defined(LADLE_LINEAR_AMX)
+void amx_linear(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, at::BFloat16*,
+                int64_t, int64_t, int64_t, int64_t) {
+  TORCH_CHECK(false, "amx_linear: this build has no AMX-BF16 (amx_linear_serves says so)");
+}
+#endif
+
+// Whether a bfloat16 linear of M rows and an (N, K) weight runs on the tile unit (the caller has
+// chosen the kernel over torch): where the shapes fit its tiles, in batch-invariant mode for
+// every row count (which path a weight takes then depends on its shape only, never on M);
+// otherwise from 2 rows, where it beats the four-row blocks (one 4096 x 1024 weight, two
+// threads, 32 rows: 0.19 against 1.27 ms; 0.6B decode of 32 rows 143 -> 409 tok/s), while one
+// row stays on the blocks, which stream the weights 3-15% faster. linear and moe.cpp both ask.
+bool amx_linear_serves(int64_t M, int64_t N, int64_t K, bool invariant) {
+#if defined(LADLE_LINEAR_AMX)
+  return (invariant || M >= 2) && N % 16 == 0 && K % 32 == 0 &&
+         g_linear_amx.load(std::memory_order_relaxed) && amx_permitted();
+#else
+  (void)M, (void)N, (void)K, (void)invariant;
+  return false;
+#endif
+}
+
 bool set_linear_amx(bool on) {
 #if defined(LADLE_LINEAR_AMX)
   g_linear_amx.store(on);
@@ -588,13 +611,7 @@ at::Tensor linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> b,
   const bool has_b = b.has_value() && b->defined();
   if (x.scalar_type() == at::kBFloat16) {
 #if defined(LADLE_LINEAR_AMX)
-    // The tile unit, where the shapes fit its tiles: in batch-invariant mode for every row count
-    // (which path a weight takes then depends on its shape only, never on M); otherwise from 2
-    // rows, where it beats the four-row blocks (one 4096 x 1024 weight, two threads, 32 rows:
-    // 0.19 against 1.27 ms; 0.6B decode of 32 rows 143 -> 389 tok/s), while one row stays on
-    // the blocks, which stream the weights 3-15% faster.
-    if ((invariant || M >= 2) && N % 16 == 0 && K % 32 == 0 &&
-        g_linear_amx.load(std::memory_order_relaxed) && amx_permitted()) {
+    if (amx_linear_serves(M, N, K, invariant)) {
       amx_linear(x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(),
                  has_b ? b->data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>(), M, N,
                  K, x.stride(0));

@@ -8,12 +8,15 @@
 // - gate_up, silu * up and down run per expert with linear.cpp's column routine, the threads
 //   sharing every expert's columns at once (one parallel region per projection, not one per
 //   expert). An expert with more rows than max_kernel_rows (prefill) runs torch's GEMM instead,
-//   as cpu_kernels.linear does;
+//   as cpu_kernels.linear does, and one whose rows linear would put on AMX tiles
+//   (amx_linear_serves) runs them there, one call per expert;
 // - each output row is scaled by its routing weight (in float32, rounded to T), and a token's k
 //   rows are added in the order of their expert ids, rounding to T after each add, which is
 //   transformers' sum over experts in order.
 #include "kernels.h"
 #include "moe.h"
+
+#include <type_traits>
 #include "vec.h"
 
 // y (P, N) rows of expert e at [start[e], start[e] + count[e]) = x rows @ w[e]^T, for the
@@ -61,19 +64,40 @@ static void moe_kernel(at::Tensor x, at::Tensor ids, at::Tensor weights,
     if (count[e] == 0) continue;
     (count[e] <= max_kernel_rows || invariant ? small : big).push_back(e);
   }
+  // Experts whose rows `linear` would run on AMX tiles (amx_linear_serves) run there here too,
+  // one call each, so the fused kernel keeps the per-expert loop's bits.
+  auto split = [&](int64_t N, int64_t K, std::vector<int64_t>& tiles) {
+    std::vector<int64_t> rest;
+    for (int64_t e : small) {
+      bool t = false;
+      if constexpr (std::is_same_v<T, at::BFloat16>) t = amx_linear_serves(count[e], N, K, invariant);
+      (t ? tiles : rest).push_back(e);
+    }
+    return rest;
+  };
+  std::vector<int64_t> tiles_gu, tiles_down;
+  const std::vector<int64_t> small_gu = split(I2, H, tiles_gu), small_down = split(H, I, tiles_down);
+  auto on_tiles = [&](const std::vector<int64_t>& tiles, const T* in, const T* w, T* o,
+                      int64_t N, int64_t K) {
+    if constexpr (std::is_same_v<T, at::BFloat16>)
+      for (int64_t e : tiles)
+        amx_linear(in + start[e] * K, w + e * N * K, nullptr, o + start[e] * N, count[e], N, K, K);
+  };
   for (int64_t e : big) {
     auto o = gu.narrow(0, start[e], count[e]);
     at::mm_out(o, rows.narrow(0, start[e], count[e]), gate_up[e].t());
   }
-  experts_linear(static_cast<const T*>(rp), gate_up.data_ptr<T>(), gu.data_ptr<T>(), small,
+  on_tiles(tiles_gu, rp, gate_up.data_ptr<T>(), gu.data_ptr<T>(), I2, H);
+  experts_linear(static_cast<const T*>(rp), gate_up.data_ptr<T>(), gu.data_ptr<T>(), small_gu,
                  start, count, I2, H, invariant);
   silu_mul_kernel(static_cast<const T*>(gu.data_ptr<T>()), act.data_ptr<T>(), P, I, I2);
   for (int64_t e : big) {
     auto o = out.narrow(0, start[e], count[e]);
     at::mm_out(o, act.narrow(0, start[e], count[e]), down[e].t());
   }
+  on_tiles(tiles_down, act.data_ptr<T>(), down.data_ptr<T>(), out.data_ptr<T>(), H, I);
   experts_linear(static_cast<const T*>(act.data_ptr<T>()), down.data_ptr<T>(), out.data_ptr<T>(),
-                 small, start, count, H, I, invariant);
+                 small_down, start, count, H, I, invariant);
   combine(static_cast<const T*>(out.data_ptr<T>()), id, weights.data_ptr<float>(), slot.data(),
           y.data_ptr<T>(), Tn, k, H);
 }
