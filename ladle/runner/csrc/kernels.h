@@ -39,10 +39,18 @@ at::Tensor linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> b,
 // they now run there. For tests and benchmarks.
 bool set_linear_amx(bool on);
 // Whether linear runs a bfloat16 (M rows, (N, K) weight) product on AMX tiles, and that path
-// itself (built where the CPU has AMX-BF16; moe.cpp runs its experts by the same rule).
+// itself for several products of one weight shape (built where the CPU has AMX-BF16; moe.cpp
+// runs its experts by the same rule, in one call).
 bool amx_linear_serves(int64_t M, int64_t N, int64_t K, bool invariant);
-void amx_linear(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* b,
-                at::BFloat16* y, int64_t M, int64_t N, int64_t K, int64_t ldx);
+struct AmxRows {  // one product y (M, N) = x (M, K; row stride ldx) @ w (N, K)^T + b (or null)
+  const at::BFloat16* x;
+  int64_t ldx;
+  const at::BFloat16* w;
+  const at::BFloat16* b;
+  at::BFloat16* y;
+  int64_t M;
+};
+void amx_linear_many(const AmxRows* products, int64_t count, int64_t N, int64_t K);
 
 // elementwise.cpp
 at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor w,

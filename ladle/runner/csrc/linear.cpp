@@ -461,23 +461,20 @@ inline void transpose16(__m512* r) {
   }
 }
 
-// x's rows as B tiles: tile (mb, kb) holds rows 16 mb .. of x at K values 32 kb .. 32 kb + 31,
-// as 16 rows of K pairs x 16 rows of x (one 32-bit pair each), zeros past M.
-void pack_rows(const at::BFloat16* x, int64_t M, int64_t K, int64_t ldx, uint32_t* xp) {
-  const int64_t KB = K / 32, MB = (M + 15) / 16;
-  at::parallel_for(0, MB, grain_for(16 * K * kElementWork), [&](int64_t begin, int64_t end) {
-    for (int64_t mb = begin; mb < end; ++mb)
-      for (int64_t kb = 0; kb < KB; ++kb) {
-        __m512 r[16];
-        for (int64_t i = 0; i < 16; ++i)
-          r[i] = mb * 16 + i < M ? _mm512_loadu_ps(reinterpret_cast<const float*>(
-                                       x + (mb * 16 + i) * ldx + kb * 32))
-                                 : _mm512_setzero_ps();
-        transpose16(r);
-        for (int i = 0; i < 16; ++i)
-          _mm512_storeu_ps(reinterpret_cast<float*>(xp + (mb * KB + kb) * 256 + i * 16), r[i]);
-      }
-  });
+// Rows 16 mb .. 16 mb + 15 of x (zeros past M) as B tiles, one per 32 values of K: 16 rows of K
+// pairs x 16 rows of x (one 32-bit pair each), at out + kb * 256.
+void pack_block(const at::BFloat16* x, int64_t M, int64_t K, int64_t ldx, int64_t mb,
+                uint32_t* out) {
+  for (int64_t kb = 0; kb < K / 32; ++kb) {
+    __m512 r[16];
+    for (int64_t i = 0; i < 16; ++i)
+      r[i] = mb * 16 + i < M ? _mm512_loadu_ps(reinterpret_cast<const float*>(
+                                   x + (mb * 16 + i) * ldx + kb * 32))
+                             : _mm512_setzero_ps();
+    transpose16(r);
+    for (int i = 0; i < 16; ++i)
+      _mm512_storeu_ps(reinterpret_cast<float*>(out + kb * 256 + i * 16), r[i]);
+  }
 }
 
 // C tile cb (16 outputs n0.. x 16 rows m0..) into y with the bias, rows m0 .. m0 + rows.
@@ -495,72 +492,93 @@ inline void store_tile(const float* cb, const at::BFloat16* b, at::BFloat16* y, 
 
 }  // namespace
 
-// y (M, N) = x (M, K) @ w (N, K)^T + b on the tile unit; N % 16 == 0, K % 32 == 0.
-void amx_linear(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* b,
-                at::BFloat16* y, int64_t M, int64_t N, int64_t K, int64_t ldx) {
-  const int64_t KB = K / 32, MB = (M + 15) / 16;
-  // Not zeroed first: pack_rows writes every value (zeros past M).
-  std::unique_ptr<uint32_t[]> xp(new uint32_t[MB * KB * 256]);
-  pack_rows(x, M, K, ldx, xp.get());
-  const uint32_t* xt = xp.get();
-  at::parallel_for(0, (N + 31) / 32, grain_for(32 * K * M), [&](int64_t begin, int64_t end) {
+// Columns [32 u, 32 u + 32) of one product's y, all its rows: xt its packed rows (MB blocks of
+// KB tiles). The tile configuration is loaded by the caller.
+static void amx_unit(const uint32_t* xt, const AmxRows& g, int64_t N, int64_t K, int64_t u,
+                     float (*cb)[256]) {
+  const int64_t KB = K / 32, MB = (g.M + 15) / 16, n0 = 32 * u;
+  const bool two_a = n0 + 16 < N;
+  const at::BFloat16* a0 = g.w + n0 * K;
+  const at::BFloat16* a1 = a0 + 16 * K;
+  for (int64_t mb = 0; mb < MB; mb += 2) {
+    const bool two_b = mb + 1 < MB;
+    const uint32_t* b0 = xt + mb * KB * 256;
+    const uint32_t* b1 = b0 + KB * 256;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = 0; kb < KB; ++kb) {  // tile t: C 0-3, A 4-5, B 6-7 (literal numbers)
+      _tile_loadd(4, a0 + kb * 32, K * 2);
+      _tile_loadd(6, b0 + kb * 256, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      if (two_b) {
+        _tile_loadd(7, b1 + kb * 256, 64);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      if (two_a) {
+        _tile_loadd(5, a1 + kb * 32, K * 2);
+        _tile_dpbf16ps(2, 5, 6);
+        if (two_b) _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    const int64_t rows0 = std::min<int64_t>(16, g.M - mb * 16);
+    const int64_t rows1 = two_b ? std::min<int64_t>(16, g.M - mb * 16 - 16) : 0;
+    _tile_stored(0, cb[0], 64);
+    store_tile(cb[0], g.b, g.y, N, n0, mb * 16, rows0);
+    if (two_b) {
+      _tile_stored(1, cb[1], 64);
+      store_tile(cb[1], g.b, g.y, N, n0, mb * 16 + 16, rows1);
+    }
+    if (two_a) {
+      _tile_stored(2, cb[2], 64);
+      store_tile(cb[2], g.b, g.y, N, n0 + 16, mb * 16, rows0);
+      if (two_b) {
+        _tile_stored(3, cb[3], 64);
+        store_tile(cb[3], g.b, g.y, N, n0 + 16, mb * 16 + 16, rows1);
+      }
+    }
+  }
+}
+
+// y = x @ w^T + b for G products of one weight shape (N, K), N % 16 == 0, K % 32 == 0, in two
+// parallel regions: packing every product's rows, then every (product, 32 columns) unit. A
+// product's bits are the same alone or among others (the MoE kernel's experts).
+void amx_linear_many(const AmxRows* g, int64_t G, int64_t N, int64_t K) {
+  const int64_t KB = K / 32, units = (N + 31) / 32;
+  std::vector<int64_t> off(G + 1, 0);
+  std::vector<std::pair<int64_t, int64_t>> blocks;  // (product, block of 16 rows)
+  int64_t rows = 0;
+  for (int64_t i = 0; i < G; ++i) {
+    const int64_t MB = (g[i].M + 15) / 16;
+    off[i + 1] = off[i] + MB * KB * 256;
+    for (int64_t mb = 0; mb < MB; ++mb) blocks.emplace_back(i, mb);
+    rows += g[i].M;
+  }
+  // Not zeroed first: pack_block writes every value (zeros past M).
+  std::unique_ptr<uint32_t[]> xp(new uint32_t[off[G]]);
+  at::parallel_for(0, static_cast<int64_t>(blocks.size()), grain_for(16 * K * kElementWork),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const auto [i, mb] = blocks[j];
+      pack_block(g[i].x, g[i].M, K, g[i].ldx, mb, xp.get() + off[i] + mb * KB * 256);
+    }
+  });
+  const int64_t avg_rows = std::max<int64_t>(1, rows / std::max<int64_t>(1, G));
+  at::parallel_for(0, G * units, grain_for(32 * K * avg_rows), [&](int64_t begin, int64_t end) {
     TileShapes shapes;
     _tile_loadconfig(&shapes);
     alignas(64) float cb[4][256];
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t n0 = 32 * u;
-      const bool two_a = n0 + 16 < N;
-      const at::BFloat16* a0 = w + n0 * K;
-      const at::BFloat16* a1 = a0 + 16 * K;
-      for (int64_t mb = 0; mb < MB; mb += 2) {
-        const bool two_b = mb + 1 < MB;
-        const uint32_t* b0 = xt + mb * KB * 256;
-        const uint32_t* b1 = b0 + KB * 256;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t kb = 0; kb < KB; ++kb) {  // tile t: C 0-3, A 4-5, B 6-7 (literal numbers)
-          _tile_loadd(4, a0 + kb * 32, K * 2);
-          _tile_loadd(6, b0 + kb * 256, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          if (two_b) {
-            _tile_loadd(7, b1 + kb * 256, 64);
-            _tile_dpbf16ps(1, 4, 7);
-          }
-          if (two_a) {
-            _tile_loadd(5, a1 + kb * 32, K * 2);
-            _tile_dpbf16ps(2, 5, 6);
-            if (two_b) _tile_dpbf16ps(3, 5, 7);
-          }
-        }
-        const int64_t rows0 = std::min<int64_t>(16, M - mb * 16);
-        const int64_t rows1 = two_b ? std::min<int64_t>(16, M - mb * 16 - 16) : 0;
-        _tile_stored(0, cb[0], 64);
-        store_tile(cb[0], b, y, N, n0, mb * 16, rows0);
-        if (two_b) {
-          _tile_stored(1, cb[1], 64);
-          store_tile(cb[1], b, y, N, n0, mb * 16 + 16, rows1);
-        }
-        if (two_a) {
-          _tile_stored(2, cb[2], 64);
-          store_tile(cb[2], b, y, N, n0 + 16, mb * 16, rows0);
-          if (two_b) {
-            _tile_stored(3, cb[3], 64);
-            store_tile(cb[3], b, y, N, n0 + 16, mb * 16 + 16, rows1);
-          }
-        }
-      }
-    }
+    for (int64_t j = begin; j < end; ++j)
+      amx_unit(xp.get() + off[j / units], g[j / units], N, K, j % units, cb);
     _tile_release();
   });
 }
 #endif
 
 #if !defined(LADLE_LINEAR_AMX)
-void amx_linear(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, at::BFloat16*,
-                int64_t, int64_t, int64_t, int64_t) {
-  TORCH_CHECK(false, "amx_linear: this build has no AMX-BF16 (amx_linear_serves says so)");
+void amx_linear_many(const AmxRows*, int64_t, int64_t, int64_t) {
+  TORCH_CHECK(false, "amx_linear_many: this build has no AMX-BF16 (amx_linear_serves says so)");
 }
 #endif
 
@@ -612,9 +630,10 @@ at::Tensor linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> b,
   if (x.scalar_type() == at::kBFloat16) {
 #if defined(LADLE_LINEAR_AMX)
     if (amx_linear_serves(M, N, K, invariant)) {
-      amx_linear(x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(),
-                 has_b ? b->data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>(), M, N,
-                 K, x.stride(0));
+      const AmxRows one{x.data_ptr<at::BFloat16>(), x.stride(0), w.data_ptr<at::BFloat16>(),
+                        has_b ? b->data_ptr<at::BFloat16>() : nullptr,
+                        y.data_ptr<at::BFloat16>(), M};
+      amx_linear_many(&one, 1, N, K);
       return y;
     }
 #endif

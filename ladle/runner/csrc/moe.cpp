@@ -8,8 +8,8 @@
 // - gate_up, silu * up and down run per expert with linear.cpp's column routine, the threads
 //   sharing every expert's columns at once (one parallel region per projection, not one per
 //   expert). An expert with more rows than max_kernel_rows (prefill) runs torch's GEMM instead,
-//   as cpu_kernels.linear does, and one whose rows linear would put on AMX tiles
-//   (amx_linear_serves) runs them there, one call per expert;
+//   as cpu_kernels.linear does, and those whose rows linear would put on AMX tiles
+//   (amx_linear_serves) run there, all in one call;
 // - each output row is scaled by its routing weight (in float32, rounded to T), and a token's k
 //   rows are added in the order of their expert ids, rounding to T after each add, which is
 //   transformers' sum over experts in order.
@@ -79,9 +79,14 @@ static void moe_kernel(at::Tensor x, at::Tensor ids, at::Tensor weights,
   const std::vector<int64_t> small_gu = split(I2, H, tiles_gu), small_down = split(H, I, tiles_down);
   auto on_tiles = [&](const std::vector<int64_t>& tiles, const T* in, const T* w, T* o,
                       int64_t N, int64_t K) {
-    if constexpr (std::is_same_v<T, at::BFloat16>)
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      std::vector<AmxRows> products;
       for (int64_t e : tiles)
-        amx_linear(in + start[e] * K, w + e * N * K, nullptr, o + start[e] * N, count[e], N, K, K);
+        products.push_back({in + start[e] * K, K, w + e * N * K, nullptr, o + start[e] * N,
+                            count[e]});
+      if (!products.empty())
+        amx_linear_many(products.data(), static_cast<int64_t>(products.size()), N, K);
+    }
   };
   for (int64_t e : big) {
     auto o = gu.narrow(0, start[e], count[e]);
