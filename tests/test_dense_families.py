@@ -48,16 +48,17 @@ FAMILIES = {
 }
 
 
-def make_family_checkpoint(family: str, path) -> torch.nn.Module:
-    """Save a small random model of `family` to `path`; returns the transformers model (eval).
+def make_family_checkpoint(family: str, path, **fields) -> torch.nn.Module:
+    """Save a small random model of `family` to `path` (`fields` override its config); returns
+    the transformers model (eval).
     Spread for greedy margins: matrices N(0, 0.15), embeddings N(0, 0.5), and lm_head N(0, 0.6),
     four times the other matrices, so the logits span about +-20 and the top two differ by
     1e-3 or more at nearly every step, against float32 errors of about 3e-5; norm weights
     N(1, 0.3) (OLMo 2's post-norms scale what each block adds), biases N(0, 0.1)."""
     import transformers as tf
 
-    name, fields, _ = FAMILIES[family]
-    cfg = getattr(tf, f"{name}Config")(**COMMON, **fields)
+    name, own, _ = FAMILIES[family]
+    cfg = getattr(tf, f"{name}Config")(**(COMMON | own | fields))
     torch.manual_seed(0)
     model = getattr(tf, f"{name}ForCausalLM")(cfg)
     with torch.no_grad():
