@@ -287,11 +287,24 @@ def worker_hf(path, dtype, cases):
     return out
 
 
+NO_REPACK_ENV = "LADLE_BENCH_LLAMA_NO_REPACK"
+
+
 def worker_llama(path, outtype, cases):
     """llama-cpp-python in process: one sequence; its `eval` reuses a matching prefix, so every
     measurement starts from reset()."""
+    import llama_cpp
     from llama_cpp import Llama
 
+    if os.environ.get(NO_REPACK_ENV):  # --llama-no-repack: as llama-server's --no-repack
+        defaults = llama_cpp.llama_cpp.llama_model_default_params
+
+        def no_extra_buffers():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        llama_cpp.llama_cpp.llama_model_default_params = no_extra_buffers
     llm = Llama(model_path=str(path), n_ctx=512, n_batch=512, n_threads=os.cpu_count(),
                 verbose=False)
     single = single_prompts()
@@ -523,7 +536,8 @@ def server_llama(gguf_path, ps, parallel, out_tokens, rounds, log_dir, allow_ser
     if binary.exists():
         cmd = [str(binary), "-m", str(gguf_path), "--port", str(port), "--host", "127.0.0.1",
                "-np", str(parallel), "-c", str(parallel * 512), "-t", str(os.cpu_count()),
-               "--cont-batching", "--no-webui"]
+               "--cont-batching", "--no-webui", *(["--no-repack"] if os.environ.get(NO_REPACK_ENV)
+                                                   else [])]
         ready = "/health"
     elif allow_serial:
         cmd = [str(LLAMA_DIR / "venv" / "bin" / "python"), "-m", "llama_cpp.server", "--model",
@@ -640,6 +654,10 @@ def main():
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--skip-int8", action="store_true", help="no `ladle int8` column")
+    ap.add_argument("--llama-no-repack", action="store_true",
+                    help="llama.cpp without its extra weight buffers (repacking, AMX), as "
+                         "llama-server's --no-repack: on a KVM Xeon its AMX buffers crashed "
+                         "(general protection fault) on batches of 16+ rows of a Q8_0 file")
     ap.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS,
                     help="single-stream decode length (smaller: quick checks only)")
     ap.add_argument("--batch-out", type=int, default=BATCH_OUT,
@@ -649,6 +667,8 @@ def main():
     ap.add_argument("--worker", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()
     DECODE_TOKENS, BATCH_OUT, SERVER_OUT = args.decode_tokens, args.batch_out, args.server_out
+    if args.llama_no_repack:
+        os.environ[NO_REPACK_ENV] = "1"  # read by the llama workers and server_llama
     if args.worker:
         kind, *rest = args.worker
         if kind == "limits":
@@ -681,6 +701,9 @@ def main():
     load = os.getloadavg()
     print(f"cores={os.cpu_count()} load average={load[0]:.1f} (other processes share the CPU; "
           f"only ratios within this run count)", flush=True)
+    if args.llama_no_repack:
+        print("llama.cpp runs without its extra weight buffers (--llama-no-repack: no repacking, "
+              "no AMX)", flush=True)
     log_dir = Path(os.environ.get("TMPDIR", "/tmp"))
     limits = run_worker(sys.executable, ["limits"])
     int8 = limits.get("peak_int8_gops")
