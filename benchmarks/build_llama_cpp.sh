@@ -8,12 +8,19 @@
 # llama.cpp's HF -> GGUF converter and gguf-py, which compare.py runs to convert the random
 # checkpoints. Takes many minutes on a small machine; run it early:
 #     nice -n 19 benchmarks/build_llama_cpp.sh
-# Environment: LLAMA_CPP_DIR (default ~/.cache/ladle-bench/llama-cpp), LLAMA_CPP_VERSION, PYTHON.
+# Environment: LLAMA_CPP_DIR (default ~/.cache/ladle-bench/llama-cpp), LLAMA_CPP_VERSION, PYTHON,
+# LLAMA_CPP_ISA (cmake flags choosing the instruction sets; default -DGGML_NATIVE=ON: all of this
+# CPU's). On a KVM Xeon its AMX buffers crashed (compare.py --llama-no-repack); a build without
+# AMX that keeps the other repacking, into another LLAMA_CPP_DIR:
+#     LLAMA_CPP_ISA="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+#       -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON
+#       -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON"
 set -euo pipefail
 DIR=${LLAMA_CPP_DIR:-$HOME/.cache/ladle-bench/llama-cpp}
 VERSION=${LLAMA_CPP_VERSION:-0.3.36}
 PY=${PYTHON:-python3}
 JOBS=${CMAKE_BUILD_PARALLEL_LEVEL:-2}
+ISA=${LLAMA_CPP_ISA:--DGGML_NATIVE=ON}
 mkdir -p "$DIR"
 cd "$DIR"
 if [ ! -d "llama_cpp_python-$VERSION" ]; then
@@ -26,13 +33,13 @@ if ! venv/bin/python -c "import llama_cpp" 2>/dev/null; then
   venv/bin/pip install -q --upgrade pip
   # Native build for this CPU (AVX-512 etc.), as ladle's own kernels are; the server extra is
   # the fallback server when llama-server is not built (it runs one request at a time).
-  CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+  CMAKE_ARGS="$ISA -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
   CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
     venv/bin/pip install -v "./llama_cpp_python-$VERSION[server]" > build.log 2>&1
 fi
 if [ ! -x server-build/bin/llama-server ]; then
   cmake -S "llama_cpp_python-$VERSION/vendor/llama.cpp" -B server-build -G Ninja \
-    -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
+    -DCMAKE_BUILD_TYPE=Release $ISA -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
     > server-build.log 2>&1
   cmake --build server-build --target llama-server -j "$JOBS" >> server-build.log 2>&1

@@ -1,8 +1,7 @@
 """Mistral, Phi-3, OLMo 2 and Granite against transformers, on tiny random-weight float32
 checkpoints that transformers itself writes: greedy tokens equal to `generate` and logits within
 float32 rounding of a transformers forward, for 4 prompts x 32 tokens, plain, in chunks and
-through prefix-cache hits; -tp 2 for the two families with their own tensor-parallel code
-(Phi-3's fused checkpoint tensors, OLMo 2's norms across ranks). Prompts are 40-120 tokens, so
+through prefix-cache hits, and with -tp 2. Prompts are 40-120 tokens, so
 Mistral's window (12) and Phi-3's (16) slide. Phi-3 with LongRoPE: short factors when
 max_model_len is at most original_max_position_embeddings, long ones (and a prompt longer than
 that, which transformers rotates wholly with them) otherwise."""
@@ -127,12 +126,11 @@ def test_chunked_prefill_and_prefix_cache_hits(family):
 
 
 def test_tp2_matches_transformers(family):
-    """-tp 2 (gloo), for the families with their own split: Phi-3's fused qkv_proj and
-    gate_up_proj are cut into each rank's q, k, v (gate, up) rows at load; OLMo 2's q/k norms
-    span both ranks' heads (one all-reduce of the sums of squares)."""
+    """-tp 2 (gloo), every family: Phi-3's fused qkv_proj and gate_up_proj are cut into each
+    rank's q, k, v (gate, up) rows at load; OLMo 2's q/k norms span both ranks' heads (one
+    all-reduce of the sums of squares); Mistral's window and Granite's multipliers ride on the
+    Llama decoder's split."""
     name, path, ref, expected = family
-    if name not in ("phi3", "olmo2"):
-        pytest.skip("tensor parallelism is the Llama decoder's split (tests/test_tensor_parallel.py)")
     eng = engine(name, path, tensor_parallel_size=2)
     try:
         toks, logs = run(eng, PROMPTS)
