@@ -1,5 +1,5 @@
 """Mixture-of-experts families (issue 25): Qwen3-MoE and Mixtral against transformers on
-random-weight float32 checkpoints with 8 experts: greedy tokens equal to `generate` and logits
+random-weight float32 checkpoints with 8 experts (Qwen3-MoE with norm_topk_prob both ways): greedy tokens equal to `generate` and logits
 within float32 rounding, plain, in 16-token prefill chunks, through prefix-cache hits and with
 `-tp 2` (the experts' intermediate dimension split across ranks). The fused experts kernel
 (runner/csrc/moe.cpp) is what those engines run; it equals its twin, the per-expert loop, bit
@@ -19,11 +19,12 @@ from ladle.runner.quant import QuantWeight
 
 # Qwen3-MoE top-4 without norm_topk_prob (transformers' default) and a dense first layer
 # (mlp_only_layers), then every second layer sparse (decoder_sparse_step 2: layer 1 only, so
-# layer 2 is dense too); Mixtral top-2, renormalised (always), with a sliding window of 12
-# tokens, shorter than every prompt.
+# layer 2 is dense too); Qwen3-MoE top-2 with norm_topk_prob, every layer sparse; Mixtral
+# top-2, renormalised (always), with a sliding window of 12 tokens, shorter than every prompt.
 CHECKPOINTS = {
     "qwen3_moe-top4": dict(num_experts_per_tok=4, norm_topk_prob=False, mlp_only_layers=[0],
                            decoder_sparse_step=2),
+    "qwen3_moe-top2-norm": dict(num_experts_per_tok=2, norm_topk_prob=True),
     "mixtral-top2-window": dict(num_experts_per_tok=2, sliding_window=12),
 }
 _gen = torch.Generator().manual_seed(3)
