@@ -2,9 +2,8 @@
 against transformers on random-weight float32 checkpoints with 8 experts: greedy tokens equal
 to `generate` and logits within float32 rounding, plain, in 16-token prefill chunks, through
 prefix-cache hits and with `-tp 2` (the experts' intermediate dimension split across ranks).
-The fused experts kernel
-(runner/csrc/moe.cpp) is what those engines run; it equals its twin, the per-expert loop, bit
-for bit. `--quantization int8` keeps the router dense."""
+The fused experts kernel (runner/csrc/moe.cpp) is what those engines run; it equals its twin,
+the per-expert loop, bit for bit. `--quantization int8` keeps the router dense."""
 
 from __future__ import annotations
 
