@@ -31,7 +31,7 @@ ln -sfn "llama_cpp_python-$VERSION" src
 [ -x venv/bin/python ] || "$PY" -m venv venv
 if ! venv/bin/python -c "import llama_cpp" 2>/dev/null; then
   venv/bin/pip install -q --upgrade pip
-  # Native build for this CPU (AVX-512 etc.), as ladle's own kernels are; the server extra is
+  # Built for this CPU ($ISA; by default native, as ladle's own kernels are); the server extra is
   # the fallback server when llama-server is not built (it runs one request at a time).
   CMAKE_ARGS="$ISA -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
   CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
