@@ -15,9 +15,9 @@
 //   transformers' sum over experts in order.
 #include "kernels.h"
 #include "moe.h"
+#include "vec.h"
 
 #include <type_traits>
-#include "vec.h"
 
 // y (P, N) rows of expert e at [start[e], start[e] + count[e]) = x rows @ w[e]^T, for the
 // experts in `small` together (threads split the concatenation of their column blocks).
@@ -70,13 +70,15 @@ static void moe_kernel(at::Tensor x, at::Tensor ids, at::Tensor weights,
     std::vector<int64_t> rest;
     for (int64_t e : small) {
       bool t = false;
-      if constexpr (std::is_same_v<T, at::BFloat16>) t = amx_linear_serves(count[e], N, K, invariant);
+      if constexpr (std::is_same_v<T, at::BFloat16>)
+        t = amx_linear_serves(count[e], N, K, invariant);
       (t ? tiles : rest).push_back(e);
     }
     return rest;
   };
   std::vector<int64_t> tiles_gu, tiles_down;
-  const std::vector<int64_t> small_gu = split(I2, H, tiles_gu), small_down = split(H, I, tiles_down);
+  const std::vector<int64_t> small_gu = split(I2, H, tiles_gu);
+  const std::vector<int64_t> small_down = split(H, I, tiles_down);
   auto on_tiles = [&](const std::vector<int64_t>& tiles, const T* in, const T* w, T* o,
                       int64_t N, int64_t K) {
     if constexpr (std::is_same_v<T, at::BFloat16>) {
