@@ -295,7 +295,9 @@ def test_amx_tiles_give_the_vector_kernels_bits(kind, dtype):
     """On a CPU with AMX-INT8 the repacked parts run 16 activation rows at a time on the tile
     unit (the rest of the rows on the vector kernel): the same bits as the vector kernel for
     every row, float32 and bfloat16, with one 16-row chunk and with two and a remainder, at K
-    of one and of several super-blocks. Elsewhere AMX stays off and the call says so."""
+    of one and of several super-blocks, and (32-value blocks) at a K of 21 blocks, which ends
+    the tile program's spans and its groups of four sub-blocks short. Elsewhere AMX stays off
+    and the call says so."""
     if not cpu_has_amx_int8():
         assert kernels.set_quant_amx(True) is False
         pytest.skip("this CPU has no AMX-INT8")
@@ -303,7 +305,10 @@ def test_amx_tiles_give_the_vector_kernels_bits(kind, dtype):
     assert "amx-int8" in kernels.quant_isa()
     g = torch.Generator().manual_seed(21 + kind)
     try:
-        for m, n, k in [(16, 32, 256), (37, 48, 1024), (20, 16, 2048)]:
+        shapes = [(16, 32, 256), (37, 48, 1024), (20, 16, 2048)]
+        if kind in (Q.INT8_ROW, Q.Q8_0):
+            shapes.append((33, 16, 672))
+        for m, n, k in shapes:
             w = Q.QuantWeight([repacked(r16_weight(kind, n, k, g))], k, dtype)
             x = torch.randn(m, k, generator=g).to(dtype)
             x[3] = 0  # an all-zero activation row (its blocks' scale 0)
