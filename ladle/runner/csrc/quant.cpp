@@ -291,8 +291,12 @@ struct Act {
   const float* s;
   const int16_t* h;
   int64_t K;
+  // The first rows' q again as AMX A tiles (tile_activations), or null: sixteen of rows r, sub-
+  // block sb at qt + (r * K / 32 + sb) * 512, 32 bytes a row.
+  const int8_t* qt = nullptr;
   Act from_row(int64_t m) const {
-    return {q + m * K, d + m * (K / 32), s + m * (K / 32), h + m * (K / 16), K};
+    return {q + m * K, d + m * (K / 32), s + m * (K / 32), h + m * (K / 16), K,
+            qt && m % 16 == 0 ? qt + m / 16 * (K / 32) * 512 : nullptr};
   }
 };
 
@@ -986,7 +990,7 @@ struct alignas(64) AmxConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
-  explicit AmxConfig(int k) {  // k: the bytes of an A row (32, or Q6_K's halves 16)
+  explicit AmxConfig(int k) {  // k: the bytes of an A row (Q6_K's halves: 16)
     const int shape[8][2] = {{16, k}, {k / 4, 64}, {16, 64}, {16, k},
                              {k / 4, 64}, {16, 64}, {16, 64}, {16, 64}};
     for (int t = 0; t < 8; t++) {
@@ -998,6 +1002,20 @@ struct alignas(64) AmxConfig {
 
 std::atomic<bool> g_amx_on{true};  // set_quant_amx: tests and benchmarks compare both paths
 bool amx_active() { return g_amx_on.load(std::memory_order_relaxed) && amx_permitted(); }
+
+// Act::qt: the first 16 * sixteens rows of q (M, K) as A tiles, 16 rows x 32 bytes each, by
+// sixteen of rows then sub-block.
+void tile_activations(const int8_t* q, int64_t sixteens, int64_t K, int8_t* qt) {
+  const int64_t nsub = K / 32;
+  at::parallel_for(0, sixteens * nsub, grain_for(512 * kElementWork), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+      const int8_t* src = q + (t / nsub) * 16 * K + (t % nsub) * 32;
+      for (int r = 0; r < 16; r++)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qt + t * 512 + r * 32),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + r * K)));
+    }
+  });
+}
 
 // Sub-block j's (block b) weights for the B tile, as signed bytes in buf: Q4_K's nibbles as they
 // are, Q8_0's and int8 rows' unsigned w + 128 with the sign bit flipped back. (Signed weights:
@@ -1071,55 +1089,81 @@ void amx_unpack(const uint8_t* g, int64_t nsub, uint8_t* wb) {
   }
 }
 
-// out (16 x 16) = activation rows m0 .. m0 + 15 times the 16 repacked rows at g, whose B tiles
-// amx_unpack wrote to wb; the tile configuration is loaded (AmxConfig(32), Q6_K
-// AmxConfig(16)). Software-pipelined: sub-block sb's tile products (alternate C tiles) run
-// while sb - 1's sums take their float steps, and only then are stored (vector loads wait
-// behind a pending tile store).
-// Q8_0, int8 rows and Q4_K (one C tile per sub-block): activation rows m0 .. m0 + 15 times the
-// group's sub-blocks sb0 .. sb1 - 1, added to the float sums in acc_mem (16 x 16) in sub-block
-// order, as r16_rows adds them. Four sub-blocks' products are in flight on four C tiles (A and
-// B tiles alternating between two of each), stored together, then take their float steps while
-// the next four run. (One product at a time, as amx_rows below still runs Q6_K's halves, waits
-// out each product's latency before its store.)
-template <int TYPE>
-void amx_span(const uint8_t* g, const uint8_t* wb, const Act& a, int64_t m0, int64_t sb0,
-              int64_t sb1, float (*acc_mem)[16]) {
+// The tiles of amx_block: A (16 activation rows x 32 bytes) in 0 and 1, B (one sub-block of 16
+// repacked rows: 8 x 64 bytes) in 2 and 3, C (16 x 16 int32) in 4 .. 7.
+struct alignas(64) AmxBlockConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {32, 32, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 8, 8, 16, 16, 16, 16};
+};
+
+// Q8_0, int8 rows and Q4_K (one C tile per sub-block): MB sixteens of activation rows (from r0)
+// times NB groups of 16 repacked rows (g[j], their B tiles at wb[j]), sub-blocks sb0 .. sb1 - 1,
+// added to the float sums sums[j] (rows of 16 outputs, indexed by activation row) in sub-block
+// order, as r16_rows adds them. Each sub-block's A and B tiles serve MB x NB products (2 x 2:
+// 4 C tiles in flight, each tile load used twice), and the previous sub-block's float steps
+// come between the products and their stores. Against one product at a time (amx_rows, still
+// Q6_K's): one int8 0.6B layer's four linears, 2 threads, 128 rows 4.4 -> 3.8 ms, 256 rows
+// 9.6 -> 8.0 ms (Sapphire Rapids class Xeon). What bounds it there: the tile unit and the
+// vector unit did not overlap in a loop of only these steps (4 products of 16 x 16 x 32 with
+// their loads and stores, 40 ns; the 64 rows' float steps, 50 ns; both, 85 ns), so the per-32
+// scales cost about as much as the products.
+template <int TYPE, int MB, int NB>
+void amx_block(const uint8_t* const* g, const uint8_t* const* wb, const Act& a, int64_t r0,
+               int64_t sb0, int64_t sb1, float (*const* sums)[16]) {
   constexpr int subs = kR16Subs<TYPE>;
-  const int8_t* x = a.q + m0 * a.K;
-  alignas(64) int32_t c[2][4][256];  // [group parity][sub-block in the group]
-  __m512 acc[16];
-  for (int m = 0; m < 16; m++) acc[m] = _mm512_loadu_ps(acc_mem[m]);
-  auto finish = [&](int64_t first, int count, const int32_t (*cg)[256]) {
-    for (int k = 0; k < count; k++) {
-      const int64_t pb = first + k;
-      amx_finish<TYPE, 1>(g + pb / subs * kR16Block<TYPE>, int(pb % subs), a, m0, pb, cg + k,
-                          acc);
+  const int8_t* x = a.q + r0 * a.K;
+  alignas(64) int32_t c[2][MB][NB][256];  // [sub-block parity][A][B]
+  __m512 acc[MB][NB][16];
+  for (int i = 0; i < MB; i++)
+    for (int j = 0; j < NB; j++)
+      for (int m = 0; m < 16; m++) acc[i][j][m] = _mm512_loadu_ps(sums[j][r0 + 16 * i + m]);
+  // A tiles: 512 bytes each from the tiled copy, else 16 rows K bytes apart (whose lines
+  // share a few L1 sets: the loads then come from L2).
+  const int64_t nsub = a.K / 32;
+  const int8_t* xt = a.qt ? a.qt + r0 / 16 * nsub * 512 : nullptr;
+  const int64_t lda = xt ? 32 : a.K;
+  const int64_t step = xt ? 512 : 32, next = xt ? nsub * 512 : 16 * a.K;
+  if (xt) x = xt;
+  for (int64_t sb = sb0; sb <= sb1; sb++) {
+    const int p = int(sb & 1);
+    if (sb < sb1) {
+      _tile_zero(4);
+      if constexpr (NB > 1) _tile_zero(5);
+      if constexpr (MB > 1) _tile_zero(6);
+      if constexpr (MB > 1 && NB > 1) _tile_zero(7);
+      _tile_loadd(0, x + sb * step, lda);
+      _tile_loadd(2, wb[0] + sb * 512, 64);
+      if constexpr (NB > 1) _tile_loadd(3, wb[1] + sb * 512, 64);
+      if constexpr (MB > 1) _tile_loadd(1, x + next + sb * step, lda);
+      _tile_dpbssd(4, 0, 2);
+      if constexpr (NB > 1) _tile_dpbssd(5, 0, 3);
+      if constexpr (MB > 1) _tile_dpbssd(6, 1, 2);
+      if constexpr (MB > 1 && NB > 1) _tile_dpbssd(7, 1, 3);
     }
-  };
-  int64_t prev = -1;
-  int prev_count = 0, parity = 0;
-  for (int64_t sb = sb0; sb < sb1; sb += 4, parity ^= 1) {
-    const int count = int(std::min<int64_t>(4, sb1 - sb));
-    const int8_t* xs = x + sb * 32;
-    const uint8_t* w = wb + sb * 512;
-    int32_t(*cg)[256] = c[parity];
-    LADLE_AMX_DP(0, 1, 2, xs, a.K, w);
-    if (count > 1) LADLE_AMX_DP(3, 4, 5, xs + 32, a.K, w + 512);
-    if (count > 2) LADLE_AMX_DP(0, 1, 6, xs + 64, a.K, w + 1024);
-    if (count > 3) LADLE_AMX_DP(3, 4, 7, xs + 96, a.K, w + 1536);
-    if (prev >= 0) finish(prev, prev_count, c[parity ^ 1]);
-    _tile_stored(2, cg[0], 64);
-    if (count > 1) _tile_stored(5, cg[1], 64);
-    if (count > 2) _tile_stored(6, cg[2], 64);
-    if (count > 3) _tile_stored(7, cg[3], 64);
-    prev = sb;
-    prev_count = count;
+    if (sb > sb0) {
+      const int64_t pb = sb - 1;
+      for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NB; j++)
+          amx_finish<TYPE, 1>(g[j] + pb / subs * kR16Block<TYPE>, int(pb % subs), a,
+                              r0 + 16 * i, pb, c[pb & 1][i] + j, acc[i][j]);
+    }
+    if (sb < sb1) {
+      _tile_stored(4, c[p][0][0], 64);
+      if constexpr (NB > 1) _tile_stored(5, c[p][0][NB - 1], 64);
+      if constexpr (MB > 1) _tile_stored(6, c[p][MB - 1][0], 64);
+      if constexpr (MB > 1 && NB > 1) _tile_stored(7, c[p][MB - 1][NB - 1], 64);
+    }
   }
-  if (prev >= 0) finish(prev, prev_count, c[parity ^ 1]);
-  for (int m = 0; m < 16; m++) _mm512_storeu_ps(acc_mem[m], acc[m]);
+  for (int i = 0; i < MB; i++)
+    for (int j = 0; j < NB; j++)
+      for (int m = 0; m < 16; m++) _mm512_storeu_ps(sums[j][r0 + 16 * i + m], acc[i][j][m]);
 }
 
+// Q6_K: out (16 x 16) = activation rows m0 .. m0 + 15 times the 16 repacked rows at g, whose B
+// tiles amx_unpack wrote to wb; the tile configuration is loaded (AmxConfig(16)). Software-
+// pipelined: sub-block sb's tile products (alternate C tiles) run while sb - 1's sums take their
+// float steps, and only then are stored (vector loads wait behind a pending tile store).
 template <int TYPE>
 void amx_rows(const uint8_t* g, const uint8_t* wb, const Act& a, int64_t m0,
               float (*out)[16]) {
@@ -1168,22 +1212,22 @@ void amx_rows(const uint8_t* g, const uint8_t* wb, const Act& a, int64_t m0,
 }
 #endif
 
-// Group g (rows 16g .. 16g + 15, local to the part) of a repacked part for all M rows: the
-// group's bytes stay in cache while the rows pass in fours (Q6_K: twos, for its registers), or
-// with AMX in sixteens: Q6_K a sixteen at a time over all of K (amx_rows), the others in spans
-// of kAmxSpan sub-blocks, every sixteen of rows passing through a span while its B tiles
-// (8 KB) stay in L1, the float sums kept between spans in a buffer of M x 16.
+// Groups g .. g + ng - 1 (ng 1 or 2; rows 16g .., local to the part) of a repacked part for
+// all M rows: a group's bytes stay in cache while the rows pass in fours (Q6_K: twos, for its
+// registers), or with AMX in sixteens: Q6_K a sixteen at a time over all of K (amx_rows), the
+// others two sixteens by the two groups at a time (amx_block) in spans of kAmxSpan sub-blocks,
+// whose B tiles (2 x 8 KB) stay in L1 while every row passes, the float sums kept between spans
+// in a buffer of ng x M x 16.
 constexpr int64_t kAmxSpan = 16;
 
 template <int TYPE, typename T>
-void r16_group(const Part& p, int64_t g, const Act& a, int64_t M, T* y, int64_t ldy) {
-  const uint8_t* w = p.w + g * kR16Rows * p.row_bytes;
+void r16_group(const Part& p, int64_t g0, int ng, const Act& a, int64_t M, T* y, int64_t ldy) {
   constexpr int most = TYPE == kQ6KR ? 2 : 4;
   alignas(64) float out[16][16];
-  // Rows m0 .. m0 + mr - 1 of the group's 16 outputs (o): times the int8 rows' scales, rounded
+  // Rows m0 .. m0 + mr - 1 of group g's 16 outputs (o): times the int8 rows' scales, rounded
   // to T.
-  auto store = [&](int64_t m0, int mr, const float (*o)[16]) {
-    for (int m = 0; m < mr; m++) {
+  auto store = [&](int64_t g, int64_t m0, int64_t mr, const float (*o)[16]) {
+    for (int64_t m = 0; m < mr; m++) {
       __m512 v = _mm512_loadu_ps(o[m]);
       if (p.scale) v = _mm512_mul_ps(v, _mm512_loadu_ps(p.scale + g * kR16Rows));
       T* dst = y + (m0 + m) * ldy + p.col + g * kR16Rows;
@@ -1196,54 +1240,72 @@ void r16_group(const Part& p, int64_t g, const Act& a, int64_t M, T* y, int64_t 
       }
     }
   };
+  auto group = [&](int64_t g) { return p.w + g * kR16Rows * p.row_bytes; };
   int64_t m0 = 0;
 #if defined(LADLE_QUANT_AMX)
   if (M >= 16 && amx_active()) {
-    static const AmxConfig config(TYPE == kQ6KR ? 16 : 32);
-    _tile_loadconfig(&config);
+    const int64_t nsub = a.K / 32, mt = M / 16 * 16;
     thread_local std::vector<uint8_t> buf;  // this thread's B tiles
-    buf.resize(size_t(a.K / 32 * 512));
-    amx_unpack<TYPE>(w, a.K / 32, buf.data());
-    const int64_t mt = M / 16 * 16;
+    buf.resize(size_t(ng * nsub * 512));
+    for (int j = 0; j < ng; j++) amx_unpack<TYPE>(group(g0 + j), nsub, buf.data() + j * nsub * 512);
     if constexpr (TYPE == kQ6KR) {
-      for (; m0 < mt; m0 += 16) {
-        amx_rows<TYPE>(w, buf.data(), a, m0, out);
-        store(m0, 16, out);
-      }
+      static const AmxConfig config(16);
+      _tile_loadconfig(&config);
+      for (int j = 0; j < ng; j++)
+        for (int64_t r = 0; r < mt; r += 16) {
+          amx_rows<TYPE>(group(g0 + j), buf.data() + j * nsub * 512, a, r, out);
+          store(g0 + j, r, 16, out);
+        }
     } else {
-      thread_local std::vector<float> sums;  // this thread's float sums, mt x 16
-      sums.assign(size_t(mt * 16), 0.f);
-      auto* acc = reinterpret_cast<float(*)[16]>(sums.data());
-      const int64_t nsub = a.K / 32;
-      for (int64_t sb = 0; sb < nsub; sb += kAmxSpan)
-        for (int64_t r = 0; r < mt; r += 16)
-          amx_span<TYPE>(w, buf.data(), a, r, sb, std::min(nsub, sb + kAmxSpan), acc + r);
-      store(0, int(mt), acc);
-      m0 = mt;
+      static const AmxBlockConfig config;
+      _tile_loadconfig(&config);
+      thread_local std::vector<float> sums;  // this thread's float sums, ng x mt x 16
+      sums.assign(size_t(ng * mt * 16), 0.f);
+      float(*sp[2])[16] = {reinterpret_cast<float(*)[16]>(sums.data()),
+                           reinterpret_cast<float(*)[16]>(sums.data()) + (ng - 1) * mt};
+      const uint8_t* gs[2] = {group(g0), group(g0 + ng - 1)};
+      const uint8_t* wbs[2] = {buf.data(), buf.data() + (ng - 1) * nsub * 512};
+      for (int64_t sb = 0; sb < nsub; sb += kAmxSpan) {
+        const int64_t se = std::min(nsub, sb + kAmxSpan);
+        int64_t r = 0;
+        for (; r + 32 <= mt; r += 32) {
+          if (ng == 2) amx_block<TYPE, 2, 2>(gs, wbs, a, r, sb, se, sp);
+          else amx_block<TYPE, 2, 1>(gs, wbs, a, r, sb, se, sp);
+        }
+        if (r < mt) {
+          if (ng == 2) amx_block<TYPE, 1, 2>(gs, wbs, a, r, sb, se, sp);
+          else amx_block<TYPE, 1, 1>(gs, wbs, a, r, sb, se, sp);
+        }
+      }
+      for (int j = 0; j < ng; j++) store(g0 + j, 0, mt, sp[j]);
     }
     _tile_release();
+    m0 = mt;
   }
 #endif
-  while (m0 < M) {
-    const int64_t left = M - m0;
-    const int mr = left >= most ? most : left >= 2 ? 2 : 1;
-    switch (mr) {
-      case 4: r16_rows<TYPE, most>(w, a, m0, out); break;
-      case 2: r16_rows<TYPE, 2>(w, a, m0, out); break;
-      default: r16_rows<TYPE, 1>(w, a, m0, out); break;
+  for (int j = 0; j < ng; j++) {
+    for (int64_t m = m0; m < M;) {
+      const int64_t left = M - m;
+      const int mr = left >= most ? most : left >= 2 ? 2 : 1;
+      switch (mr) {
+        case 4: r16_rows<TYPE, most>(group(g0 + j), a, m, out); break;
+        case 2: r16_rows<TYPE, 2>(group(g0 + j), a, m, out); break;
+        default: r16_rows<TYPE, 1>(group(g0 + j), a, m, out); break;
+      }
+      store(g0 + j, m, mr, out);
+      m += mr;
     }
-    store(m0, mr, out);
-    m0 += mr;
   }
 }
 
 template <typename T>
-void r16_group_any(const Part& p, int64_t g, const Act& a, int64_t M, T* y, int64_t ldy) {
+void r16_group_any(const Part& p, int64_t g, int ng, const Act& a, int64_t M, T* y,
+                   int64_t ldy) {
   switch (p.type) {
-    case kQ4KR: return r16_group<kQ4KR>(p, g, a, M, y, ldy);
-    case kQ6KR: return r16_group<kQ6KR>(p, g, a, M, y, ldy);
-    case kQ8R: return r16_group<kQ8R>(p, g, a, M, y, ldy);
-    default: return r16_group<kI8R>(p, g, a, M, y, ldy);
+    case kQ4KR: return r16_group<kQ4KR>(p, g, ng, a, M, y, ldy);
+    case kQ6KR: return r16_group<kQ6KR>(p, g, ng, a, M, y, ldy);
+    case kQ8R: return r16_group<kQ8R>(p, g, ng, a, M, y, ldy);
+    default: return r16_group<kI8R>(p, g, ng, a, M, y, ldy);
   }
 }
 #endif
@@ -1254,7 +1316,7 @@ void part_tiles_any(const Part& p, int64_t t0, int64_t t1, const Act& a, int64_t
                     int64_t ldy) {
 #if defined(LADLE_QUANT_512)
   if (is_r16(p.type)) {
-    for (int64_t g = t0; g < t1; g++) r16_group_any(p, g, a, M, y, ldy);
+    for (int64_t g = t0; g < t1; g += 2) r16_group_any(p, g, int(std::min<int64_t>(2, t1 - g)), a, M, y, ldy);
     return;
   }
 #endif
@@ -1478,9 +1540,10 @@ void panel(const Part& p, int64_t i, const Act& a, int64_t M, T* y, int64_t ldy,
 
 template <typename T>
 void panel_any(const Part& p, int64_t i, const Act& a, int64_t M, T* y, int64_t ldy,
-               PanelBuffers& pb) {
-  if (is_r16(p.type)) return r16_group_any(p, i, a, M, y, ldy);  // packed at load
-  with_type(p.type, [&](auto t) { panel<decltype(t)::value>(p, i, a, M, y, ldy, pb); });
+               PanelBuffers& pb, int ng = 1) {
+  if (is_r16(p.type)) return r16_group_any(p, i, ng, a, M, y, ldy);  // packed at load
+  for (int k = 0; k < ng; k++)
+    with_type(p.type, [&](auto t) { panel<decltype(t)::value>(p, i + k, a, M, y, ldy, pb); });
 }
 #endif
 
@@ -1629,8 +1692,17 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
     quantize_into(x.data_ptr<scalar_t>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(),
                   s.data_ptr<float>(), h.data_ptr<int16_t>());
   });
-  const Act a{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(),
-              h.data_ptr<int16_t>(), K};
+  Act a{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(),
+        h.data_ptr<int16_t>(), K};
+#if defined(LADLE_QUANT_AMX)
+  at::Tensor qt;  // the A tiles, where the tile unit will run
+  if (M >= 16 && amx_active() &&
+      std::any_of(parts.begin(), parts.end(), [](const Part& p) { return is_r16(p.type); })) {
+    qt = at::empty({M / 16 * K * 16}, q.options());
+    tile_activations(a.q, M / 16, K, qt.data_ptr<int8_t>());
+    a.qt = qt.data_ptr<int8_t>();
+  }
+#endif
   const int64_t ldy = y.stride(0);
 #if defined(LADLE_QUANT_512)
   if (M >= kPanelMinRows) {
@@ -1647,7 +1719,8 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
         for (size_t j = 0; j < parts.size(); j++) {
           const int64_t n = (parts[j].rows + kPanelRows - 1) / kPanelRows;
           const int64_t lo = std::max(i0, first[j]), hi = std::min(i1, first[j] + n);
-          for (int64_t i = lo; i < hi; i++) panel_any(parts[j], i - first[j], a, M, yp, ldy, buf);
+          for (int64_t i = lo; i < hi; i += 2)  // (repacked groups in twos: amx_block)
+            panel_any(parts[j], i - first[j], a, M, yp, ldy, buf, int(std::min<int64_t>(2, hi - i)));
         }
       });
     });
