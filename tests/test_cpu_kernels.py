@@ -92,18 +92,24 @@ def test_invariant_bf16_linear_is_the_same_for_every_row_count(kernels, k_dim, n
 def test_linear_dispatch_uses_torch_for_many_rows(kernels):
     """Above MAX_LINEAR_ROWS the model's float32 linear is torch's GEMM, exactly. In bfloat16
     an AVX2 build (no bfloat16 GEMM in torch worth the name) keeps the kernel for every row
-    count; other builds switch to torch there too."""
+    count; a build whose bfloat16 linears run on AMX tiles keeps it up to AMX_LINEAR_ROWS;
+    other builds switch to torch above MAX_LINEAR_ROWS too."""
     x = torch.randn(cpu_kernels.MAX_LINEAR_ROWS + 1, 64)
     w = torch.randn(32, 64)
     assert torch.equal(cpu_kernels.linear(x, w), F.linear(x, w))
-    xb, wb = torch.randn(300, 64).bfloat16(), torch.randn(32, 64).bfloat16()
-    got = cpu_kernels.linear(xb, wb)
+    wb = torch.randn(32, 64).bfloat16()
     if kernels.isa() == "avx2":
-        assert cpu_kernels.max_linear_rows(torch.bfloat16) > 300
-        assert torch.equal(got, kernels.linear(xb, wb, None, False))
+        limit = 1 << 62
+    elif kernels.linear_amx_available():
+        limit = cpu_kernels.AMX_LINEAR_ROWS
     else:
-        assert cpu_kernels.max_linear_rows(torch.bfloat16) == cpu_kernels.MAX_LINEAR_ROWS
-        assert torch.equal(got, F.linear(xb, wb))
+        limit = cpu_kernels.MAX_LINEAR_ROWS
+    assert cpu_kernels.max_linear_rows(torch.bfloat16) == limit
+    xb = torch.randn(min(limit, 1000), 64).bfloat16()  # at the limit: the kernel
+    assert torch.equal(cpu_kernels.linear(xb, wb), kernels.linear(xb, wb, None, False))
+    if limit < 1000:  # above it: torch
+        xb = torch.randn(limit + 1, 64).bfloat16()
+        assert torch.equal(cpu_kernels.linear(xb, wb), F.linear(xb, wb))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

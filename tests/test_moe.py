@@ -207,8 +207,10 @@ def test_stacked_expert_tensors_load_as_per_expert_ones(checkpoint, expected, tm
 
 # (tokens, experts, top k): one token; a few; enough that the kernel's threads share the
 # experts' columns and the combine's tokens; enough rows per expert (> MAX_LINEAR_ROWS) that
-# those experts run torch's GEMM.
-FUSED_CASES = [(1, 8, 2), (3, 64, 8), (40, 64, 8), (40, 8, 2), (300, 8, 2), (90, 16, 4)]
+# those experts run torch's GEMM, and (> AMX_LINEAR_ROWS) that they do so in bfloat16 on a CPU
+# whose kernel runs AMX tiles.
+FUSED_CASES = [(1, 8, 2), (3, 64, 8), (40, 64, 8), (40, 8, 2), (300, 8, 2), (90, 16, 4),
+               (600, 4, 2)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -161,6 +161,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_linear_amx", &set_linear_amx,
         "batch-invariant bfloat16 linears on AMX tiles (on: where the CPU allows); returns whether "
         "they now run there", py::arg("on"));
+  m.def("linear_amx_available", &linear_amx_available,
+        "whether this build and CPU run bfloat16 linears on AMX tiles");
   m.def("set_quant_amx", &set_quant_amx,
         "run repacked parts on AMX from 16 rows where the CPU has it (default on); returns "
         "whether AMX is now in use");

@@ -38,6 +38,8 @@ at::Tensor linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> b,
 // Batch-invariant bfloat16 linears on AMX tiles (where built and permitted); returns whether
 // they now run there. For tests and benchmarks.
 bool set_linear_amx(bool on);
+// Whether this build and CPU run bfloat16 linears on AMX tiles (set_linear_amx aside).
+bool linear_amx_available();
 // Whether linear runs a bfloat16 (M rows, (N, K) weight) product on AMX tiles, and that path
 // itself for several products of one weight shape (built where the CPU has AMX-BF16; moe.cpp
 // runs its experts by the same rule, in one call).

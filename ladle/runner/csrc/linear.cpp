@@ -598,6 +598,14 @@ bool amx_linear_serves(int64_t M, int64_t N, int64_t K, bool invariant) {
 #endif
 }
 
+bool linear_amx_available() {
+#if defined(LADLE_LINEAR_AMX)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
 bool set_linear_amx(bool on) {
 #if defined(LADLE_LINEAR_AMX)
   g_linear_amx.store(on);
