@@ -938,6 +938,8 @@ inline void r16_rows(const uint8_t* g, const Act& a, int64_t m0, float (*out)[16
     // Per half of a block, its four sub-blocks at once: each 64 bytes is read once, in order.
     for (int64_t sb0 = 0; sb0 < nsub; sb0 += 8) {
       const uint8_t* b = g + sb0 / 8 * kR16Block<TYPE>;
+      for (int64_t off = 0; off < kR16Block<TYPE>; off += 64)  // (as below)
+        _mm_prefetch(reinterpret_cast<const char*>(b) + kPrefetchBytes + off, _MM_HINT_T0);
       for (int half = 0; half < 2; half++) {
         __m512i i[4][MR][2];
         for (int j = 0; j < 4; j++) r16_start<TYPE, MR, 2>(a, m0, sb0 + 4 * half + j, i[j]);
@@ -955,6 +957,10 @@ inline void r16_rows(const uint8_t* g, const Act& a, int64_t m0, float (*out)[16
     constexpr int subs = kR16Subs<TYPE>;
     for (int64_t sb0 = 0; sb0 < nsub; sb0 += subs) {
       const uint8_t* b = g + sb0 / subs * kR16Block<TYPE>;
+      // The block kPrefetchBytes ahead (past the group's end: the next group, which this
+      // thread takes next), as the tiles do for their rows.
+      for (int64_t off = 0; off < kR16Block<TYPE>; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(b) + kPrefetchBytes + off, _MM_HINT_T0);
 #pragma GCC unroll 8  // every j's offsets and shifts fixed at compile time
       for (int j = 0; j < subs; j++) {
         const int64_t sb = sb0 + j;
