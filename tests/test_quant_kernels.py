@@ -296,8 +296,8 @@ def test_amx_tiles_give_the_vector_kernels_bits(kind, dtype):
     unit (the rest of the rows on the vector kernel): the same bits as the vector kernel for
     every row, float32 and bfloat16, with one 16-row chunk and with two and a remainder, at K
     of one and of several super-blocks, and (32-value blocks) at a K of 21 blocks, which ends
-    the tile program's spans and its groups of four sub-blocks short. Elsewhere AMX stays off
-    and the call says so."""
+    the tile program's spans short, and at 8 and 15 rows, which Q8_0 and int8 rows run on the
+    tiles as one sixteen padded with zero rows. Elsewhere AMX stays off and the call says so."""
     if not cpu_has_amx_int8():
         assert kernels.set_quant_amx(True) is False
         pytest.skip("this CPU has no AMX-INT8")
@@ -306,8 +306,8 @@ def test_amx_tiles_give_the_vector_kernels_bits(kind, dtype):
     g = torch.Generator().manual_seed(21 + kind)
     try:
         shapes = [(16, 32, 256), (37, 48, 1024), (20, 16, 2048)]
-        if kind in (Q.INT8_ROW, Q.Q8_0):
-            shapes.append((33, 16, 672))
+        if kind in (Q.INT8_ROW, Q.Q8_0):  # and 8-15 rows, one padded sixteen (amx_small)
+            shapes += [(33, 16, 672), (8, 48, 1024), (15, 32, 672)]
         for m, n, k in shapes:
             w = Q.QuantWeight([repacked(r16_weight(kind, n, k, g))], k, dtype)
             x = torch.randn(m, k, generator=g).to(dtype)

@@ -1012,16 +1012,19 @@ struct alignas(64) AmxConfig {
 std::atomic<bool> g_amx_on{true};  // set_quant_amx: tests and benchmarks compare both paths
 bool amx_active() { return g_amx_on.load(std::memory_order_relaxed) && amx_permitted(); }
 
-// Act::qt: the first 16 * sixteens rows of q (M, K) as A tiles, 16 rows x 32 bytes each, by
-// sixteen of rows then sub-block.
-void tile_activations(const int8_t* q, int64_t sixteens, int64_t K, int8_t* qt) {
-  const int64_t nsub = K / 32;
+// Act::qt: q (M, K) as A tiles, 16 rows x 32 bytes each, by sixteen of rows then sub-block, a
+// last partial sixteen padded with zero rows.
+void tile_activations(const int8_t* q, int64_t M, int64_t K, int8_t* qt) {
+  const int64_t nsub = K / 32, sixteens = (M + 15) / 16;
   at::parallel_for(0, sixteens * nsub, grain_for(512 * kElementWork), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; t++) {
-      const int8_t* src = q + (t / nsub) * 16 * K + (t % nsub) * 32;
+      const int64_t r0 = t / nsub * 16;
+      const int8_t* src = q + r0 * K + (t % nsub) * 32;
       for (int r = 0; r < 16; r++)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(qt + t * 512 + r * 32),
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + r * K)));
+                            r0 + r < M ? _mm256_loadu_si256(
+                                             reinterpret_cast<const __m256i*>(src + r * K))
+                                       : _mm256_setzero_si256());
     }
   });
 }
@@ -1169,6 +1172,57 @@ void amx_block(const uint8_t* const* g, const uint8_t* const* wb, const Act& a, 
       for (int m = 0; m < 16; m++) _mm512_storeu_ps(sums[j][r0 + 16 * i + m], acc[i][j][m]);
 }
 
+// Q8_0 and int8 rows, kAmxMinRows to 15 rows (one sixteen of Act::qt, padded with zero rows and
+// zero scales) by NB groups g[j] into out[j]. TDPBSUD multiplies the signed activations by the
+// repacked bytes as they lie in memory (unsigned w + 128; no unpacking, which is what made the
+// tile unit slower than the vector kernel below 16 rows), and each row's integer sums start,
+// as r16_rows' do, at -128 x the sum of its activations before the float steps: the vector
+// kernel's integers, so its bits.
+template <int TYPE, int NB>
+void amx_small(const uint8_t* const* g, const Act& a, int rows, float (*const* out)[16]) {
+  static_assert(TYPE == kQ8R || TYPE == kI8R);
+  constexpr int64_t off = TYPE == kQ8R ? 32 : 0;  // the values after Q8_0's 16 scales
+  const int64_t nsub = a.K / 32, ahead = nsub * kR16Block<TYPE>;
+  const int rows4 = (rows + 3) / 4 * 4;
+  alignas(64) int32_t c[2][NB][256];
+  __m512 acc[NB][16];
+  for (int j = 0; j < NB; j++)
+    for (int m = 0; m < 16; m++) acc[j][m] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb <= nsub; sb++) {
+    const int p = int(sb & 1);
+    if (sb < nsub) {
+      const uint8_t* b0 = g[0] + sb * kR16Block<TYPE>;
+      for (int64_t o = 0; o < kR16Block<TYPE>; o += 64)  // the next group's block, into L2
+        _mm_prefetch(reinterpret_cast<const char*>(g[NB - 1] + sb * kR16Block<TYPE>) + ahead + o,
+                     _MM_HINT_T1);
+      _tile_zero(4);
+      if constexpr (NB > 1) _tile_zero(5);
+      _tile_loadd(0, a.qt + sb * 512, 32);
+      _tile_loadd(2, b0 + off, 64);
+      if constexpr (NB > 1) _tile_loadd(3, g[1] + sb * kR16Block<TYPE> + off, 64);
+      _tile_dpbsud(4, 0, 2);
+      if constexpr (NB > 1) _tile_dpbsud(5, 0, 3);
+    }
+    if (sb > 0) {
+      const int64_t pb = sb - 1;
+      for (int j = 0; j < NB; j++)
+        for (int m = 0; m < rows4; m += 4) {
+          __m512i i[4][1];
+          r16_start<TYPE, 4, 1>(a, m, pb, i);
+          for (int r = 0; r < 4; r++)
+            i[r][0] = _mm512_add_epi32(i[r][0], _mm512_load_si512(c[pb & 1][j] + (m + r) * 16));
+          r16_finish<TYPE, 4, 1>(g[j] + pb * kR16Block<TYPE>, 0, a, m, pb, i, acc[j] + m);
+        }
+    }
+    if (sb < nsub) {
+      _tile_stored(4, c[p][0], 64);
+      if constexpr (NB > 1) _tile_stored(5, c[p][NB - 1], 64);
+    }
+  }
+  for (int j = 0; j < NB; j++)
+    for (int m = 0; m < rows; m++) _mm512_storeu_ps(out[j][m], acc[j][m]);
+}
+
 // Q6_K: out (16 x 16) = activation rows m0 .. m0 + 15 times the 16 repacked rows at g, whose B
 // tiles amx_unpack wrote to wb; the tile configuration is loaded (AmxConfig(16)). Software-
 // pipelined: sub-block sb's tile products (alternate C tiles) run while sb - 1's sums take their
@@ -1228,6 +1282,10 @@ void amx_rows(const uint8_t* g, const uint8_t* wb, const Act& a, int64_t m0,
 // whose B tiles (2 x 8 KB) stay in L1 while every row passes, the float sums kept between spans
 // in a buffer of ng x M x 16.
 constexpr int64_t kAmxSpan = 16;
+// From this many rows (to 15) Q8_0 and int8 rows run on the tile unit too (amx_small). A 0.6B
+// Q8_0 layer's four linears, 2 threads, us, tiles / vector kernel: 4 rows 489 / 399, 6 548 / 510,
+// 8 565 / 587, 10 652 / 702, 12 670 / 783, 15 790 / 1007.
+constexpr int64_t kAmxMinRows = 8;
 
 template <int TYPE, typename T>
 void r16_group(const Part& p, int64_t g0, int ng, const Act& a, int64_t M, T* y, int64_t ldy) {
@@ -1252,6 +1310,20 @@ void r16_group(const Part& p, int64_t g0, int ng, const Act& a, int64_t M, T* y,
   auto group = [&](int64_t g) { return p.w + g * kR16Rows * p.row_bytes; };
   int64_t m0 = 0;
 #if defined(LADLE_QUANT_AMX)
+  if constexpr (TYPE == kQ8R || TYPE == kI8R) {
+    if (M < 16 && M >= kAmxMinRows && a.qt && amx_active()) {
+      static const AmxBlockConfig config;
+      _tile_loadconfig(&config);
+      alignas(64) float outs[2][16][16];
+      float(*op[2])[16] = {outs[0], outs[1]};
+      const uint8_t* gs[2] = {group(g0), group(g0 + ng - 1)};
+      if (ng == 2) amx_small<TYPE, 2>(gs, a, int(M), op);
+      else amx_small<TYPE, 1>(gs, a, int(M), op);
+      _tile_release();
+      for (int j = 0; j < ng; j++) store(g0 + j, 0, M, outs[j]);
+      return;
+    }
+  }
   if (M >= 16 && amx_active()) {
     const int64_t nsub = a.K / 32, mt = M / 16 * 16;
     thread_local std::vector<uint8_t> buf;  // this thread's B tiles
@@ -1693,10 +1765,22 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
     tiles += t;
   }
   if (M == 0 || tiles == 0) return;
+  // Where the tile unit will run, the activations are also copied into A-tile order
+  // (Act::qt). Below 16 rows (amx_small) that one sixteen is padded with zero rows, and the
+  // scales and sums with zeros, so its float steps run in fours.
+  bool on_tiles = false;
+#if defined(LADLE_QUANT_AMX)
+  on_tiles = M >= kAmxMinRows && amx_active() &&
+             std::any_of(parts.begin(), parts.end(), [](const Part& p) { return is_r16(p.type); });
+#endif
+  const int64_t Mp = on_tiles && M < 16 ? 16 : M;
   auto q = at::empty({M, K}, x.options().dtype(at::kChar));
-  auto d = at::empty({M, K / 32}, x.options().dtype(at::kFloat));
-  auto s = at::empty({M, K / 32}, x.options().dtype(at::kFloat));
-  auto h = at::empty({M, K / 16}, x.options().dtype(at::kShort));
+  auto padded = [&](int64_t cols, at::ScalarType t) {
+    const auto o = x.options().dtype(t);
+    return Mp > M ? at::zeros({Mp, cols}, o) : at::empty({Mp, cols}, o);
+  };
+  auto d = padded(K / 32, at::kFloat), s = padded(K / 32, at::kFloat);
+  auto h = padded(K / 16, at::kShort);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quant_matmul_x", [&] {
     quantize_into(x.data_ptr<scalar_t>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(),
                   s.data_ptr<float>(), h.data_ptr<int16_t>());
@@ -1704,11 +1788,10 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
   Act a{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(),
         h.data_ptr<int16_t>(), K};
 #if defined(LADLE_QUANT_AMX)
-  at::Tensor qt;  // the A tiles, where the tile unit will run
-  if (M >= 16 && amx_active() &&
-      std::any_of(parts.begin(), parts.end(), [](const Part& p) { return is_r16(p.type); })) {
-    qt = at::empty({M / 16 * K * 16}, q.options());
-    tile_activations(a.q, M / 16, K, qt.data_ptr<int8_t>());
+  at::Tensor qt;
+  if (on_tiles) {
+    qt = at::empty({(Mp + 15) / 16 * 16 * K}, q.options());
+    tile_activations(a.q, M, K, qt.data_ptr<int8_t>());
     a.qt = qt.data_ptr<int8_t>();
   }
 #endif
