@@ -1114,8 +1114,8 @@ struct alignas(64) AmxBlockConfig {
 // added to the float sums sums[j] (rows of 16 outputs, indexed by activation row) in sub-block
 // order, as r16_rows adds them. Each sub-block's A and B tiles serve MB x NB products (2 x 2:
 // 4 C tiles in flight, each tile load used twice), and the previous sub-block's float steps
-// come between the products and their stores. Against one product at a time (amx_rows, still
-// Q6_K's): one int8 0.6B layer's four linears, 2 threads, 128 rows 4.4 -> 3.8 ms, 256 rows
+// come between the products and their stores. Against one product at a time (as
+// amx_q6k_rows still runs Q6_K's): one int8 0.6B layer's four linears, 2 threads, 128 rows 4.4 -> 3.8 ms, 256 rows
 // 9.6 -> 8.0 ms (Sapphire Rapids class Xeon). What bounds it there: the tile unit and the
 // vector unit did not overlap in a loop of only these steps (4 products of 16 x 16 x 32 with
 // their loads and stores, 40 ns; the 64 rows' float steps, 50 ns; both, 85 ns), so the per-32
@@ -1224,14 +1224,12 @@ void amx_small(const uint8_t* const* g, const Act& a, int rows, float (*const* o
 }
 
 // Q6_K: out (16 x 16) = activation rows m0 .. m0 + 15 times the 16 repacked rows at g, whose B
-// tiles amx_unpack wrote to wb; the tile configuration is loaded (AmxConfig(16)). Software-
-// pipelined: sub-block sb's tile products (alternate C tiles) run while sb - 1's sums take their
-// float steps, and only then are stored (vector loads wait behind a pending tile store).
-template <int TYPE>
-void amx_rows(const uint8_t* g, const uint8_t* wb, const Act& a, int64_t m0,
-              float (*out)[16]) {
-  constexpr int subs = TYPE == kQ6KR ? 8 : kR16Subs<TYPE>;
-  constexpr int H = TYPE == kQ6KR ? 2 : 1;
+// tiles (each sub-block's two halves) amx_unpack wrote to wb; the tile configuration is loaded
+// (AmxConfig(16)). Software-pipelined: sub-block sb's tile products (alternate C tiles) run while
+// sb - 1's sums take their float steps, and only then are stored (vector loads wait behind a
+// pending tile store).
+void amx_q6k_rows(const uint8_t* g, const uint8_t* wb, const Act& a, int64_t m0,
+                  float (*out)[16]) {
   const int64_t nsub = a.K / 32;
   const int8_t* x = a.q + m0 * a.K;
   alignas(64) int32_t c[2][2][256];  // [sub-block parity][half]
@@ -1241,33 +1239,26 @@ void amx_rows(const uint8_t* g, const uint8_t* wb, const Act& a, int64_t m0,
     const int p = int(sb & 1);
     if (sb < nsub) {
       const uint8_t* w = wb + sb * 512;
-      if constexpr (H == 2) {
-        if (p) {
-          LADLE_AMX_DP(0, 1, 5, x + sb * 32, a.K, w);
-          LADLE_AMX_DP(3, 4, 7, x + sb * 32 + 16, a.K, w + 256);
-        } else {
-          LADLE_AMX_DP(0, 1, 2, x + sb * 32, a.K, w);
-          LADLE_AMX_DP(3, 4, 6, x + sb * 32 + 16, a.K, w + 256);
-        }
+      if (p) {
+        LADLE_AMX_DP(0, 1, 5, x + sb * 32, a.K, w);
+        LADLE_AMX_DP(3, 4, 7, x + sb * 32 + 16, a.K, w + 256);
       } else {
-        if (p)
-          LADLE_AMX_DP(3, 4, 5, x + sb * 32, a.K, w);
-        else
-          LADLE_AMX_DP(0, 1, 2, x + sb * 32, a.K, w);
+        LADLE_AMX_DP(0, 1, 2, x + sb * 32, a.K, w);
+        LADLE_AMX_DP(3, 4, 6, x + sb * 32 + 16, a.K, w + 256);
       }
     }
     if (sb > 0) {
       const int64_t pb = sb - 1;
-      amx_finish<TYPE, H>(g + pb / subs * kR16Block<TYPE>, int(pb % subs), a, m0, pb,
-                          c[pb & 1], acc);
+      amx_finish<kQ6KR, 2>(g + pb / 8 * kR16Block<kQ6KR>, int(pb % 8), a, m0, pb, c[pb & 1],
+                           acc);
     }
     if (sb < nsub) {
-      if (p) {
+      if (p) {  // (tile numbers must be literals)
         _tile_stored(5, c[1][0], 64);
-        if constexpr (H == 2) _tile_stored(7, c[1][1], 64);
+        _tile_stored(7, c[1][1], 64);
       } else {
         _tile_stored(2, c[0][0], 64);
-        if constexpr (H == 2) _tile_stored(6, c[0][1], 64);
+        _tile_stored(6, c[0][1], 64);
       }
     }
   }
@@ -1277,7 +1268,7 @@ void amx_rows(const uint8_t* g, const uint8_t* wb, const Act& a, int64_t m0,
 
 // Groups g .. g + ng - 1 (ng 1 or 2; rows 16g .., local to the part) of a repacked part for
 // all M rows: a group's bytes stay in cache while the rows pass in fours (Q6_K: twos, for its
-// registers), or with AMX in sixteens: Q6_K a sixteen at a time over all of K (amx_rows), the
+// registers), or with AMX in sixteens: Q6_K a sixteen at a time over all of K (amx_q6k_rows), the
 // others two sixteens by the two groups at a time (amx_block) in spans of kAmxSpan sub-blocks,
 // whose B tiles (2 x 8 KB) stay in L1 while every row passes, the float sums kept between spans
 // in a buffer of ng x M x 16.
@@ -1334,7 +1325,7 @@ void r16_group(const Part& p, int64_t g0, int ng, const Act& a, int64_t M, T* y,
       _tile_loadconfig(&config);
       for (int j = 0; j < ng; j++)
         for (int64_t r = 0; r < mt; r += 16) {
-          amx_rows<TYPE>(group(g0 + j), buf.data() + j * nsub * 512, a, r, out);
+          amx_q6k_rows(group(g0 + j), buf.data() + j * nsub * 512, a, r, out);
           store(g0 + j, r, 16, out);
         }
     } else {
