@@ -5,6 +5,8 @@ scaling's rounding, with no room for a wrong bit or a misplaced block), rows deq
 as gguf-py's layout, and a fused weight of mixed parts (blocks of two types and a dense part)
 giving the twin's result."""
 
+import contextlib
+
 import gguf
 import gguf.quants
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 from ladle.models.gguf.quants import dequantize
+from ladle.runner import cpu_kernels
 from ladle.runner import quant as Q
 from ladle.runner.cpu_kernels import load_cpu_kernels
 
@@ -119,7 +122,7 @@ def test_one_call_runs_every_part_into_its_columns():
     for m in (1, 2, 9):
         x = torch.randn(m, k, generator=g)
         y = torch.full((m, w.shape[0]), float("nan"))
-        kernels.quant_matmul(x, *w._kernel_args, y)
+        kernels.quant_matmul(x, *w._kernel_args, y, False)
         assert relative_error(y, x, w) < 1e-5, m
 
 
@@ -230,6 +233,19 @@ def repacked(p: Q.QuantPart) -> Q.QuantPart:
     return Q.QuantPart(Q.R16_OF[p.kind], Q.repack_r16(p.data, p.kind), p.scale)
 
 
+@contextlib.contextmanager
+def batch_invariant_mode():
+    """`--batch-invariant` for the block: repacked Q8_0 and int8 rows keep the integer path
+    at every row count (outside it, calls of 32 bfloat16 rows or more run on AMX-BF16 where
+    the CPU has it: test_bf16_tiles_*)."""
+    was = cpu_kernels.batch_invariant()
+    cpu_kernels.set_batch_invariant(True)
+    try:
+        yield
+    finally:
+        cpu_kernels.set_batch_invariant(was)
+
+
 @pytest.mark.parametrize("kind", R16_KINDS, ids=R16_ID)
 def test_repack_is_a_permutation_the_twin_reads(kind):
     """repack_r16 moves every bit and loses none (unpack gives the file's bytes back), and a
@@ -269,7 +285,8 @@ def test_repacked_blocks_give_the_blocks_bits(kind, dtype):
         blocks = Q.QuantWeight([part], k, dtype)
         packed = Q.QuantWeight([repacked(part)], k, dtype)
         x = torch.randn(m, k, generator=g).to(dtype)
-        y = Q.quant_linear(x, packed)
+        with batch_invariant_mode():  # (40 bfloat16 rows: AMX-BF16 otherwise)
+            y = Q.quant_linear(x, packed)
         assert torch.equal(y, Q.quant_linear(x, blocks)), (m, n, k)
         assert relative_error(y.float(), x, packed) < (1e-5 if dtype == torch.float32 else 4e-3)
     # q|k|v-like: a repacked part, a Q4_0 and a part of 8 rows (not repackable) in one call.
@@ -312,10 +329,11 @@ def test_amx_tiles_give_the_vector_kernels_bits(kind, dtype):
             w = Q.QuantWeight([repacked(r16_weight(kind, n, k, g))], k, dtype)
             x = torch.randn(m, k, generator=g).to(dtype)
             x[3] = 0  # an all-zero activation row (its blocks' scale 0)
-            amx = Q.quant_linear(x, w)
-            assert not kernels.set_quant_amx(False)
-            vector = Q.quant_linear(x, w)
-            kernels.set_quant_amx(True)
+            with batch_invariant_mode():  # the int8 tiles (AMX-BF16 from 32 rows otherwise)
+                amx = Q.quant_linear(x, w)
+                assert not kernels.set_quant_amx(False)
+                vector = Q.quant_linear(x, w)
+                kernels.set_quant_amx(True)
             assert torch.equal(amx, vector), (m, n, k)
             assert relative_error(amx.float(), x, w) < (1e-5 if dtype == torch.float32 else 4e-3)
     finally:
@@ -374,9 +392,11 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind, dtype):
     """Every row sums its blocks in one order whatever else the call holds: a decode row, a
     tile of 2 or 4 rows, a remainder row, or (12 rows and more on AVX-512 VNNI builds) a panel,
     so a token's result is bit-identical alone, in a batch of any size, or at any position of a
-    prefill, with no flag (float32 shows every bit: a K-quant row alone once summed its
-    super-block before d, and panels took their bias off in float). 21 weight rows: two tiles
-    and a remainder, a panel and a remainder."""
+    prefill (float32 shows every bit: a K-quant row alone once summed its super-block before
+    d, and panels took their bias off in float). With no flag, except repacked Q8_0 and int8
+    rows in bfloat16 from 32 rows on AMX-BF16 CPUs (test_bf16_tiles_*): so under
+    `--batch-invariant`, which holds for every kind. 21 weight rows: two tiles and a
+    remainder, a panel and a remainder."""
     if kind in Q.R16_BASE and not (hasattr(kernels, "quant_r16") and kernels.quant_r16()):
         pytest.skip("this build does not run repacked blocks")
     g = torch.Generator().manual_seed(7)
@@ -389,8 +409,73 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind, dtype):
         part = Q.QuantPart(kind, random_blocks(kind, n, k, g))
     w = Q.QuantWeight([part], k, dtype)
     x = torch.randn(rows, k, generator=g).to(dtype)
-    alone = torch.cat([Q.quant_linear(x[i:i + 1], w) for i in range(rows)])
-    for m in (2, 3, 5, 8, 11, 12, 13, 17, 40):
-        assert torch.equal(Q.quant_linear(x[:m], w), alone[:m]), m
-    assert torch.equal(Q.quant_linear(x[3:30], w), alone[3:30])
+    with batch_invariant_mode():
+        alone = torch.cat([Q.quant_linear(x[i:i + 1], w) for i in range(rows)])
+        for m in (2, 3, 5, 8, 11, 12, 13, 17, 40):
+            assert torch.equal(Q.quant_linear(x[:m], w), alone[:m]), m
+        assert torch.equal(Q.quant_linear(x[3:30], w), alone[3:30])
     assert relative_error(alone.float(), x, w) < (1e-5 if dtype == torch.float32 else 4e-3)
+
+
+def cpu_has(flag: str) -> bool:
+    line = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
+    return flag in line.split()
+
+
+needs_bf16_tiles = pytest.mark.skipif(
+    kernels is None or not hasattr(kernels, "quant_bf16_min_rows")
+    or kernels.quant_bf16_min_rows() == 0, reason="no AMX-BF16 here (or no kernels)")
+
+
+@needs_kernels
+def test_bf16_tiles_run_where_the_cpu_has_them():
+    """An AVX-512 build on a CPU with AMX-BF16 and AMX-INT8 takes the dequantizing prefill
+    (so the tests below cannot skip there unnoticed); elsewhere it says it never does."""
+    want = kernels.quant_r16() and cpu_has("amx_bf16") and cpu_has("amx_int8")
+    assert (kernels.quant_bf16_min_rows() == 32) == want
+    if want:
+        assert "amx-bf16" in kernels.quant_isa()
+
+
+@needs_bf16_tiles
+@pytest.mark.parametrize("kind", [Q.Q8_0, Q.INT8_ROW], ids=R16_ID)
+def test_bf16_tiles_compute_the_bf16_weights_product(kind):
+    """From 32 bfloat16 rows outside batch-invariant mode, repacked Q8_0 and int8 rows run
+    dequantized on AMX-BF16: each output equals the float64 product of the activations as given
+    and the weights rounded to bfloat16 (Q8_0: bf16(d * q); int8 rows: q, then the row scale)
+    within 1e-6 of the sum of |products| (float32 sums: no room for a misplaced value or a
+    scale), every column written once (out starts as NaN), odd and even group counts, a
+    partial last sixteen of rows, two parts into their columns. Below 32 rows, in batch-invariant
+    mode, and beside a part of another type, the call keeps the integer path's bits."""
+    g = torch.Generator().manual_seed(31 + kind)
+    min_rows = kernels.quant_bf16_min_rows()
+    for m, ns, k in [(32, [16], 256), (37, [48], 1024), (64, [32, 16], 672),
+                     (130, [80], 3072)]:
+        w = Q.QuantWeight([repacked(r16_weight(kind, n, k, g)) for n in ns], k, torch.bfloat16)
+        x = torch.randn(m, k, generator=g).bfloat16()
+        x[5] = 0  # an all-zero row
+        y = torch.full((m, sum(ns)), float("nan"))
+        kernels.quant_matmul(x, *w._kernel_args, y, False)
+        bound = x.double().abs() @ w.dequantize().double().abs().T
+        err = ((y.double() - Q.bf16_tiles_reference(x, w)).abs() / bound.clamp_min(1e-30)).max()
+        assert err < 1e-6, (m, ns, k, err.item())
+        assert not y[5].any()
+        integer = torch.full_like(y, float("nan"))
+        kernels.quant_matmul(x, *w._kernel_args, integer, True)
+        assert relative_error(integer, x, w) < 1e-5
+        assert not torch.equal(y, integer)  # a different product (not the int8 path)
+        # the model's call: bfloat16 out, rounded once
+        out = Q.quant_linear(x, w)
+        assert torch.equal(out, y.bfloat16()), (m, ns, k)
+        with batch_invariant_mode():
+            assert torch.equal(Q.quant_linear(x, w), integer.bfloat16())
+        short = x[:min_rows - 1]
+        assert torch.equal(Q.quant_linear(short, w), integer[:min_rows - 1].bfloat16())
+    # beside a Q4_0 part the whole call stays on the integer path
+    k = 512
+    parts = [r16_weight(kind, 32, k, g), Q.QuantPart(Q.Q4_0, random_blocks(Q.Q4_0, 16, k, g))]
+    w = Q.QuantWeight([repacked(parts[0]), parts[1]], k, torch.bfloat16)
+    x = torch.randn(40, k, generator=g).bfloat16()
+    with batch_invariant_mode():
+        want = Q.quant_linear(x, w)
+    assert torch.equal(Q.quant_linear(x, w), want)

@@ -148,20 +148,20 @@ class QuantWeight:
 
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
-_load_kernels = None  # cpu_kernels.load_cpu_kernels, bound on first use (it imports this module)
+_cpu = None  # ladle.runner.cpu_kernels, bound on first use (it imports this module)
 
 
 def _kernels(x: torch.Tensor):
     """The kernel module for a CPU tensor of a kernel dtype, else None. On the path of every
     quantized linear, so it costs no more than a few attribute reads."""
-    global _load_kernels
+    global _cpu
     if not x.is_cpu or x.dtype not in _KERNEL_DTYPES:
         return None
-    if _load_kernels is None:
-        from ladle.runner.cpu_kernels import load_cpu_kernels
+    if _cpu is None:
+        from ladle.runner import cpu_kernels
 
-        _load_kernels = load_cpu_kernels
-    k = _load_kernels()
+        _cpu = cpu_kernels
+    k = _cpu.load_cpu_kernels()
     return k if k is not None and hasattr(k, "quant_matmul") else None
 
 
@@ -222,7 +222,7 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
         y = _linear_torch(x2, w)
     else:
         y = torch.empty(x2.shape[0], w.shape[0], dtype=w.dtype)
-        k.quant_matmul(x2, *w._kernel_args, y)
+        k.quant_matmul(x2, *w._kernel_args, y, _cpu.batch_invariant())
         for col, p in w._dense:
             y.narrow(1, col, p.rows).copy_(torch.nn.functional.linear(x2.to(p.data.dtype), p.data))
     if bias is not None:
@@ -260,6 +260,21 @@ def linear_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         outs.append((x.to(p.data.dtype).double() if p.kind == DENSE else xa) @ wd.T)
     return torch.cat(outs, dim=1)
 
+
+
+def bf16_tiles_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """float64: what the kernel computes on AMX-BF16 for Q8_0 and int8 rows (a call of
+    `quant_bf16_min_rows()` rows or more of bfloat16 activations, outside batch-invariant mode):
+    the activations as given times the weights rounded to bfloat16 (Q8_0: bf16(d * q), the
+    product exact in float32; int8 rows: q exactly, the row scale applied to the sum)."""
+    outs = []
+    for p in w.parts:
+        if R16_BASE.get(p.kind, p.kind) == INT8_ROW:
+            q = unpack_r16(p.data, p.kind) if p.kind in R16_BASE else p.data
+            outs.append((x.double() @ q.double().T) * p.scale.double())
+        else:
+            outs.append(x.double() @ p.dequantize(w.in_features).bfloat16().double().T)
+    return torch.cat(outs, dim=1)
 
 # --- rows (the embedding) --------------------------------------------------------------------
 

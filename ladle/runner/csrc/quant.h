@@ -9,7 +9,7 @@
 std::vector<at::Tensor> quantize_blocks(const at::Tensor& x);
 void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
                   const std::vector<int64_t>& types, const std::vector<at::Tensor>& scales,
-                  const std::vector<int64_t>& cols, at::Tensor y);
+                  const std::vector<int64_t>& cols, at::Tensor y, bool invariant);
 void dequantize_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, at::Tensor out);
 at::Tensor moe_quant_swiglu(const at::Tensor& x, const at::Tensor& ids,
                             const at::Tensor& weights, const at::Tensor& gate, int64_t gate_type,
@@ -17,4 +17,6 @@ at::Tensor moe_quant_swiglu(const at::Tensor& x, const at::Tensor& ids,
                             int64_t down_type);
 std::string quant_isa();
 bool quant_r16();  // whether quant_matmul takes Q4_K, Q6_K, Q8_0 repacked by 16 rows (-3, -4, -5)
-bool set_quant_amx(bool on);  // repacked parts on AMX from 16 rows; returns whether it now is
+bool set_quant_amx(bool on);
+// From how many rows Q8_0 and int8 rows run dequantized on AMX-BF16 (not batch-invariant); 0: never
+int64_t quant_bf16_min_rows();  // repacked parts on AMX from 16 rows; returns whether it now is
