@@ -235,7 +235,7 @@ def repacked(p: Q.QuantPart) -> Q.QuantPart:
 
 @contextlib.contextmanager
 def batch_invariant_mode():
-    """`--batch-invariant` for the block: repacked Q8_0 and int8 rows keep the integer path
+    """`--batch-invariant` for the block: repacked parts keep the integer path
     at every row count (outside it, calls of 32 bfloat16 rows or more run on AMX-BF16 where
     the CPU has it: test_bf16_tiles_*)."""
     was = cpu_kernels.batch_invariant()
@@ -393,8 +393,8 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind, dtype):
     tile of 2 or 4 rows, a remainder row, or (12 rows and more on AVX-512 VNNI builds) a panel,
     so a token's result is bit-identical alone, in a batch of any size, or at any position of a
     prefill (float32 shows every bit: a K-quant row alone once summed its super-block before
-    d, and panels took their bias off in float). With no flag, except repacked Q8_0 and int8
-    rows in bfloat16 from 32 rows on AMX-BF16 CPUs (test_bf16_tiles_*): so under
+    d, and panels took their bias off in float). With no flag, except repacked parts in
+    bfloat16 from 32 rows on AMX-BF16 CPUs (test_bf16_tiles_*): so under
     `--batch-invariant`, which holds for every kind. 21 weight rows: two tiles and a
     remainder, a panel and a remainder."""
     if kind in Q.R16_BASE and not (hasattr(kernels, "quant_r16") and kernels.quant_r16()):
@@ -438,18 +438,19 @@ def test_bf16_tiles_run_where_the_cpu_has_them():
 
 
 @needs_bf16_tiles
-@pytest.mark.parametrize("kind", [Q.Q8_0, Q.INT8_ROW], ids=R16_ID)
+@pytest.mark.parametrize("kind", R16_KINDS, ids=R16_ID)
 def test_bf16_tiles_compute_the_bf16_weights_product(kind):
-    """From 32 bfloat16 rows outside batch-invariant mode, repacked Q8_0 and int8 rows run
-    dequantized on AMX-BF16: each output equals the float64 product of the activations as given
-    and the weights rounded to bfloat16 (Q8_0: bf16(d * q); int8 rows: q, then the row scale)
-    within 1e-6 of the sum of |products| (float32 sums: no room for a misplaced value or a
-    scale), every column written once (out starts as NaN), odd and even group counts, a
-    partial last sixteen of rows, two parts into their columns. Below 32 rows, in batch-invariant
-    mode, and beside a part of another type, the call keeps the integer path's bits."""
+    """From 32 bfloat16 rows outside batch-invariant mode, repacked parts (Q4_K, Q6_K, Q8_0,
+    int8 rows) run dequantized on AMX-BF16: each output equals the float64 product of the
+    activations as given and the weights rounded to bfloat16 (bf16 of the dequantized weight;
+    int8 rows: q, then the row scale) within 1e-6 of the sum of |products| (float32 sums: no
+    room for a misplaced value, sub-block scale or min), every column written once (out starts
+    as NaN), odd and even group counts, a partial last sixteen of rows, two parts into their
+    columns. Below 32 rows, in batch-invariant mode, and beside a part that is not repacked,
+    the call keeps the integer path's bits."""
     g = torch.Generator().manual_seed(31 + kind)
     min_rows = kernels.quant_bf16_min_rows()
-    for m, ns, k in [(32, [16], 256), (37, [48], 1024), (64, [32, 16], 672),
+    for m, ns, k in [(32, [16], 256), (37, [48], 1024), (64, [32, 16], 768),
                      (130, [80], 3072)]:
         w = Q.QuantWeight([repacked(r16_weight(kind, n, k, g)) for n in ns], k, torch.bfloat16)
         x = torch.randn(m, k, generator=g).bfloat16()
@@ -479,3 +480,19 @@ def test_bf16_tiles_compute_the_bf16_weights_product(kind):
     with batch_invariant_mode():
         want = Q.quant_linear(x, w)
     assert torch.equal(Q.quant_linear(x, w), want)
+
+
+@needs_bf16_tiles
+def test_bf16_tiles_take_a_q4_k_m_fused_weight():
+    """A Q4_K_M file's fused q|k|v or gate|up mixes Q4_K and Q6_K parts: one call, each part's
+    columns its own bf16-weights product."""
+    g = torch.Generator().manual_seed(41)
+    k = 512
+    parts = [r16_weight(Q.Q4_K, 32, k, g), r16_weight(Q.Q6_K, 16, k, g),
+             r16_weight(Q.Q4_K, 16, k, g)]
+    w = Q.QuantWeight([repacked(p) for p in parts], k, torch.bfloat16)
+    x = torch.randn(45, k, generator=g).bfloat16()
+    y = torch.full((45, 64), float("nan"))
+    kernels.quant_matmul(x, *w._kernel_args, y, False)
+    bound = x.double().abs() @ w.dequantize().double().abs().T
+    assert ((y.double() - Q.bf16_tiles_reference(x, w)).abs() / bound).max() < 1e-6

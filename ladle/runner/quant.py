@@ -263,10 +263,11 @@ def linear_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 
 
 def bf16_tiles_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
-    """float64: what the kernel computes on AMX-BF16 for Q8_0 and int8 rows (a call of
-    `quant_bf16_min_rows()` rows or more of bfloat16 activations, outside batch-invariant mode):
-    the activations as given times the weights rounded to bfloat16 (Q8_0: bf16(d * q), the
-    product exact in float32; int8 rows: q exactly, the row scale applied to the sum)."""
+    """float64: what the kernel computes on AMX-BF16 for repacked parts (a call of
+    `quant_bf16_min_rows()` rows or more of bfloat16 activations, every part repacked, outside
+    batch-invariant mode): the activations as given times the dequantized weights rounded to
+    bfloat16 (each formed exactly in float32 first; int8 rows: q exactly, the row scale applied
+    to the sum)."""
     outs = []
     for p in w.parts:
         if R16_BASE.get(p.kind, p.kind) == INT8_ROW:

@@ -159,7 +159,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_isa", &quant_isa, "instruction set of the quantized kernels");
   m.def("quant_r16", &quant_r16, "whether quant_matmul takes types repacked by 16 rows");
   m.def("quant_bf16_min_rows", &quant_bf16_min_rows,
-        "from how many bfloat16 rows quant_matmul runs Q8_0 and int8 rows dequantized on AMX-BF16 "
+        "from how many bfloat16 rows quant_matmul runs repacked parts dequantized on AMX-BF16 "
         "outside batch-invariant mode (0: never, here)");
   m.def("set_linear_amx", &set_linear_amx,
         "batch-invariant bfloat16 linears on AMX tiles (on: where the CPU allows); returns whether "

@@ -1288,25 +1288,27 @@ void amx_q6k_rows(const uint8_t* g, const uint8_t* wb, const Act& a, int64_t m0,
 
 #if defined(LADLE_QUANT_AMX) && defined(__AMX_BF16__)
 #define LADLE_QUANT_BF16 1
-// Prefill of Q8_0 and int8 rows on AMX-BF16 (outside batch-invariant mode, from kBf16MinRows
-// rows of bfloat16 activations). The int8 program above pays per-32 float steps for every
-// activation row, output and sub-block: the activations' block scales differ per row, so no
-// sub-block's integers can be summed with the next's, and on this tile unit those float steps
-// cost as much as the products (amx_block). Here the weights are dequantized instead, once per
-// call for all rows: each group's sub-blocks become bfloat16 B tiles, w = bf16(d * q) for Q8_0
-// (the product exact in float, then rounded to nearest even) and q itself for int8 rows (exact;
-// the row scale applied to the sum), and the activations stay in bfloat16 as the model gave
-// them. The C tiles then sum over all of K in float, as the dense bfloat16 kernel's do: no
-// float steps per sub-block, no activation quantization. Numerically this is the dequantized
-// weight times the unquantized activation (closer to the float model than the int8 path), so
-// a row's value depends on whether its call had kBf16MinRows rows, as dense bfloat16 linears'
-// do on torch's GEMM; batch-invariant mode keeps the int8 path for every row count.
-// A 0.6B Q8_0 layer's four linears, 2 threads, ms, these tiles / the int8 tiles / dense bfloat16
-// weights on AMX-BF16: 32 rows 1.08 / 1.30 / 0.89, 64 rows 1.51 / 2.19 / 1.31, 128 rows 2.59 /
-// 4.06 / 2.19 (int8 rows: 1.07 / 1.27, 1.45 / 1.96, 2.47 / 3.63). What stays above dense
-// bfloat16 (~15% at 128 rows) is the dequantization, ~19 vector instructions per 64 weights per
-// call, which the tile unit does not overlap. 0.6B TTFT of 128 tokens: Q8_0 187 -> 134 ms,
-// int8 165 -> 127 ms, against bfloat16's 122.
+// Prefill of repacked parts (Q4_K, Q6_K, Q8_0, int8 rows) on AMX-BF16, outside batch-invariant
+// mode, from kBf16MinRows rows of bfloat16 activations, when every part of the call is
+// repacked. The int8 program above pays per-32 float steps for every activation row, output
+// and sub-block: the activations' block scales differ per row, so no sub-block's integers can
+// be summed with the next's, and on this tile unit those float steps cost as much as the
+// products (amx_block). Here the weights are dequantized instead, once per call for all rows:
+// each group's sub-blocks become bfloat16 B tiles (bf16_block: each weight formed exactly in
+// float, then rounded to nearest even; int8 rows' q exactly, their row scale applied to the
+// sum), and the activations stay in bfloat16 as the model gave them. The C tiles then sum over
+// all of K in float, as the dense bfloat16 kernel's do: no float steps per sub-block, no
+// activation quantization. Numerically this is the dequantized weight times the unquantized
+// activation (closer to the float model than the int8 path), so a row's value depends on
+// whether its call had kBf16MinRows rows, as dense bfloat16 linears' do on torch's GEMM;
+// batch-invariant mode keeps the integer path for every row count.
+// A 0.6B layer's four linears, 2 threads, ms, these tiles / the integer path / dense bfloat16
+// weights on AMX-BF16, at 32, 64 and 128 rows: Q8_0 1.08 / 1.30 / 0.89, 1.51 / 2.19 / 1.31,
+// 2.59 / 4.06 / 2.19; int8 rows 1.07 / 1.27, 1.45 / 1.96, 2.47 / 3.63; another run: Q4_K
+// 1.32 / 1.72 / 1.07, 1.80 / 3.25 / 1.88, 3.03 / 6.18 / 3.23; Q6_K 1.54 / 2.36 / 1.24, 2.06 /
+// 3.81 / 1.96, 3.97 / 6.90 / 3.36. What stays above dense bfloat16 is the dequantization
+// (Q8_0: ~19 vector instructions per 64 weights per call), which the tile unit does not
+// overlap. 0.6B TTFT of 128 tokens: Q8_0 187 -> 134 ms, int8 165 -> 127 ms (bfloat16 122).
 constexpr int64_t kBf16MinRows = 32;
 
 struct alignas(64) Bf16TileConfig {  // C 0-3, A 4-5, B 6-7: 16 rows x 64 bytes each
@@ -1330,44 +1332,101 @@ void bf16_tile_activations(const at::BFloat16* x, int64_t M, int64_t K, at::BFlo
   });
 }
 
-// Sub-block sb of the 16 repacked rows at g as a bfloat16 B tile at out (16 rows of a pair of K
-// values x 16 outputs: row p holds values 2p, 2p + 1 of each output). A repacked slot t holds
-// values 4t .. 4t + 3 of each output (bytes 4n .. 4n + 3, each w + 128): B rows 2t and 2t + 1.
-template <int TYPE>
-inline void bf16_weights(const uint8_t* g, int64_t sb, uint16_t* out) {
-  static_assert(TYPE == kQ8R || TYPE == kI8R);
-  const uint8_t* b = g + sb * kR16Block<TYPE>;
-  const uint8_t* v = b + (TYPE == kQ8R ? 32 : 0);
-  // f = u * d - 128 d for the stored u = w + 128: exact in float (w * d has 19 bits), so
-  // rounded once to bfloat16. Quarter j of a slot (outputs 4j .. 4j + 3): lane 4n + k.
-  __m512 d[4], c[4];
-  if constexpr (TYPE == kQ8R) {
-    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
-    const __m512i lane4 = _mm512_srli_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
-    for (int j = 0; j < 4; j++) {
-      d[j] = _mm512_permutexvar_ps(_mm512_add_epi32(lane4, _mm512_set1_epi32(4 * j)), s);
-      c[j] = _mm512_mul_ps(d[j], _mm512_set1_ps(-128.f));
-    }
-  } else {
-    for (int j = 0; j < 4; j++) {
-      d[j] = _mm512_set1_ps(1.f);
-      c[j] = _mm512_set1_ps(-128.f);
-    }
-  }
+// The weights as bfloat16 B tiles (16 rows of a pair of K values x 16 outputs: row p holds
+// values 2p, 2p + 1 of each output), 512 values per sub-block of 32. A repacked slot t holds
+// values 4t .. 4t + 3 of the 16 outputs (bytes 4n .. 4n + 3): B rows 2t and 2t + 1. Each
+// weight is formed exactly in float and rounded once to bfloat16, so the tiles hold
+// bf16(the dequantized weight), what `bf16_tiles_reference` multiplies: Q8_0 d * q (19 bits),
+// Q6_K d * sc * (q - 32) (at most 24), Q4_K d * sc * q (21) - dmin * m (17, the one rounding
+// of the difference), int8 rows q itself.
+
+// Per-output scales s (lane n) as the four quarters' lanes: quarter j, lane 4n + k: output
+// 4j + n (the layout of a slot's values converted 16 at a time).
+inline void bf16_quarters(__m512 s, __m512* q) {
+  const __m512i lane4 = _mm512_srli_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
+  for (int j = 0; j < 4; j++)
+    q[j] = _mm512_permutexvar_ps(_mm512_add_epi32(lane4, _mm512_set1_epi32(4 * j)), s);
+}
+
+// Slot t's values as floats (quarter j: outputs 4j .. 4j + 3) into B rows 2t and 2t + 1.
+inline void bf16_slot(const __m512* f, int t, uint16_t* out) {
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  for (int t = 0; t < 8; t++) {
-    __m512 f[4];
-    for (int j = 0; j < 4; j++)
-      f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-                                 reinterpret_cast<const __m128i*>(v + t * 64 + j * 16)))),
-                             d[j], c[j]);
-    // dword 2n + h of lo (outputs 0-7) / hi (8-15): output n's values 4t + 2h, 4t + 2h + 1
-    const __m512i lo = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[1], f[0]));
-    const __m512i hi = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[3], f[2]));
-    _mm512_storeu_si512(out + (2 * t) * 32, _mm512_permutex2var_epi32(lo, even, hi));
-    _mm512_storeu_si512(out + (2 * t + 1) * 32, _mm512_permutex2var_epi32(lo, odd, hi));
+  // dword 2n + h of lo (outputs 0-7) / hi (8-15): output n's values 4t + 2h, 4t + 2h + 1
+  const __m512i lo = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[1], f[0]));
+  const __m512i hi = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[3], f[2]));
+  _mm512_storeu_si512(out + (2 * t) * 32, _mm512_permutex2var_epi32(lo, even, hi));
+  _mm512_storeu_si512(out + (2 * t + 1) * 32, _mm512_permutex2var_epi32(lo, odd, hi));
+}
+
+// Quarter j of 64 bytes as 16 floats, unsigned or signed.
+template <bool SIGNED>
+inline __m512 bf16_bytes(__m512i v, int j) {
+  __m128i x;
+  switch (j) {  // (the lane index must be a constant)
+    case 0: x = _mm512_extracti32x4_epi32(v, 0); break;
+    case 1: x = _mm512_extracti32x4_epi32(v, 1); break;
+    case 2: x = _mm512_extracti32x4_epi32(v, 2); break;
+    default: x = _mm512_extracti32x4_epi32(v, 3); break;
+  }
+  return _mm512_cvtepi32_ps(SIGNED ? _mm512_cvtepi8_epi32(x) : _mm512_cvtepu8_epi32(x));
+}
+
+// One repacked block of 16 rows at b (kR16Subs<TYPE> sub-blocks) into out.
+template <int TYPE>
+inline void bf16_block(const uint8_t* b, uint16_t* out) {
+  __m512 d[4], c[4], f[4];
+  auto f16x16 = [](const uint8_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  };
+  auto bytes16 = [](const uint8_t* p, bool sign) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm512_cvtepi32_ps(sign ? _mm512_cvtepi8_epi32(x) : _mm512_cvtepu8_epi32(x));
+  };
+  if constexpr (TYPE == kQ8R || TYPE == kI8R) {  // stored u = w + 128: f = u * d - 128 d
+    const uint8_t* v = b + (TYPE == kQ8R ? 32 : 0);
+    if constexpr (TYPE == kQ8R) {
+      bf16_quarters(f16x16(b), d);
+    } else {
+      for (int j = 0; j < 4; j++) d[j] = _mm512_set1_ps(1.f);
+    }
+    for (int j = 0; j < 4; j++) c[j] = _mm512_mul_ps(d[j], _mm512_set1_ps(-128.f));
+    for (int t = 0; t < 8; t++) {
+      for (int j = 0; j < 4; j++)
+        f[j] = _mm512_fmadd_ps(bytes16(v + t * 64 + j * 16, false), d[j], c[j]);
+      bf16_slot(f, t, out);
+    }
+  } else if constexpr (TYPE == kQ4KR) {  // f = (d * sc) * q - dmin * m
+    const __m512 dd = f16x16(b), dmin = f16x16(b + 32);
+    for (int sb = 0; sb < 8; sb++) {
+      bf16_quarters(_mm512_mul_ps(dd, bytes16(b + 64 + sb * 16, false)), d);
+      bf16_quarters(_mm512_mul_ps(dmin, bytes16(b + 192 + sb * 16, false)), c);
+      for (int t = 0; t < 8; t++) {
+        const __m512i v = q4k_r16_values(b, sb, t);
+        for (int j = 0; j < 4; j++) f[j] = _mm512_fmsub_ps(bf16_bytes<false>(v, j), d[j], c[j]);
+        bf16_slot(f, t, out + sb * 512);
+      }
+    }
+  } else {  // Q6_K: f = (d * sc) * (q - 32), sc per 16 values (slots 0-3, 4-7)
+    static_assert(TYPE == kQ6KR);
+    const __m512 dd = f16x16(b);
+    for (int half = 0; half < 2; half++) {
+      __m512 ds[4][2][4];  // [sub-block of the half][its 16-value half][quarter]
+      for (int i = 0; i < 4; i++)
+        for (int h = 0; h < 2; h++)
+          bf16_quarters(_mm512_mul_ps(dd, bytes16(b + 32 + (2 * (4 * half + i) + h) * 16, true)),
+                        ds[i][h]);
+      for (int t = 0; t < 8; t++) {
+        __m512i v[4];
+        q6k_r16_values(b, half, t, v);
+        for (int i = 0; i < 4; i++) {
+          const __m512i q = _mm512_sub_epi8(v[i], _mm512_set1_epi8(32));
+          for (int j = 0; j < 4; j++) f[j] = _mm512_mul_ps(bf16_bytes<true>(q, j), ds[i][t >> 2][j]);
+          bf16_slot(f, t, out + (4 * half + i) * 512);
+        }
+      }
+    }
   }
 }
 
@@ -1385,8 +1444,8 @@ void bf16_group(const Part& p, int64_t g0, int ng, const at::BFloat16* xt, int64
   const uint16_t* wb[2] = {buf.data(), buf.data() + (ng - 1) * nsub * 512};
   for (int j = 0; j < ng; j++) {
     const uint8_t* g = p.w + (g0 + j) * kR16Rows * p.row_bytes;
-    for (int64_t sb = 0; sb < nsub; sb++)
-      bf16_weights<TYPE>(g, sb, buf.data() + (j * nsub + sb) * 512);
+    for (int64_t sb = 0; sb < nsub; sb += kR16Subs<TYPE>)
+      bf16_block<TYPE>(g + sb / kR16Subs<TYPE> * kR16Block<TYPE>, buf.data() + (j * nsub + sb) * 512);
   }
   alignas(64) float c[16][16];
   auto store = [&](int j, int64_t m0) {
@@ -1912,8 +1971,7 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
   const int64_t ldy = y.stride(0);
 #if defined(LADLE_QUANT_BF16)
   if (!invariant && M >= kBf16MinRows && x.scalar_type() == at::kBFloat16 && amx_active() &&
-      std::all_of(parts.begin(), parts.end(),
-                  [](const Part& p) { return p.type == kQ8R || p.type == kI8R; })) {
+      std::all_of(parts.begin(), parts.end(), [](const Part& p) { return is_r16(p.type); })) {
     auto xt = at::empty({(M + 15) / 16 * 16 * K}, x.options());
     bf16_tile_activations(x.data_ptr<at::BFloat16>(), M, K, xt.data_ptr<at::BFloat16>());
     std::vector<std::pair<size_t, int64_t>> units;  // (part, first group of two)
@@ -1928,10 +1986,13 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
           const Part& p = parts[units[i].first];
           const int64_t g = units[i].second;
           const int ng = int(std::min<int64_t>(2, p.rows / kR16Rows - g));
-          if (p.type == kQ8R)
-            bf16_group<kQ8R>(p, g, ng, xt.data_ptr<at::BFloat16>(), M, K, yp, ldy);
-          else
-            bf16_group<kI8R>(p, g, ng, xt.data_ptr<at::BFloat16>(), M, K, yp, ldy);
+          const at::BFloat16* a = xt.data_ptr<at::BFloat16>();
+          switch (p.type) {
+            case kQ4KR: bf16_group<kQ4KR>(p, g, ng, a, M, K, yp, ldy); break;
+            case kQ6KR: bf16_group<kQ6KR>(p, g, ng, a, M, K, yp, ldy); break;
+            case kQ8R: bf16_group<kQ8R>(p, g, ng, a, M, K, yp, ldy); break;
+            default: bf16_group<kI8R>(p, g, ng, a, M, K, yp, ldy); break;
+          }
         }
         _tile_release();
       });
@@ -2209,7 +2270,7 @@ std::string quant_isa() {
     return "avx512-vnni (256-bit tiles, 512-bit panels from 12 rows, Q4_K/Q6_K/Q8_0 repacked) "
            "+ amx-int8 (repacked parts, 16 rows at a time)"
 #if defined(LADLE_QUANT_BF16)
-           " + amx-bf16 (Q8_0 and int8 rows dequantized, from 32 rows)"
+           " + amx-bf16 (repacked parts dequantized, from 32 rows)"
 #endif
            ;
 #endif
