@@ -450,8 +450,9 @@ def test_bf16_tiles_compute_the_bf16_weights_product(kind):
     the call keeps the integer path's bits."""
     g = torch.Generator().manual_seed(31 + kind)
     min_rows = kernels.quant_bf16_min_rows()
+    # (200 rows at K 3072: two chunks of rows, 160 and 40)
     for m, ns, k in [(32, [16], 256), (37, [48], 1024), (64, [32, 16], 768),
-                     (130, [80], 3072)]:
+                     (200, [80], 3072)]:
         w = Q.QuantWeight([repacked(r16_weight(kind, n, k, g)) for n in ns], k, torch.bfloat16)
         x = torch.randn(m, k, generator=g).bfloat16()
         x[5] = 0  # an all-zero row
