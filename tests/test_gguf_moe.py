@@ -26,6 +26,7 @@ from ladle import LLM, SamplingParams
 from ladle.models.gguf import hf_config_from_gguf, iter_hf_tensors, open_gguf
 from ladle.models.loader import ModelLoadError, check_checkpoint, load_model, read_hf_config
 from ladle.models.moe import SparseMoeBlock
+from ladle.runner import cpu_kernels
 from ladle.runner import quant as Q
 from ladle.runner.quant import QuantWeight
 
@@ -302,7 +303,9 @@ QUANT_CASES = [(1, (T.Q4_K, T.Q4_K, T.Q6_K)), (3, (T.Q4_K, T.Q4_K, T.Q6_K)),
 def test_quantized_experts_kernel_equals_the_per_expert_loop(tmp_path, case, dtype):
     """One quant.cpp call per layer (moe_quant_swiglu over the stacked blocks) gives the bits of
     the per-expert loop of quantized linears, its twin; each expert's QuantWeights are views of
-    the stacks (no byte held twice)."""
+    the stacks (no byte held twice). Compared under batch-invariant mode: without it the loop's
+    linears run an expert of 32 or more bfloat16 rows dequantized on AMX-BF16 (where the CPU has
+    it), while the fused kernel keeps the integer path at every row count."""
     tokens, (gate, up, down) = case
     types = {"blk.0.ffn_gate_exps.weight": gate, "blk.0.ffn_up_exps.weight": up,
              "blk.0.ffn_down_exps.weight": down}
@@ -320,10 +323,15 @@ def test_quantized_experts_kernel_equals_the_per_expert_loop(tmp_path, case, dty
         assert part.data_ptr() == stacked_gate[e].data_ptr()
     torch.manual_seed(tokens)
     x = torch.randn(tokens, 256).to(dtype)
-    with torch.inference_mode():
-        weights, ids = block.route(x)
-        want = block.expert_loop(x, weights, ids)
-        got = block.fused(x, weights, ids)
+    was = cpu_kernels.batch_invariant()
+    cpu_kernels.set_batch_invariant(True)
+    try:
+        with torch.inference_mode():
+            weights, ids = block.route(x)
+            want = block.expert_loop(x, weights, ids)
+            got = block.fused(x, weights, ids)
+    finally:
+        cpu_kernels.set_batch_invariant(was)
     assert got is not None and torch.equal(got, want)
     assert want.abs().max() > 0
 
