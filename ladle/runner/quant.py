@@ -24,7 +24,10 @@ How a quantized linear multiplies (ggml's scheme, for reading only; the code is 
     parallel region.
 So a kernel's result equals, up to float32 rounding, the float64 product of the dequantized
 weights with the quantized-then-dequantized activations: `linear_reference` below, which the
-tests compare the kernels with.
+tests compare the kernels with. One exception, on CPUs with AMX-BF16 outside batch-invariant
+mode: a call of 32 or more bfloat16 rows whose parts are all repacked (Q4_K, Q6_K, Q8_0,
+INT8_ROW) dequantizes the weights to bfloat16 tiles instead and multiplies the activations as
+they are (prefill; `bf16_tiles_reference`).
 
 The twins (`_linear_torch`, `_rows_torch`) run where the kernels do not: on other devices,
 without a compiler, or with LADLE_DISABLE_CPU_KERNELS=1. They quantize the activations the same
@@ -261,7 +264,6 @@ def linear_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     return torch.cat(outs, dim=1)
 
 
-
 def bf16_tiles_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """float64: what the kernel computes on AMX-BF16 for repacked parts (a call of
     `quant_bf16_min_rows()` rows or more of bfloat16 activations, every part repacked, outside
@@ -276,6 +278,7 @@ def bf16_tiles_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         else:
             outs.append(x.double() @ p.dequantize(w.in_features).bfloat16().double().T)
     return torch.cat(outs, dim=1)
+
 
 # --- rows (the embedding) --------------------------------------------------------------------
 

@@ -17,6 +17,6 @@ at::Tensor moe_quant_swiglu(const at::Tensor& x, const at::Tensor& ids,
                             int64_t down_type);
 std::string quant_isa();
 bool quant_r16();  // whether quant_matmul takes Q4_K, Q6_K, Q8_0 repacked by 16 rows (-3, -4, -5)
-bool set_quant_amx(bool on);
+bool set_quant_amx(bool on);  // repacked parts on AMX from 16 rows; returns whether it now is
 // From how many rows repacked parts run dequantized on AMX-BF16 (not batch-invariant); 0: never
-int64_t quant_bf16_min_rows();  // repacked parts on AMX from 16 rows; returns whether it now is
+int64_t quant_bf16_min_rows();
