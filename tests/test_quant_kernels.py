@@ -497,3 +497,27 @@ def test_bf16_tiles_take_a_q4_k_m_fused_weight():
     kernels.quant_matmul(x, *w._kernel_args, y, False)
     bound = x.double().abs() @ w.dequantize().double().abs().T
     assert ((y.double() - Q.bf16_tiles_reference(x, w)).abs() / bound).max() < 1e-6
+
+
+@needs_bf16_tiles
+@pytest.mark.parametrize("kind", R16_KINDS, ids=R16_ID)
+def test_bf16_gemm_for_long_prefills(kind):
+    """From quant_bf16_gemm_rows() rows the dequantized weights (the same bf16 values, written
+    row-major) go to torch's GEMM, whose output is rounded to bfloat16: each output within
+    2^-8 of itself (that rounding) plus 1e-6 of the sum of |products| of the float64 reference;
+    more than one chunk of 1024 output rows, two parts into their columns, every column written
+    once."""
+    rows = kernels.quant_bf16_gemm_rows()
+    assert rows >= kernels.quant_bf16_min_rows()
+    g = torch.Generator().manual_seed(51 + kind)
+    for m, ns, k in [(rows, [48], 512), (rows + 3, [1040, 32], 256)]:
+        w = Q.QuantWeight([repacked(r16_weight(kind, n, k, g)) for n in ns], k, torch.bfloat16)
+        x = torch.randn(m, k, generator=g).bfloat16()
+        y = torch.full((m, sum(ns)), float("nan"))
+        kernels.quant_matmul(x, *w._kernel_args, y, False)
+        ref = Q.bf16_tiles_reference(x, w)
+        bound = x.double().abs() @ w.dequantize().double().abs().T
+        assert ((y.double() - ref).abs() <= 2**-7 * ref.abs() + 1e-6 * bound).all(), (m, ns, k)
+        with batch_invariant_mode():
+            integer = Q.quant_linear(x, w)
+        assert relative_error(integer.float(), x, w) < 4e-3

@@ -161,6 +161,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_bf16_min_rows", &quant_bf16_min_rows,
         "from how many bfloat16 rows quant_matmul runs repacked parts dequantized on AMX-BF16 "
         "outside batch-invariant mode (0: never, here)");
+  m.def("quant_bf16_gemm_rows", &quant_bf16_gemm_rows,
+        "from how many of those rows the dequantized weights go to torch's GEMM (0: never)");
   m.def("set_linear_amx", &set_linear_amx,
         "batch-invariant bfloat16 linears on AMX tiles (on: where the CPU allows); returns whether "
         "they now run there", py::arg("on"));

@@ -433,34 +433,6 @@ struct TileShapes {  // the LDTILECFG image: eight tiles of 16 rows x 64 bytes
 
 std::atomic<bool> g_linear_amx{true};  // set_linear_amx: tests and benchmarks compare both
 
-// r[i][j] -> r[j][i] for 16 vectors of 16 32-bit values: pairs within 128-bit lanes, then
-// 64-bit pairs, then the 4 x 4 transpose of 128-bit lanes.
-inline void transpose16(__m512* r) {
-  __m512 a[16], b[16];
-  for (int p = 0; p < 8; ++p) {
-    a[2 * p] = _mm512_unpacklo_ps(r[2 * p], r[2 * p + 1]);
-    a[2 * p + 1] = _mm512_unpackhi_ps(r[2 * p], r[2 * p + 1]);
-  }
-  for (int q = 0; q < 4; ++q) {  // b[4q + s], lane L: rows 4q..4q+3 at column 4L + s
-    const __m512d lo = _mm512_castps_pd(a[4 * q]), lo2 = _mm512_castps_pd(a[4 * q + 2]);
-    const __m512d hi = _mm512_castps_pd(a[4 * q + 1]), hi2 = _mm512_castps_pd(a[4 * q + 3]);
-    b[4 * q] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo, lo2));
-    b[4 * q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo, lo2));
-    b[4 * q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(hi, hi2));
-    b[4 * q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(hi, hi2));
-  }
-  for (int s = 0; s < 4; ++s) {  // column 4L + s = lane L of b[s], b[4 + s], b[8 + s], b[12 + s]
-    const __m512 c0 = _mm512_shuffle_f32x4(b[s], b[4 + s], _MM_SHUFFLE(1, 0, 1, 0));
-    const __m512 c1 = _mm512_shuffle_f32x4(b[s], b[4 + s], _MM_SHUFFLE(3, 2, 3, 2));
-    const __m512 c2 = _mm512_shuffle_f32x4(b[8 + s], b[12 + s], _MM_SHUFFLE(1, 0, 1, 0));
-    const __m512 c3 = _mm512_shuffle_f32x4(b[8 + s], b[12 + s], _MM_SHUFFLE(3, 2, 3, 2));
-    r[s] = _mm512_shuffle_f32x4(c0, c2, _MM_SHUFFLE(2, 0, 2, 0));
-    r[4 + s] = _mm512_shuffle_f32x4(c0, c2, _MM_SHUFFLE(3, 1, 3, 1));
-    r[8 + s] = _mm512_shuffle_f32x4(c1, c3, _MM_SHUFFLE(2, 0, 2, 0));
-    r[12 + s] = _mm512_shuffle_f32x4(c1, c3, _MM_SHUFFLE(3, 1, 3, 1));
-  }
-}
-
 // Rows 16 mb .. 16 mb + 15 of x (zeros past M) as B tiles, one per 32 values of K: 16 rows of K
 // pairs x 16 rows of x (one 32-bit pair each), at out + kb * 256.
 void pack_block(const at::BFloat16* x, int64_t M, int64_t K, int64_t ldx, int64_t mb,

@@ -28,8 +28,10 @@
 // run 12 or more rows in panels instead (below: 16 weight rows unpacked once per call, 64
 // products per instruction into 16 outputs), and Q4_K, Q6_K and Q8_0 repacked at load into
 // that layout (r16_rows) for every row count. Tiles, panels and repacked rows sum every row in one order
-// (see the tiles), so a row's result does not depend on the rows beside it: quantized linears
-// are batch-invariant in every mode.
+// (see the tiles), so a row's result does not depend on the rows beside it: these paths are
+// batch-invariant in every mode. The one exception, on AMX-BF16 CPUs outside batch-invariant
+// mode: calls of kBf16MinRows bfloat16 rows or more of repacked parts run dequantized on the
+// tile unit or torch's GEMM (bf16_group), a different product.
 #include "quant.h"
 #include "kernels.h"
 #include "moe.h"
@@ -37,6 +39,8 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -1310,10 +1314,18 @@ void amx_q6k_rows(const uint8_t* g, const uint8_t* wb, const Act& a, int64_t m0,
 // (Q8_0: ~19 vector instructions per 64 weights per call), which the tile unit does not
 // overlap. 0.6B TTFT of 128 tokens: Q8_0 187 -> 134 ms, int8 165 -> 127 ms (bfloat16 122).
 constexpr int64_t kBf16MinRows = 32;
-// Calls of many rows run in chunks of about this many bytes of activations (rows a multiple of
-// 32, at least 64): with every row at once, each group pair streamed all of them from L3 (0.6B
-// Q8_0 layer's four linears at 2048 rows: 60.5 ms; in chunks 44.7, the integer path 86, torch's
-// GEMM on bfloat16 weights 29-31; 512 rows unchanged at 10.8).
+// From this many rows the dequantized weights go to torch's GEMM (oneDNN: AMX-BF16 with its own
+// blocking of M) instead of the tile program above, as one bfloat16 weight of up to
+// kBf16GemmBytes per GEMM (more rows: chunks of that many bytes; chunks of 1024 rows ran the
+// GEMM at half its speed). A 0.6B layer's four linears, ms, tiles / GEMM (torch on dense bf16
+// weights): Q8_0 512 rows 11.8 / 12.3 (10.7), 768 18.5 / 17.4 (14.2), 1024 23.6 / 20.4 (17.7),
+// 2048 44.7 / 36.1 (33.8); Q4_K 512 10.9 / 12.7, 768 16.5 / 16.9, 1024 22.4 / 20.9, 2048 - / 34.9.
+constexpr int64_t kBf16GemmRows = 768;
+constexpr int64_t kBf16GemmBytes = 64 << 20;
+// The tile program runs calls of many rows (below kBf16GemmRows, or K large) in chunks of about
+// this many bytes of activations (rows a multiple of 32, at least 64): with every row at once,
+// each group pair streamed all of them from L3 (0.6B Q8_0 layer's four linears at 2048 rows,
+// before the GEMM took them: 60.5 ms; in chunks 44.7; 512 rows unchanged at 10.8).
 constexpr int64_t kBf16ChunkBytes = 1 << 20;
 
 struct alignas(64) Bf16TileConfig {  // C 0-3, A 4-5, B 6-7: 16 rows x 64 bytes each
@@ -1491,6 +1503,25 @@ void bf16_group(const Part& p, int64_t g0, int ng, const at::BFloat16* xt, int64
         _tile_stored(3, c[0], 64);
         store(1, s * 16 + 16);
       }
+    }
+  }
+}
+
+// Group g of part p dequantized to row-major bfloat16 (the B tiles' values, transposed):
+// rows 16g .. 16g + 15 of the part into out (16 rows, ld ldo).
+template <int TYPE>
+void bf16_group_rows(const Part& p, int64_t g, int64_t K, at::BFloat16* out, int64_t ldo) {
+  alignas(64) uint16_t b[8 * 512];  // one block's B tiles (Q4_K, Q6_K: 8 sub-blocks)
+  const uint8_t* gp = p.w + g * kR16Rows * p.row_bytes;
+  for (int64_t sb = 0; sb < K / 32; sb += kR16Subs<TYPE>) {
+    bf16_block<TYPE>(gp + sb / kR16Subs<TYPE> * kR16Block<TYPE>, b);
+    for (int j = 0; j < kR16Subs<TYPE>; j++) {
+      __m512 r[16];  // B row i: value pair i of the 16 outputs; transposed, output n's 16 pairs
+      for (int i = 0; i < 16; i++)
+        r[i] = _mm512_load_ps(reinterpret_cast<const float*>(b + j * 512 + i * 32));
+      transpose16(r);
+      for (int n = 0; n < 16; n++)
+        _mm512_storeu_ps(reinterpret_cast<float*>(out + n * ldo + (sb + j) * 32), r[n]);
     }
   }
 }
@@ -1977,6 +2008,50 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
 #if defined(LADLE_QUANT_BF16)
   if (!invariant && M >= kBf16MinRows && x.scalar_type() == at::kBFloat16 && amx_active() &&
       std::all_of(parts.begin(), parts.end(), [](const Part& p) { return is_r16(p.type); })) {
+    if (M >= kBf16GemmRows && std::all_of(parts.begin(), parts.end(), [](const Part& p) {
+          return p.col % kR16Rows == 0;
+        })) {
+      // The call's whole weight (its parts in their columns; columns of none, which the caller
+      // fills, as zero rows) in chunks of rows of about kBf16GemmBytes, each one GEMM.
+      const int64_t chunk = std::max<int64_t>(kR16Rows, kBf16GemmBytes / (2 * K) / kR16Rows * kR16Rows);
+      for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+        const int64_t nr = std::min(chunk, N - n0);
+        auto w = at::empty({nr, K}, x.options());
+        at::BFloat16* wp = w.data_ptr<at::BFloat16>();
+        std::vector<std::pair<const Part*, int64_t>> groups(size_t((nr + 15) / 16), {nullptr, 0});
+        for (const Part& p : parts)
+          for (int64_t g = 0; g < p.rows / kR16Rows; g++) {
+            const int64_t r = p.col + g * kR16Rows - n0;
+            if (r >= 0 && r < nr) groups[size_t(r / kR16Rows)] = {&p, g};
+          }
+        at::parallel_for(0, int64_t(groups.size()), 1, [&](int64_t i0, int64_t i1) {
+          for (int64_t i = i0; i < i1; i++) {
+            at::BFloat16* o = wp + i * kR16Rows * K;
+            const auto [p, g] = groups[size_t(i)];
+            if (!p) {
+              std::memset(o, 0, size_t(std::min(kR16Rows, nr - i * kR16Rows) * K * 2));
+              continue;
+            }
+            switch (p->type) {
+              case kQ4KR: bf16_group_rows<kQ4KR>(*p, g, K, o, K); break;
+              case kQ6KR: bf16_group_rows<kQ6KR>(*p, g, K, o, K); break;
+              case kQ8R: bf16_group_rows<kQ8R>(*p, g, K, o, K); break;
+              default: bf16_group_rows<kI8R>(*p, g, K, o, K); break;
+            }
+          }
+        });
+        auto dst = y.narrow(1, n0, nr);
+        if (nr == N && y.is_contiguous() && y.scalar_type() == at::kBFloat16)
+          at::mm_out(dst, x, w.t());  // straight into out
+        else
+          dst.copy_(at::mm(x, w.t()));  // (rounded to bfloat16)
+      }
+      for (const Part& p : parts)  // int8 rows: their scales on the rounded sums
+        if (p.scale)
+          y.narrow(1, p.col, p.rows).mul_(at::from_blob(const_cast<float*>(p.scale), {p.rows},
+                                                        x.options().dtype(at::kFloat)));
+      return;
+    }
     auto xt = at::empty({(M + 15) / 16 * 16 * K}, x.options());
     bf16_tile_activations(x.data_ptr<at::BFloat16>(), M, K, xt.data_ptr<at::BFloat16>());
     std::vector<std::pair<size_t, int64_t>> units;  // (part, first group of two)
@@ -2260,6 +2335,14 @@ bool quant_r16() { return kHasR16; }
 int64_t quant_bf16_min_rows() {
 #if defined(LADLE_QUANT_BF16)
   return amx_active() ? kBf16MinRows : 0;
+#else
+  return 0;
+#endif
+}
+
+int64_t quant_bf16_gemm_rows() {
+#if defined(LADLE_QUANT_BF16)
+  return amx_active() ? kBf16GemmRows : 0;
 #else
   return 0;
 #endif

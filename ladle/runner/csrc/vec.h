@@ -105,6 +105,34 @@ __attribute__((always_inline)) static inline __m128 hsum4(const __m512* a) {
                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
+
+// r[i][j] -> r[j][i] for 16 vectors of 16 32-bit values: pairs within 128-bit lanes, then
+// 64-bit pairs, then the 4 x 4 transpose of 128-bit lanes.
+static inline void transpose16(__m512* r) {
+  __m512 a[16], b[16];
+  for (int p = 0; p < 8; ++p) {
+    a[2 * p] = _mm512_unpacklo_ps(r[2 * p], r[2 * p + 1]);
+    a[2 * p + 1] = _mm512_unpackhi_ps(r[2 * p], r[2 * p + 1]);
+  }
+  for (int q = 0; q < 4; ++q) {  // b[4q + s], lane L: rows 4q..4q+3 at column 4L + s
+    const __m512d lo = _mm512_castps_pd(a[4 * q]), lo2 = _mm512_castps_pd(a[4 * q + 2]);
+    const __m512d hi = _mm512_castps_pd(a[4 * q + 1]), hi2 = _mm512_castps_pd(a[4 * q + 3]);
+    b[4 * q] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo, lo2));
+    b[4 * q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo, lo2));
+    b[4 * q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(hi, hi2));
+    b[4 * q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(hi, hi2));
+  }
+  for (int s = 0; s < 4; ++s) {  // column 4L + s = lane L of b[s], b[4 + s], b[8 + s], b[12 + s]
+    const __m512 c0 = _mm512_shuffle_f32x4(b[s], b[4 + s], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 c1 = _mm512_shuffle_f32x4(b[s], b[4 + s], _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512 c2 = _mm512_shuffle_f32x4(b[8 + s], b[12 + s], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 c3 = _mm512_shuffle_f32x4(b[8 + s], b[12 + s], _MM_SHUFFLE(3, 2, 3, 2));
+    r[s] = _mm512_shuffle_f32x4(c0, c2, _MM_SHUFFLE(2, 0, 2, 0));
+    r[4 + s] = _mm512_shuffle_f32x4(c0, c2, _MM_SHUFFLE(3, 1, 3, 1));
+    r[8 + s] = _mm512_shuffle_f32x4(c1, c3, _MM_SHUFFLE(2, 0, 2, 0));
+    r[12 + s] = _mm512_shuffle_f32x4(c1, c3, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
 #endif
 
 #if defined(__AMX_TILE__) && defined(__linux__)
