@@ -419,18 +419,6 @@ template void linear_cols<at::BFloat16>(const at::BFloat16*, const at::BFloat16*
 // construction, with no vector fallback for small M. Threads split N by 32 weight rows.
 namespace {
 
-struct TileShapes {  // the LDTILECFG image: eight tiles of 16 rows x 64 bytes
-  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  TileShapes() {
-    for (int t = 0; t < 8; ++t) {
-      rows[t] = 16;
-      colsb[t] = 64;
-    }
-  }
-};
-
 std::atomic<bool> g_linear_amx{true};  // set_linear_amx: tests and benchmarks compare both
 
 // Rows 16 mb .. 16 mb + 15 of x (zeros past M) as B tiles, one per 32 values of K: 16 rows of K

@@ -1328,11 +1328,6 @@ constexpr int64_t kBf16GemmBytes = 64 << 20;
 // before the GEMM took them: 60.5 ms; in chunks 44.7; 512 rows unchanged at 10.8).
 constexpr int64_t kBf16ChunkBytes = 1 << 20;
 
-struct alignas(64) Bf16TileConfig {  // C 0-3, A 4-5, B 6-7: 16 rows x 64 bytes each
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-};
 
 // x (M, K) bfloat16 as A tiles: by sixteen of rows then sub-block of 32, 16 rows x 64 bytes
 // each, a last partial sixteen padded with zero rows.
@@ -2066,7 +2061,7 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
         const at::BFloat16* a = xt.data_ptr<at::BFloat16>() + m0 / 16 * (K / 32) * 512;
         scalar_t* yp = y.data_ptr<scalar_t>() + m0 * ldy;
         at::parallel_for(0, int64_t(units.size()), 1, [&](int64_t i0, int64_t i1) {
-          static const Bf16TileConfig config;
+          static const TileShapes config;  // (vec.h) C 0-3, A 4-5, B 6-7
           _tile_loadconfig(&config);
           for (int64_t i = i0; i < i1; i++) {
             const Part& p = parts[units[i].first];

@@ -151,4 +151,12 @@ static inline bool amx_permitted() {
   }();
   return ok;
 }
+
+// The LDTILECFG image of eight tiles of 16 rows x 64 bytes (the bfloat16 programs: linear.cpp's
+// dense tiles, quant.cpp's dequantized ones).
+struct alignas(64) TileShapes {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
 #endif
