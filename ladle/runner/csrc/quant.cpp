@@ -1036,19 +1036,20 @@ struct alignas(64) AmxConfig {
 std::atomic<bool> g_amx_on{true};  // set_quant_amx: tests and benchmarks compare both paths
 bool amx_active() { return g_amx_on.load(std::memory_order_relaxed) && amx_permitted(); }
 
-// Act::qt: q (M, K) as A tiles, 16 rows x 32 bytes each, by sixteen of rows then sub-block, a
-// last partial sixteen padded with zero rows.
-void tile_activations(const int8_t* q, int64_t M, int64_t K, int8_t* qt) {
+// x (M, K) as A tiles, 16 rows x 32 values each (int8, Act::qt: 32 bytes; bfloat16 for
+// bf16_group: 64), by sixteen of rows then sub-block, a last partial sixteen padded with zero rows.
+template <typename T>
+void tile_activations(const T* x, int64_t M, int64_t K, T* xt) {
   const int64_t nsub = K / 32, sixteens = (M + 15) / 16;
   at::parallel_for(0, sixteens * nsub, grain_for(512 * kElementWork), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; t++) {
       const int64_t r0 = t / nsub * 16;
-      const int8_t* src = q + r0 * K + (t % nsub) * 32;
-      for (int r = 0; r < 16; r++)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qt + t * 512 + r * 32),
-                            r0 + r < M ? _mm256_loadu_si256(
-                                             reinterpret_cast<const __m256i*>(src + r * K))
-                                       : _mm256_setzero_si256());
+      const T* src = x + r0 * K + (t % nsub) * 32;
+      for (int r = 0; r < 16; r++) {
+        T* dst = xt + t * 512 + r * 32;
+        if (r0 + r < M) std::memcpy(dst, src + r * K, 32 * sizeof(T));
+        else std::memset(dst, 0, 32 * sizeof(T));
+      }
     }
   });
 }
@@ -1328,21 +1329,6 @@ constexpr int64_t kBf16GemmBytes = 64 << 20;
 // before the GEMM took them: 60.5 ms; in chunks 44.7; 512 rows unchanged at 10.8).
 constexpr int64_t kBf16ChunkBytes = 1 << 20;
 
-
-// x (M, K) bfloat16 as A tiles: by sixteen of rows then sub-block of 32, 16 rows x 64 bytes
-// each, a last partial sixteen padded with zero rows.
-void bf16_tile_activations(const at::BFloat16* x, int64_t M, int64_t K, at::BFloat16* xt) {
-  const int64_t nsub = K / 32, sixteens = (M + 15) / 16;
-  at::parallel_for(0, sixteens * nsub, grain_for(512 * kElementWork), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++) {
-      const int64_t r0 = t / nsub * 16;
-      const at::BFloat16* src = x + r0 * K + (t % nsub) * 32;
-      for (int r = 0; r < 16; r++)
-        _mm512_storeu_si512(xt + t * 512 + r * 32,
-                            r0 + r < M ? _mm512_loadu_si512(src + r * K) : _mm512_setzero_si512());
-    }
-  });
-}
 
 // The weights as bfloat16 B tiles (16 rows of a pair of K values x 16 outputs: row p holds
 // values 2p, 2p + 1 of each output), 512 values per sub-block of 32. A repacked slot t holds
@@ -2048,7 +2034,7 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
       return;
     }
     auto xt = at::empty({(M + 15) / 16 * 16 * K}, x.options());
-    bf16_tile_activations(x.data_ptr<at::BFloat16>(), M, K, xt.data_ptr<at::BFloat16>());
+    tile_activations(x.data_ptr<at::BFloat16>(), M, K, xt.data_ptr<at::BFloat16>());
     std::vector<std::pair<size_t, int64_t>> units;  // (part, first group of two)
     for (size_t j = 0; j < parts.size(); j++)
       for (int64_t g = 0; g < parts[j].rows / kR16Rows; g += 2) units.emplace_back(j, g);
