@@ -1433,10 +1433,21 @@ inline void bf16_block(const uint8_t* b, uint16_t* out) {
 // time on 4 C tiles summed over all of K, stored with the int8 rows' scales and rounded to T
 // once. (Dequantizing spans of 16 or 32 sub-blocks at a time, so the B tiles stay in L1, was
 // 2-5% slower: the C tiles' stores and reloads between spans cost more than L2 reads.)
+// While the tiles run, the weight bytes this thread dequantizes next (`next`, `next_bytes`; none
+// for its last unit) are prefetched to L2, spread over the tile loop's steps: the dequantization
+// then reads them from L2 instead of waiting on memory with the tile unit idle. A 0.6B model's
+// 28 layers of four linears (the weights stream from memory, as in a model, not from L3 as in
+// one layer's loop), ms, without / with this prefetch (dense bfloat16 on torch): Q8_0 64 rows
+// 81.1 / 56.7 (63.0), 128 rows 115.4 / 85.0-92.9 (97-103), 512 rows 316 / 288 (265); Q4_K,
+// whose dequantization waits less, 128 rows 88.3 / 85.1.
 template <int TYPE, typename T>
 void bf16_group(const Part& p, int64_t g0, int ng, const at::BFloat16* xt, int64_t M,
-                int64_t K, T* y, int64_t ldy) {
+                int64_t K, T* y, int64_t ldy, const uint8_t* next, int64_t next_bytes) {
   const int64_t nsub = K / 32, sixteens = (M + 15) / 16;
+  // Cache lines of `next` per step of the tile loop ((sixteens + 1) / 2 x nsub steps).
+  const int64_t steps = (sixteens + 1) / 2 * nsub;
+  const int64_t per_step = (next_bytes / 64 + steps - 1) / steps;
+  int64_t pf = 0;
   thread_local std::vector<uint16_t> buf;  // B tiles, [group][sub-block] x 512
   buf.resize(size_t(2 * nsub * 512));
   const uint16_t* wb[2] = {buf.data(), buf.data() + (ng - 1) * nsub * 512};
@@ -1458,6 +1469,8 @@ void bf16_group(const Part& p, int64_t g0, int ng, const at::BFloat16* xt, int64
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t sb = 0; sb < nsub; sb++) {  // tiles: C 0-3, A 4-5, B 6-7 (literal numbers)
+      for (int64_t e = 0; e < per_step && pf < next_bytes; e++, pf += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next) + pf, _MM_HINT_T1);
       _tile_loadd(4, a0 + sb * 512, 64);
       _tile_loadd(6, wb[0] + sb * 512, 64);
       _tile_dpbf16ps(0, 4, 6);
@@ -2049,15 +2062,25 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
         at::parallel_for(0, int64_t(units.size()), 1, [&](int64_t i0, int64_t i1) {
           static const TileShapes config;  // (vec.h) C 0-3, A 4-5, B 6-7
           _tile_loadconfig(&config);
+          // unit i's weight bytes: its ng groups of kR16Rows rows, one after the other
+          auto unit_bytes = [&](int64_t i, int& ng) {
+            const Part& p = parts[units[i].first];
+            ng = int(std::min<int64_t>(2, p.rows / kR16Rows - units[i].second));
+            return std::make_pair(p.w + units[i].second * kR16Rows * p.row_bytes,
+                                  ng * kR16Rows * p.row_bytes);
+          };
           for (int64_t i = i0; i < i1; i++) {
             const Part& p = parts[units[i].first];
             const int64_t g = units[i].second;
-            const int ng = int(std::min<int64_t>(2, p.rows / kR16Rows - g));
+            int ng, ng_next;
+            unit_bytes(i, ng);
+            const auto [nx, nb] = i + 1 < i1 ? unit_bytes(i + 1, ng_next)
+                                             : std::make_pair(static_cast<const uint8_t*>(nullptr), int64_t(0));
             switch (p.type) {
-              case kQ4KR: bf16_group<kQ4KR>(p, g, ng, a, mc, K, yp, ldy); break;
-              case kQ6KR: bf16_group<kQ6KR>(p, g, ng, a, mc, K, yp, ldy); break;
-              case kQ8R: bf16_group<kQ8R>(p, g, ng, a, mc, K, yp, ldy); break;
-              default: bf16_group<kI8R>(p, g, ng, a, mc, K, yp, ldy); break;
+              case kQ4KR: bf16_group<kQ4KR>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
+              case kQ6KR: bf16_group<kQ6KR>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
+              case kQ8R: bf16_group<kQ8R>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
+              default: bf16_group<kI8R>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
             }
           }
           _tile_release();
