@@ -424,15 +424,19 @@ def cpu_has(flag: str) -> bool:
 
 needs_bf16_tiles = pytest.mark.skipif(
     kernels is None or not hasattr(kernels, "quant_bf16_min_rows")
-    or kernels.quant_bf16_min_rows() == 0, reason="no AMX-BF16 here (or no kernels)")
+    or kernels.quant_bf16_min_rows(Q.Q8_0_R16) == 0, reason="no AMX-BF16 here (or no kernels)")
 
 
 @needs_kernels
 def test_bf16_tiles_run_where_the_cpu_has_them():
-    """An AVX-512 build on a CPU with AMX-BF16 and AMX-INT8 takes the dequantizing prefill
-    (so the tests below cannot skip there unnoticed); elsewhere it says it never does."""
+    """An AVX-512 build on a CPU with AMX-BF16 and AMX-INT8 takes the dequantizing path for
+    every repacked type (so the tests below cannot skip there unnoticed), from 8 to 20 rows by
+    type; elsewhere it says it never does. Types that are not repacked never take it."""
     want = kernels.quant_r16() and cpu_has("amx_bf16") and cpu_has("amx_int8")
-    assert (kernels.quant_bf16_min_rows() == 32) == want
+    for kind in R16_KINDS:
+        rows = kernels.quant_bf16_min_rows(Q.R16_OF[kind])
+        assert (8 <= rows <= 20) if want else rows == 0, (kind, rows)
+    assert kernels.quant_bf16_min_rows(Q.Q4_0) == 0
     if want:
         assert "amx-bf16" in kernels.quant_isa()
 
@@ -440,19 +444,19 @@ def test_bf16_tiles_run_where_the_cpu_has_them():
 @needs_bf16_tiles
 @pytest.mark.parametrize("kind", R16_KINDS, ids=R16_ID)
 def test_bf16_tiles_compute_the_bf16_weights_product(kind):
-    """From 32 bfloat16 rows outside batch-invariant mode, repacked parts (Q4_K, Q6_K, Q8_0,
-    int8 rows) run dequantized on AMX-BF16: each output equals the float64 product of the
+    """From quant_bf16_min_rows(type) bfloat16 rows outside batch-invariant mode, repacked
+    parts (Q4_K, Q6_K, Q8_0, int8 rows) run dequantized on AMX-BF16: each output equals the float64 product of the
     activations as given and the weights rounded to bfloat16 (bf16 of the dequantized weight;
     int8 rows: q, then the row scale) within 1e-6 of the sum of |products| (float32 sums: no
     room for a misplaced value, sub-block scale or min), every column written once (out starts
     as NaN), odd and even group counts, a partial last sixteen of rows, two parts into their
-    columns. Below 32 rows, in batch-invariant mode, and beside a part that is not repacked,
+    columns. One row fewer, in batch-invariant mode, and beside a part that is not repacked,
     the call keeps the integer path's bits."""
     g = torch.Generator().manual_seed(31 + kind)
-    min_rows = kernels.quant_bf16_min_rows()
-    # (200 rows at K 3072: two chunks of rows, 160 and 40)
-    for m, ns, k in [(32, [16], 256), (37, [48], 1024), (64, [32, 16], 768),
-                     (200, [80], 3072)]:
+    min_rows = kernels.quant_bf16_min_rows(Q.R16_OF[kind])
+    # (from the fewest rows, a partial sixteen; 200 rows at K 3072: two chunks, 160 and 40)
+    for m, ns, k in [(min_rows, [16], 256), (32, [16], 256), (37, [48], 1024),
+                     (64, [32, 16], 768), (200, [80], 3072)]:
         w = Q.QuantWeight([repacked(r16_weight(kind, n, k, g)) for n in ns], k, torch.bfloat16)
         x = torch.randn(m, k, generator=g).bfloat16()
         x[5] = 0  # an all-zero row
@@ -486,7 +490,8 @@ def test_bf16_tiles_compute_the_bf16_weights_product(kind):
 @needs_bf16_tiles
 def test_bf16_tiles_take_a_q4_k_m_fused_weight():
     """A Q4_K_M file's fused q|k|v or gate|up mixes Q4_K and Q6_K parts: one call, each part's
-    columns its own bf16-weights product."""
+    columns its own bf16-weights product; the call takes that path from the larger of its
+    types' row counts (below it, Q6_K alone would, the mixed call keeps the integer path)."""
     g = torch.Generator().manual_seed(41)
     k = 512
     parts = [r16_weight(Q.Q4_K, 32, k, g), r16_weight(Q.Q6_K, 16, k, g),
@@ -497,6 +502,17 @@ def test_bf16_tiles_take_a_q4_k_m_fused_weight():
     kernels.quant_matmul(x, *w._kernel_args, y, False)
     bound = x.double().abs() @ w.dequantize().double().abs().T
     assert ((y.double() - Q.bf16_tiles_reference(x, w)).abs() / bound).max() < 1e-6
+    q4k, q6k = (kernels.quant_bf16_min_rows(Q.R16_OF[t]) for t in (Q.Q4_K, Q.Q6_K))
+    assert q6k < q4k
+    x = x[:q4k - 1]
+    with batch_invariant_mode():
+        integer = Q.quant_linear(x, w)
+    assert torch.equal(Q.quant_linear(x, w), integer)
+    alone = Q.QuantWeight([w.parts[1]], k, torch.bfloat16)  # the Q6_K part by itself
+    y = Q.quant_linear(x, alone).double()
+    ref = Q.bf16_tiles_reference(x, alone)
+    assert ((y - ref).abs() <= 2**-7 * ref.abs() + 1e-6 * (x.double().abs() @ alone.dequantize().double().abs().T)).all()
+    assert not torch.equal(y.bfloat16(), integer[:, 32:48])
 
 
 @needs_bf16_tiles
@@ -508,7 +524,7 @@ def test_bf16_gemm_for_long_prefills(kind):
     more than one chunk of 1024 output rows, two parts into their columns, every column written
     once."""
     rows = kernels.quant_bf16_gemm_rows()
-    assert rows >= kernels.quant_bf16_min_rows()
+    assert rows >= kernels.quant_bf16_min_rows(Q.R16_OF[kind])
     g = torch.Generator().manual_seed(51 + kind)
     for m, ns, k in [(rows, [48], 512), (rows + 3, [1040, 32], 256)]:
         w = Q.QuantWeight([repacked(r16_weight(kind, n, k, g)) for n in ns], k, torch.bfloat16)

@@ -30,8 +30,8 @@
 // that layout (r16_rows) for every row count. Tiles, panels and repacked rows sum every row in one order
 // (see the tiles), so a row's result does not depend on the rows beside it: these paths are
 // batch-invariant in every mode. The one exception, on AMX-BF16 CPUs outside batch-invariant
-// mode: calls of kBf16MinRows bfloat16 rows or more of repacked parts run dequantized on the
-// tile unit or torch's GEMM (bf16_group), a different product.
+// mode: calls of enough bfloat16 rows (bf16_min_rows: 8 to 20 by type) of repacked parts run
+// dequantized on the tile unit or torch's GEMM (bf16_group), a different product.
 #include "quant.h"
 #include "kernels.h"
 #include "moe.h"
@@ -1293,8 +1293,8 @@ void amx_q6k_rows(const uint8_t* g, const uint8_t* wb, const Act& a, int64_t m0,
 
 #if defined(LADLE_QUANT_AMX) && defined(__AMX_BF16__)
 #define LADLE_QUANT_BF16 1
-// Prefill of repacked parts (Q4_K, Q6_K, Q8_0, int8 rows) on AMX-BF16, outside batch-invariant
-// mode, from kBf16MinRows rows of bfloat16 activations, when every part of the call is
+// Prefill and batched decode of repacked parts (Q4_K, Q6_K, Q8_0, int8 rows) on AMX-BF16, outside batch-invariant
+// mode, from bf16_min_rows (below) of bfloat16 activations, when every part of the call is
 // repacked. The int8 program above pays per-32 float steps for every activation row, output
 // and sub-block: the activations' block scales differ per row, so no sub-block's integers can
 // be summed with the next's, and on this tile unit those float steps cost as much as the
@@ -1305,7 +1305,7 @@ void amx_q6k_rows(const uint8_t* g, const uint8_t* wb, const Act& a, int64_t m0,
 // all of K in float, as the dense bfloat16 kernel's do: no float steps per sub-block, no
 // activation quantization. Numerically this is the dequantized weight times the unquantized
 // activation (closer to the float model than the int8 path), so a row's value depends on
-// whether its call had kBf16MinRows rows, as dense bfloat16 linears' do on torch's GEMM;
+// whether its call had that many rows, as dense bfloat16 linears' do on torch's GEMM;
 // batch-invariant mode keeps the integer path for every row count.
 // A 0.6B layer's four linears, 2 threads, ms, these tiles / the integer path / dense bfloat16
 // weights on AMX-BF16, at 32, 64 and 128 rows: Q8_0 1.08 / 1.30 / 0.89, 1.51 / 2.19 / 1.31,
@@ -1314,7 +1314,17 @@ void amx_q6k_rows(const uint8_t* g, const uint8_t* wb, const Act& a, int64_t m0,
 // 3.81 / 1.96, 3.97 / 6.90 / 3.36. What stays above dense bfloat16 is the dequantization
 // (Q8_0: ~19 vector instructions per 64 weights per call), which the tile unit does not
 // overlap. 0.6B TTFT of 128 tokens: Q8_0 187 -> 134 ms, int8 165 -> 127 ms (bfloat16 122).
-constexpr int64_t kBf16MinRows = 32;
+//
+// From how many rows a call takes this path: the largest of its parts' bf16_min_rows. Below
+// it, the integer path's fixed cost per weight (none: it reads each weight once for all rows)
+// beats the dequantization; above it, the integer path's cost per row wins over it. Measured
+// on all 28 layers of the 0.6B (weights from memory, as a batched decode step reads them),
+// ms, these tiles / the integer path: Q8_0 8 rows 52.5 / 36.1, 16 50.5 / 48.4, 20 58.1 /
+// 59.0, 24 57.8 / 66.6, 31 59.4 / 77.9; Q4_K 8 40.8 / 30.4, 16 39.2 / 38.9, 20 41.5 / 46.0,
+// 31 47.6 / 73.8; Q6_K (20 layers) 8 31.8 / 33.6, 16 31.3 / 41.0, 31 34.6 / 82.5.
+constexpr int64_t bf16_min_rows(int type) {
+  return type == kQ6KR ? 8 : type == kQ4KR ? 16 : 20;  // Q8_0, int8 rows: 20
+}
 // From this many rows the dequantized weights go to torch's GEMM (oneDNN: AMX-BF16 with its own
 // blocking of M) instead of the tile program above, as one bfloat16 weight of up to
 // kBf16GemmBytes per GEMM (more rows: chunks of that many bytes; chunks of 1024 rows ran the
@@ -2000,8 +2010,10 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
   if (M == 0 || tiles == 0) return;
   const int64_t ldy = y.stride(0);
 #if defined(LADLE_QUANT_BF16)
-  if (!invariant && M >= kBf16MinRows && x.scalar_type() == at::kBFloat16 && amx_active() &&
-      std::all_of(parts.begin(), parts.end(), [](const Part& p) { return is_r16(p.type); })) {
+  if (!invariant && x.scalar_type() == at::kBFloat16 && amx_active() &&
+      std::all_of(parts.begin(), parts.end(), [M](const Part& p) {
+        return is_r16(p.type) && M >= bf16_min_rows(p.type);
+      })) {
     if (M >= kBf16GemmRows && std::all_of(parts.begin(), parts.end(), [](const Part& p) {
           return p.col % kR16Rows == 0;
         })) {
@@ -2336,10 +2348,11 @@ void dequantize_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, a
 
 bool quant_r16() { return kHasR16; }
 
-int64_t quant_bf16_min_rows() {
+int64_t quant_bf16_min_rows(int64_t type) {
 #if defined(LADLE_QUANT_BF16)
-  return amx_active() ? kBf16MinRows : 0;
+  return amx_active() && is_r16(int(type)) ? bf16_min_rows(int(type)) : 0;
 #else
+  (void)type;
   return 0;
 #endif
 }
