@@ -306,25 +306,43 @@ at::Tensor silu_mul(at::Tensor x) {
 }
 
 // gelu(gate) * up per row, rounded as torch rounds it: gelu to T, then the product to T.
-// tanh_approx: HF's gelu_pytorch_tanh, 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))); else the
-// exact 0.5 g (1 + erf(g / sqrt(2))). One scalar loop per row (std::tanh / std::erf in float),
-// so every element is computed the same way wherever its row sits in the batch (torch's
-// elementwise ops split the flat tensor across threads, and an element that falls in a chunk's
-// tail takes a scalar path that can round differently from the vector one).
+// tanh_approx: HF's gelu_pytorch_tanh, 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), computed
+// as the equal g / (1 + exp(-2 sqrt(2/pi) (g + 0.044715 g^3))) (0.5 (1 + tanh u) is the
+// logistic function of 2u): the vector exp of silu_mul, 16 at a time, where std::tanh per
+// element (two libm calls) took a third of Gemma 3 270M's prefill. Else the exact
+// 0.5 g (1 + erf(g / sqrt(2))), std::erf per element. Every element of a column is computed the
+// same way wherever its row sits in the batch (torch's elementwise ops split the flat tensor
+// across threads, and an element that falls in a chunk's tail takes a scalar path that can
+// round differently from the vector one).
 template <typename T>
 static void gelu_mul_kernel(const T* x, T* out, int64_t R, int64_t I, int64_t ldx,
                             bool tanh_approx) {
   at::parallel_for(0, R, grain_for(kElementWork * I), [&](int64_t begin, int64_t end) {
-    constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+    constexpr float kBeta2 = 2 * 0.7978845608028654f;  // 2 sqrt(2 / pi)
+    constexpr float kCube = 0.044715f;
     constexpr float kInvSqrt2 = 0.7071067811865476f;
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = x + r * ldx;
       const T* up = gate + I;
       T* o = out + r * I;
-      for (int64_t i = 0; i < I; ++i) {
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      if (tanh_approx) {
+        for (; i + 16 <= I; i += 16) {
+          const __m512 g = load16(gate + i);
+          const __m512 u = _mm512_mul_ps(
+              _mm512_fmadd_ps(_mm512_mul_ps(_mm512_mul_ps(g, g), g), _mm512_set1_ps(kCube), g),
+              _mm512_set1_ps(-kBeta2));
+          const __m512 ge = round_to(
+              _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(u))), o);
+          store16(o + i, round_to(_mm512_mul_ps(ge, load16(up + i)), o));
+        }
+      }
+#endif
+      for (; i < I; ++i) {
         const float g = to_f(gate[i]);
         const float ge = tanh_approx
-                             ? 0.5f * g * (1.f + std::tanh(kBeta * (g + 0.044715f * g * g * g)))
+                             ? g / (1.f + std::exp(-kBeta2 * std::fma(g * g * g, kCube, g)))
                              : 0.5f * g * (1.f + std::erf(g * kInvSqrt2));
         o[i] = static_cast<T>(to_f(static_cast<T>(ge)) * to_f(up[i]));
       }
