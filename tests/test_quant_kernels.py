@@ -219,6 +219,7 @@ needs_r16 = pytest.mark.skipif(kernels is None or not hasattr(kernels, "quant_r1
                                or not kernels.quant_r16(),
                                reason="this build does not run repacked blocks (AVX-512 VNNI)")
 R16_KINDS = sorted(Q.R16_OF)
+BF16_KINDS = R16_KINDS + [Q.Q4_0, Q.Q5_0]  # what AMX-BF16 takes dequantized (test_bf16_tiles_*)
 R16_ID = {Q.INT8_ROW: "int8", **Q.BLOCK_TYPES}.get
 
 
@@ -230,14 +231,17 @@ def r16_weight(kind: int, rows: int, k: int, g: torch.Generator) -> Q.QuantPart:
 
 
 def repacked(p: Q.QuantPart) -> Q.QuantPart:
+    """Repacked by 16 rows as the loader does on VNNI builds; Q4_0 and Q5_0 stay as they are."""
+    if p.kind not in Q.R16_OF:
+        return p
     return Q.QuantPart(Q.R16_OF[p.kind], Q.repack_r16(p.data, p.kind), p.scale)
 
 
 @contextlib.contextmanager
 def batch_invariant_mode():
-    """`--batch-invariant` for the block: repacked parts keep the integer path
-    at every row count (outside it, calls of 32 bfloat16 rows or more run on AMX-BF16 where
-    the CPU has it: test_bf16_tiles_*)."""
+    """`--batch-invariant` for the block: quantized parts keep the integer path at every row
+    count (outside it, calls of enough bfloat16 rows run on AMX-BF16 where the CPU has it:
+    test_bf16_tiles_*)."""
     was = cpu_kernels.batch_invariant()
     cpu_kernels.set_batch_invariant(True)
     try:
@@ -431,21 +435,24 @@ needs_bf16_tiles = pytest.mark.skipif(
 def test_bf16_tiles_run_where_the_cpu_has_them():
     """An AVX-512 build on a CPU with AMX-BF16 and AMX-INT8 takes the dequantizing path for
     every repacked type (so the tests below cannot skip there unnoticed), from 8 to 20 rows by
-    type; elsewhere it says it never does. Types that are not repacked never take it."""
+    type, and Q4_0 and Q5_0 from their panels; elsewhere it says it never does. Other types
+    that are not repacked never take it."""
     want = kernels.quant_r16() and cpu_has("amx_bf16") and cpu_has("amx_int8")
-    for kind in R16_KINDS:
-        rows = kernels.quant_bf16_min_rows(Q.R16_OF[kind])
+    for kind in BF16_KINDS:
+        rows = kernels.quant_bf16_min_rows(Q.R16_OF.get(kind, kind))
         assert (8 <= rows <= 20) if want else rows == 0, (kind, rows)
-    assert kernels.quant_bf16_min_rows(Q.Q4_0) == 0
+    for kind in (Q.Q8_0, Q.Q4_K, Q.MXFP4):  # as stored, not repacked
+        assert kernels.quant_bf16_min_rows(kind) == 0
     if want:
         assert "amx-bf16" in kernels.quant_isa()
 
 
 @needs_bf16_tiles
-@pytest.mark.parametrize("kind", R16_KINDS, ids=R16_ID)
+@pytest.mark.parametrize("kind", BF16_KINDS, ids=R16_ID)
 def test_bf16_tiles_compute_the_bf16_weights_product(kind):
     """From quant_bf16_min_rows(type) bfloat16 rows outside batch-invariant mode, repacked
-    parts (Q4_K, Q6_K, Q8_0, int8 rows) run dequantized on AMX-BF16: each output equals the float64 product of the
+    parts (Q4_K, Q6_K, Q8_0, int8 rows) and Q4_0 and Q5_0 parts of whole sixteens of rows run
+    dequantized on AMX-BF16: each output equals the float64 product of the
     activations as given and the weights rounded to bfloat16 (bf16 of the dequantized weight;
     int8 rows: q, then the row scale) within 1e-6 of the sum of |products| (float32 sums: no
     room for a misplaced value, sub-block scale or min), every column written once (out starts
@@ -453,7 +460,7 @@ def test_bf16_tiles_compute_the_bf16_weights_product(kind):
     columns. One row fewer, in batch-invariant mode, and beside a part that is not repacked,
     the call keeps the integer path's bits."""
     g = torch.Generator().manual_seed(31 + kind)
-    min_rows = kernels.quant_bf16_min_rows(Q.R16_OF[kind])
+    min_rows = kernels.quant_bf16_min_rows(Q.R16_OF.get(kind, kind))
     # (from the fewest rows, a partial sixteen; 200 rows at K 3072: two chunks, 160 and 40)
     for m, ns, k in [(min_rows, [16], 256), (32, [16], 256), (37, [48], 1024),
                      (64, [32, 16], 768), (200, [80], 3072)]:
@@ -477,9 +484,9 @@ def test_bf16_tiles_compute_the_bf16_weights_product(kind):
             assert torch.equal(Q.quant_linear(x, w), integer.bfloat16())
         short = x[:min_rows - 1]
         assert torch.equal(Q.quant_linear(short, w), integer[:min_rows - 1].bfloat16())
-    # beside a Q4_0 part the whole call stays on the integer path
+    # beside a part that cannot (Q4_0 rows not a whole sixteen) the call keeps the integer path
     k = 512
-    parts = [r16_weight(kind, 32, k, g), Q.QuantPart(Q.Q4_0, random_blocks(Q.Q4_0, 16, k, g))]
+    parts = [r16_weight(kind, 32, k, g), Q.QuantPart(Q.Q4_0, random_blocks(Q.Q4_0, 24, k, g))]
     w = Q.QuantWeight([repacked(parts[0]), parts[1]], k, torch.bfloat16)
     x = torch.randn(40, k, generator=g).bfloat16()
     with batch_invariant_mode():

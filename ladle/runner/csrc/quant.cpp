@@ -46,6 +46,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <type_traits>
 
@@ -71,6 +72,8 @@ constexpr int kQ4KR = -3, kQ6KR = -4, kQ8R = -5, kI8R = -6;
 inline bool is_r16(int type) {
   return type == kQ4KR || type == kQ6KR || type == kQ8R || type == kI8R;
 }
+// Types not repacked whose 16-row panels can also become bfloat16 B tiles (bf16_group).
+constexpr bool bf16_panel_type(int type) { return type == kQ4_0 || type == kQ5_0; }
 inline int r16_base(int type) { return type == kQ4KR ? kQ4_K : type == kQ6KR ? kQ6_K : kQ8_0; }
 
 // f(std::integral_constant<int, TYPE>{}) for a kernel type (checked by the caller): the one
@@ -1321,9 +1324,16 @@ void amx_q6k_rows(const uint8_t* g, const uint8_t* wb, const Act& a, int64_t m0,
 // on all 28 layers of the 0.6B (weights from memory, as a batched decode step reads them),
 // ms, these tiles / the integer path: Q8_0 8 rows 52.5 / 36.1, 16 50.5 / 48.4, 20 58.1 /
 // 59.0, 24 57.8 / 66.6, 31 59.4 / 77.9; Q4_K 8 40.8 / 30.4, 16 39.2 / 38.9, 20 41.5 / 46.0,
-// 31 47.6 / 73.8; Q6_K (20 layers) 8 31.8 / 33.6, 16 31.3 / 41.0, 31 34.6 / 82.5.
+// 31 47.6 / 73.8; Q6_K (20 layers) 8 31.8 / 33.6, 16 31.3 / 41.0, 31 34.6 / 82.5; Q5_0 (its
+// panels) 4 51.9 / 31.9, 8 55.9 / 58.3, 16 57.0 / 72.9, 128 104.8 / 246.5; Q4_0 8 51.5 / 48.6,
+// 12 52.4 / 59.9, 128 105.3 / 242.4.
 constexpr int64_t bf16_min_rows(int type) {
-  return type == kQ6KR ? 8 : type == kQ4KR ? 16 : 20;  // Q8_0, int8 rows: 20
+  switch (type) {
+    case kQ6KR: case kQ5_0: return 8;
+    case kQ4_0: return 12;
+    case kQ4KR: return 16;
+    default: return 20;  // Q8_0, int8 rows
+  }
 }
 // From this many rows the dequantized weights go to torch's GEMM (oneDNN: AMX-BF16 with its own
 // blocking of M) instead of the tile program above, as one bfloat16 weight of up to
@@ -1381,6 +1391,23 @@ inline __m512 bf16_bytes(__m512i v, int j) {
   return _mm512_cvtepi32_ps(SIGNED ? _mm512_cvtepi8_epi32(x) : _mm512_cvtepu8_epi32(x));
 }
 
+// One sub-block of 16 outputs in the slots' layout (v: 8 slots of 64 bytes, output n's values
+// 4t .. 4t + 3 at bytes 4n .. 4n + 3 of slot t), each stored unsigned as u = w / d + bias, with
+// output n's scale d in lane n of d16: f = u d - bias d (exact in float: u and the bias have at
+// most 8 bits, d 11 for a half-precision scale), rounded once to bfloat16.
+inline void bf16_slots(const uint8_t* v, __m512 d16, float bias, uint16_t* out) {
+  __m512 d[4], c[4], f[4];
+  bf16_quarters(d16, d);
+  for (int j = 0; j < 4; j++) c[j] = _mm512_mul_ps(d[j], _mm512_set1_ps(-bias));
+  for (int t = 0; t < 8; t++) {
+    for (int j = 0; j < 4; j++) {
+      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + t * 64 + j * 16));
+      f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x)), d[j], c[j]);
+    }
+    bf16_slot(f, t, out);
+  }
+}
+
 // One repacked block of 16 rows at b (kR16Subs<TYPE> sub-blocks) into out.
 template <int TYPE>
 inline void bf16_block(const uint8_t* b, uint16_t* out) {
@@ -1392,19 +1419,10 @@ inline void bf16_block(const uint8_t* b, uint16_t* out) {
     const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm512_cvtepi32_ps(sign ? _mm512_cvtepi8_epi32(x) : _mm512_cvtepu8_epi32(x));
   };
-  if constexpr (TYPE == kQ8R || TYPE == kI8R) {  // stored u = w + 128: f = u * d - 128 d
-    const uint8_t* v = b + (TYPE == kQ8R ? 32 : 0);
-    if constexpr (TYPE == kQ8R) {
-      bf16_quarters(f16x16(b), d);
-    } else {
-      for (int j = 0; j < 4; j++) d[j] = _mm512_set1_ps(1.f);
-    }
-    for (int j = 0; j < 4; j++) c[j] = _mm512_mul_ps(d[j], _mm512_set1_ps(-128.f));
-    for (int t = 0; t < 8; t++) {
-      for (int j = 0; j < 4; j++)
-        f[j] = _mm512_fmadd_ps(bytes16(v + t * 64 + j * 16, false), d[j], c[j]);
-      bf16_slot(f, t, out);
-    }
+  if constexpr (TYPE == kQ8R) {  // stored u = w + 128
+    bf16_slots(b + 32, f16x16(b), 128.f, out);
+  } else if constexpr (TYPE == kI8R) {  // (the row scale on the sums)
+    bf16_slots(b, _mm512_set1_ps(1.f), 128.f, out);
   } else if constexpr (TYPE == kQ4KR) {  // f = (d * sc) * q - dmin * m
     const __m512 dd = f16x16(b), dmin = f16x16(b + 32);
     for (int sb = 0; sb < 8; sb++) {
@@ -1450,6 +1468,12 @@ inline void bf16_block(const uint8_t* b, uint16_t* out) {
 // one layer's loop), ms, without / with this prefetch (dense bfloat16 on torch): Q8_0 64 rows
 // 81.1 / 56.7 (63.0), 128 rows 115.4 / 85.0-92.9 (97-103), 512 rows 316 / 288 (265); Q4_K,
 // whose dequantization waits less, 128 rows 88.3 / 85.1.
+// Q4_0 and Q5_0 (not repacked at load: bf16_panel_type) take this path too, their 16 rows
+// unpacked into a panel (pack_panel: the slots' layout, u = q + bias, a scale per row and
+// sub-block) and written as B tiles by bf16_panel (below, where the panels are).
+template <int TYPE>
+void bf16_panel(const Part& p, int64_t n0, int64_t K, uint16_t* out);
+
 template <int TYPE, typename T>
 void bf16_group(const Part& p, int64_t g0, int ng, const at::BFloat16* xt, int64_t M,
                 int64_t K, T* y, int64_t ldy, const uint8_t* next, int64_t next_bytes) {
@@ -1462,9 +1486,14 @@ void bf16_group(const Part& p, int64_t g0, int ng, const at::BFloat16* xt, int64
   buf.resize(size_t(2 * nsub * 512));
   const uint16_t* wb[2] = {buf.data(), buf.data() + (ng - 1) * nsub * 512};
   for (int j = 0; j < ng; j++) {
-    const uint8_t* g = p.w + (g0 + j) * kR16Rows * p.row_bytes;
-    for (int64_t sb = 0; sb < nsub; sb += kR16Subs<TYPE>)
-      bf16_block<TYPE>(g + sb / kR16Subs<TYPE> * kR16Block<TYPE>, buf.data() + (j * nsub + sb) * 512);
+    if constexpr (bf16_panel_type(TYPE)) {
+      bf16_panel<TYPE>(p, (g0 + j) * kR16Rows, K, buf.data() + j * nsub * 512);
+      continue;
+    } else {
+      const uint8_t* g = p.w + (g0 + j) * kR16Rows * p.row_bytes;
+      for (int64_t sb = 0; sb < nsub; sb += kR16Subs<TYPE>)
+        bf16_block<TYPE>(g + sb / kR16Subs<TYPE> * kR16Block<TYPE>, buf.data() + (j * nsub + sb) * 512);
+    }
   }
   alignas(64) float c[16][16];
   auto store = [&](int j, int64_t m0) {
@@ -1780,6 +1809,20 @@ void pack_panel(const Part& p, int64_t n0, int64_t K, PanelBuffers& pb) {
   }
 }
 
+#if defined(LADLE_QUANT_BF16)
+// Rows n0 .. n0 + 15 of a Q4_0 or Q5_0 part as bf16_group's B tiles: its panel (u = q + bias,
+// the block scale per row), then each sub-block through bf16_slots.
+template <int TYPE>
+void bf16_panel(const Part& p, int64_t n0, int64_t K, uint16_t* out) {
+  thread_local std::unique_ptr<PanelBuffers> pb;
+  if (!pb || int64_t(pb->v.size()) != K / 32 * 512) pb = std::make_unique<PanelBuffers>(K);
+  pack_panel<TYPE>(p, n0, K, *pb);
+  for (int64_t sb = 0; sb < K / 32; sb++)
+    bf16_slots(pb->v.data() + sb * 512, _mm512_loadu_ps(pb->dw.data() + sb * 16),
+               float(kPanelBias<TYPE>), out + sb * 512);
+}
+#endif
+
 // out (MR x 16) = MR activation rows from m0 times the packed panel, in the tiles' order.
 template <int TYPE, int MR>
 inline void panel_rows(const PanelBuffers& pb, const Act& a, int64_t m0, float (*out)[16]) {
@@ -2012,10 +2055,11 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
 #if defined(LADLE_QUANT_BF16)
   if (!invariant && x.scalar_type() == at::kBFloat16 && amx_active() &&
       std::all_of(parts.begin(), parts.end(), [M](const Part& p) {
-        return is_r16(p.type) && M >= bf16_min_rows(p.type);
+        return (is_r16(p.type) || (bf16_panel_type(p.type) && p.rows % kR16Rows == 0)) &&
+               M >= bf16_min_rows(p.type);
       })) {
     if (M >= kBf16GemmRows && std::all_of(parts.begin(), parts.end(), [](const Part& p) {
-          return p.col % kR16Rows == 0;
+          return is_r16(p.type) && p.col % kR16Rows == 0;
         })) {
       // The call's whole weight (its parts in their columns; columns of none, which the caller
       // fills, as zero rows) in chunks of rows of about kBf16GemmBytes, each one GEMM.
@@ -2092,6 +2136,8 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
               case kQ4KR: bf16_group<kQ4KR>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               case kQ6KR: bf16_group<kQ6KR>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               case kQ8R: bf16_group<kQ8R>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
+              case kQ4_0: bf16_group<kQ4_0>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
+              case kQ5_0: bf16_group<kQ5_0>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               default: bf16_group<kI8R>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
             }
           }
@@ -2350,7 +2396,8 @@ bool quant_r16() { return kHasR16; }
 
 int64_t quant_bf16_min_rows(int64_t type) {
 #if defined(LADLE_QUANT_BF16)
-  return amx_active() && is_r16(int(type)) ? bf16_min_rows(int(type)) : 0;
+  return amx_active() && (is_r16(int(type)) || bf16_panel_type(int(type)))
+             ? bf16_min_rows(int(type)) : 0;
 #else
   (void)type;
   return 0;
