@@ -30,8 +30,8 @@
 // that layout (r16_rows) for every row count. Tiles, panels and repacked rows sum every row in one order
 // (see the tiles), so a row's result does not depend on the rows beside it: these paths are
 // batch-invariant in every mode. The one exception, on AMX-BF16 CPUs outside batch-invariant
-// mode: calls of enough bfloat16 rows (bf16_min_rows: 8 to 20 by type) of repacked parts run
-// dequantized on the tile unit or torch's GEMM (bf16_group), a different product.
+// mode: calls of enough bfloat16 rows (bf16_min_rows: 8 to 20 by type) of repacked, Q4_0 or
+// Q5_0 parts run dequantized on the tile unit or torch's GEMM (bf16_group), a different product.
 #include "quant.h"
 #include "kernels.h"
 #include "moe.h"
@@ -1296,9 +1296,9 @@ void amx_q6k_rows(const uint8_t* g, const uint8_t* wb, const Act& a, int64_t m0,
 
 #if defined(LADLE_QUANT_AMX) && defined(__AMX_BF16__)
 #define LADLE_QUANT_BF16 1
-// Prefill and batched decode of repacked parts (Q4_K, Q6_K, Q8_0, int8 rows) on AMX-BF16, outside batch-invariant
-// mode, from bf16_min_rows (below) of bfloat16 activations, when every part of the call is
-// repacked. The int8 program above pays per-32 float steps for every activation row, output
+// Prefill and batched decode of repacked parts (Q4_K, Q6_K, Q8_0, int8 rows; Q4_0 and Q5_0
+// through their panels) on AMX-BF16, outside batch-invariant mode, from bf16_min_rows (below)
+// bfloat16 activation rows, when every part of the call can. The int8 program above pays per-32 float steps for every activation row, output
 // and sub-block: the activations' block scales differ per row, so no sub-block's integers can
 // be summed with the next's, and on this tile unit those float steps cost as much as the
 // products (amx_block). Here the weights are dequantized instead, once per call for all rows:
@@ -1488,7 +1488,6 @@ void bf16_group(const Part& p, int64_t g0, int ng, const at::BFloat16* xt, int64
   for (int j = 0; j < ng; j++) {
     if constexpr (bf16_panel_type(TYPE)) {
       bf16_panel<TYPE>(p, (g0 + j) * kR16Rows, K, buf.data() + j * nsub * 512);
-      continue;
     } else {
       const uint8_t* g = p.w + (g0 + j) * kR16Rows * p.row_bytes;
       for (int64_t sb = 0; sb < nsub; sb += kR16Subs<TYPE>)
@@ -2118,20 +2117,21 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
         at::parallel_for(0, int64_t(units.size()), 1, [&](int64_t i0, int64_t i1) {
           static const TileShapes config;  // (vec.h) C 0-3, A 4-5, B 6-7
           _tile_loadconfig(&config);
-          // unit i's weight bytes: its ng groups of kR16Rows rows, one after the other
-          auto unit_bytes = [&](int64_t i, int& ng) {
-            const Part& p = parts[units[i].first];
-            ng = int(std::min<int64_t>(2, p.rows / kR16Rows - units[i].second));
-            return std::make_pair(p.w + units[i].second * kR16Rows * p.row_bytes,
-                                  ng * kR16Rows * p.row_bytes);
+          auto groups = [&](int64_t i) {  // unit i's: 2, or 1 at a part's odd end
+            return int(std::min<int64_t>(2, parts[units[i].first].rows / kR16Rows - units[i].second));
           };
           for (int64_t i = i0; i < i1; i++) {
             const Part& p = parts[units[i].first];
             const int64_t g = units[i].second;
-            int ng, ng_next;
-            unit_bytes(i, ng);
-            const auto [nx, nb] = i + 1 < i1 ? unit_bytes(i + 1, ng_next)
-                                             : std::make_pair(static_cast<const uint8_t*>(nullptr), int64_t(0));
+            const int ng = groups(i);
+            // the next unit's weight bytes (its groups' rows, one after the other)
+            const uint8_t* nx = nullptr;
+            int64_t nb = 0;
+            if (i + 1 < i1) {
+              const Part& q = parts[units[i + 1].first];
+              nx = q.w + units[i + 1].second * kR16Rows * q.row_bytes;
+              nb = groups(i + 1) * kR16Rows * q.row_bytes;
+            }
             switch (p.type) {
               case kQ4KR: bf16_group<kQ4KR>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               case kQ6KR: bf16_group<kQ6KR>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
