@@ -457,8 +457,8 @@ def test_bf16_tiles_compute_the_bf16_weights_product(kind):
     int8 rows: q, then the row scale) within 1e-6 of the sum of |products| (float32 sums: no
     room for a misplaced value, sub-block scale or min), every column written once (out starts
     as NaN), odd and even group counts, a partial last sixteen of rows, two parts into their
-    columns. One row fewer, in batch-invariant mode, and beside a part that is not repacked,
-    the call keeps the integer path's bits."""
+    columns. One row fewer, in batch-invariant mode, and beside a part that cannot take it, the
+    call keeps the integer path's bits."""
     g = torch.Generator().manual_seed(31 + kind)
     min_rows = kernels.quant_bf16_min_rows(Q.R16_OF.get(kind, kind))
     # (from the fewest rows, a partial sixteen; 200 rows at K 3072: two chunks, 160 and 40)

@@ -265,11 +265,11 @@ def linear_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 
 
 def bf16_tiles_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
-    """float64: what the kernel computes on AMX-BF16 for repacked parts (a call of
-    `quant_bf16_min_rows(type)` rows or more of bfloat16 activations, every part repacked or
-    Q4_0/Q5_0 of whole sixteens of rows, outside batch-invariant mode): the activations as given times the dequantized weights rounded to
-    bfloat16 (each formed exactly in float32 first; int8 rows: q exactly, the row scale applied
-    to the sum)."""
+    """float64: what the kernel computes on AMX-BF16 (a call of `quant_bf16_min_rows(type)`
+    rows or more of bfloat16 activations, every part repacked or Q4_0/Q5_0 of whole sixteens of
+    rows, outside batch-invariant mode): the activations as given times the dequantized weights
+    rounded to bfloat16 (each formed exactly in float32 first; int8 rows: q exactly, the row
+    scale applied to the sum)."""
     outs = []
     for p in w.parts:
         if R16_BASE.get(p.kind, p.kind) == INT8_ROW:

@@ -159,8 +159,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_isa", &quant_isa, "instruction set of the quantized kernels");
   m.def("quant_r16", &quant_r16, "whether quant_matmul takes types repacked by 16 rows");
   m.def("quant_bf16_min_rows", &quant_bf16_min_rows,
-        "from how many bfloat16 rows quant_matmul runs parts of this repacked type dequantized on "
-        "AMX-BF16 outside batch-invariant mode (a call of several types: the largest; 0: never, "
+        "from how many bfloat16 rows quant_matmul runs parts of this type (repacked, Q4_0, Q5_0) "
+        "dequantized on AMX-BF16 outside batch-invariant mode (a call of several types: the largest; 0: never, "
         "here)", py::arg("type"));
   m.def("quant_bf16_gemm_rows", &quant_bf16_gemm_rows,
         "from how many of those rows the dequantized weights go to torch's GEMM (0: never)");
