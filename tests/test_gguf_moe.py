@@ -304,7 +304,7 @@ def test_quantized_experts_kernel_equals_the_per_expert_loop(tmp_path, case, dty
     """One quant.cpp call per layer (moe_quant_swiglu over the stacked blocks) gives the bits of
     the per-expert loop of quantized linears, its twin; each expert's QuantWeights are views of
     the stacks (no byte held twice). Compared under batch-invariant mode: without it the loop's
-    linears run an expert of 32 or more bfloat16 rows dequantized on AMX-BF16 (where the CPU has
+    linears run an expert of enough bfloat16 rows (8-20 by type) dequantized on AMX-BF16 (where the CPU has
     it), while the fused kernel keeps the integer path at every row count."""
     tokens, (gate, up, down) = case
     types = {"blk.0.ffn_gate_exps.weight": gate, "blk.0.ffn_up_exps.weight": up,

@@ -333,7 +333,7 @@ def test_amx_tiles_give_the_vector_kernels_bits(kind, dtype):
             w = Q.QuantWeight([repacked(r16_weight(kind, n, k, g))], k, dtype)
             x = torch.randn(m, k, generator=g).to(dtype)
             x[3] = 0  # an all-zero activation row (its blocks' scale 0)
-            with batch_invariant_mode():  # the int8 tiles (AMX-BF16 from 32 rows otherwise)
+            with batch_invariant_mode():  # the int8 tiles (AMX-BF16 from 8-20 rows otherwise)
                 amx = Q.quant_linear(x, w)
                 assert not kernels.set_quant_amx(False)
                 vector = Q.quant_linear(x, w)
@@ -397,8 +397,8 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind, dtype):
     tile of 2 or 4 rows, a remainder row, or (12 rows and more on AVX-512 VNNI builds) a panel,
     so a token's result is bit-identical alone, in a batch of any size, or at any position of a
     prefill (float32 shows every bit: a K-quant row alone once summed its super-block before
-    d, and panels took their bias off in float). With no flag, except repacked parts in
-    bfloat16 from 32 rows on AMX-BF16 CPUs (test_bf16_tiles_*): so under
+    d, and panels took their bias off in float). With no flag, except repacked, Q4_0 and Q5_0
+    parts in bfloat16 from 8-20 rows on AMX-BF16 CPUs (test_bf16_tiles_*): so under
     `--batch-invariant`, which holds for every kind. 21 weight rows: two tiles and a
     remainder, a panel and a remainder."""
     if kind in Q.R16_BASE and not (hasattr(kernels, "quant_r16") and kernels.quant_r16()):

@@ -25,9 +25,10 @@ How a quantized linear multiplies (ggml's scheme, for reading only; the code is 
 So a kernel's result equals, up to float32 rounding, the float64 product of the dequantized
 weights with the quantized-then-dequantized activations: `linear_reference` below, which the
 tests compare the kernels with. One exception, on CPUs with AMX-BF16 outside batch-invariant
-mode: a call of 32 or more bfloat16 rows whose parts are all repacked (Q4_K, Q6_K, Q8_0,
-INT8_ROW) dequantizes the weights to bfloat16 tiles instead and multiplies the activations as
-they are (prefill; `bf16_tiles_reference`).
+mode: a call of enough bfloat16 rows (`quant_bf16_min_rows(type)`, 8-20 by type) whose parts
+are all repacked (Q4_K, Q6_K, Q8_0, INT8_ROW) or Q4_0/Q5_0 of whole sixteens of rows dequantizes
+the weights to bfloat16 tiles instead and multiplies the activations as they are (prefill,
+decode batches; `bf16_tiles_reference`).
 
 The twins (`_linear_torch`, `_rows_torch`) run where the kernels do not: on other devices,
 without a compiler, or with LADLE_DISABLE_CPU_KERNELS=1. They quantize the activations the same

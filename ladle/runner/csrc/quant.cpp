@@ -2428,7 +2428,7 @@ std::string quant_isa() {
     return "avx512-vnni (256-bit tiles, 512-bit panels from 12 rows, Q4_K/Q6_K/Q8_0 repacked) "
            "+ amx-int8 (repacked parts, 16 rows at a time)"
 #if defined(LADLE_QUANT_BF16)
-           " + amx-bf16 (repacked parts dequantized, from 32 rows)"
+           " + amx-bf16 (repacked, Q4_0, Q5_0 parts dequantized, from 8-20 rows)"
 #endif
            ;
 #endif
