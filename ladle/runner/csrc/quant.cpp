@@ -942,21 +942,28 @@ inline void r16_rows(const uint8_t* g, const Act& a, int64_t m0, float (*out)[16
   // Each block prefetches the same block of the next group (the group this thread takes next)
   // into L2: a group ahead, where 4 KB ahead (the tiles' distance) left a group's compute and
   // its memory reads in turn (0.6B Q8_0 decode step, 1 row 31.1 -> 29.3 ms, 8 rows 59.4 -> 54.0;
-  // Q4_K_M 25.1 -> 24.3, 59.5 -> 57.1).
+  // Q4_K_M 25.1 -> 24.3, 59.5 -> 57.1). The prefetches are spread over the block's steps, a few
+  // lines each (Q4_K 37 lines over its 8 sub-blocks, Q6_K 53 over its 16 steps): issued all at
+  // the block's start they left the demand loads waiting behind them. One row, the 0.6B's four
+  // linears x 28 layers from memory, ms, medians of 4 alternating runs, at the start / spread:
+  // Q4_K 17.8 / 14.8 (248 MB: 17 GB/s of the 22 measured), Q6_K (20 layers) 16.9 / 17.1 (it is
+  // near its compute bound: 21 GB/s from L3).
   const int64_t ahead = nsub / (TYPE == kQ6KR ? 8 : kR16Subs<TYPE>) * kR16Block<TYPE>;
+  constexpr int64_t kLines = (kR16Block<TYPE> + 63) / 64;
   __m512 acc[MR];
   for (int m = 0; m < MR; m++) acc[m] = _mm512_setzero_ps();
   if constexpr (TYPE == kQ6KR) {
     // Per half of a block, its four sub-blocks at once: each 64 bytes is read once, in order.
     for (int64_t sb0 = 0; sb0 < nsub; sb0 += 8) {
       const uint8_t* b = g + sb0 / 8 * kR16Block<TYPE>;
-      for (int64_t off = 0; off < kR16Block<TYPE>; off += 64)  // (the next group's)
-        _mm_prefetch(reinterpret_cast<const char*>(b) + ahead + off, _MM_HINT_T1);
       for (int half = 0; half < 2; half++) {
         __m512i i[4][MR][2];
         for (int j = 0; j < 4; j++) r16_start<TYPE, MR, 2>(a, m0, sb0 + 4 * half + j, i[j]);
 #pragma GCC unroll 8
         for (int t = 0; t < 8; t++) {
+          const int s = half * 8 + t;  // (the next group's lines, spread over the 16 steps)
+          for (int64_t l = s * kLines / 16; l < (s + 1) * kLines / 16; l++)
+            _mm_prefetch(reinterpret_cast<const char*>(b) + ahead + l * 64, _MM_HINT_T1);
           __m512i v[4];
           q6k_r16_values(b, half, t, v);
           for (int j = 0; j < 4; j++) r16_dot<MR, 2>(a, m0, sb0 + 4 * half + j, t, v[j], i[j]);
@@ -969,10 +976,10 @@ inline void r16_rows(const uint8_t* g, const Act& a, int64_t m0, float (*out)[16
     constexpr int subs = kR16Subs<TYPE>;
     for (int64_t sb0 = 0; sb0 < nsub; sb0 += subs) {
       const uint8_t* b = g + sb0 / subs * kR16Block<TYPE>;
-      for (int64_t off = 0; off < kR16Block<TYPE>; off += 64)  // (the next group's)
-        _mm_prefetch(reinterpret_cast<const char*>(b) + ahead + off, _MM_HINT_T1);
 #pragma GCC unroll 8  // every j's offsets and shifts fixed at compile time
       for (int j = 0; j < subs; j++) {
+        for (int64_t l = j * kLines / subs; l < (j + 1) * kLines / subs; l++)  // (the next group's)
+          _mm_prefetch(reinterpret_cast<const char*>(b) + ahead + l * 64, _MM_HINT_T1);
         const int64_t sb = sb0 + j;
         __m512i i[MR][1];
         r16_start<TYPE, MR, 1>(a, m0, sb, i);
