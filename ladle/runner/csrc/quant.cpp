@@ -365,6 +365,29 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
+// Q4_0 and Q5_0 (in a row and in tiles): their values unsigned (q + bias: Q4_0's nibble,
+// Q5_0's nibble and high bit), so vpdpbusd takes them as they are, and bias * sum(x) comes off
+// each block's sum in integers (the activations' int16 sums per 16 values): the same integer I
+// as the signed form, in about half the instructions. One row, 28 layers of the 0.6B's four linears from
+// memory, ms, medians of 3 alternating runs, tiles of 8 rows / rows signed / rows unsigned:
+// Q5_0 26.5 / 23.8 / 21.1 (303 MB), Q4_0 19.2 / 19.3 / 17.9 (248 MB).
+template <int TYPE> constexpr bool kUnsignedRow = TYPE == kQ4_0 || TYPE == kQ5_0;
+template <int TYPE> constexpr int kRowBiasShift = TYPE == kQ4_0 ? 3 : 4;  // bias 8, 16
+template <int TYPE>
+inline __m256i block_unsigned(const uint8_t* b) {
+  if constexpr (TYPE == kQ4_0) {
+    return nibbles(b + 2);
+  } else {
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    const __m256i n = nibbles(b + 6);
+    return _mm256_mask_add_epi8(n, __mmask32(qh), n, _mm256_set1_epi8(16));
+#else
+    return _mm256_or_si256(nibbles(b + 6), bit_bytes(qh));
+#endif
+  }
+}
 // One order of summation for every quantized product here, fixed by the row alone: a row's
 // result is the same bits in a tile of any size, in a panel, or alone, so no batch needs a
 // slower path to be batch-invariant. Per sub-block of 32 values, in order:
@@ -464,7 +487,7 @@ inline __m256 block_scales(const uint8_t* const* b) {
 }
 
 // The blocks of 32 with one scale (Q8_0, Q4_0, Q5_0, MXFP4, int8 rows): signed weights go into
-// vpmaddubsw / vpdpbusd as |w| with the sign moved onto x (vpsignb).
+// vpmaddubsw / vpdpbusd as |w| with the sign moved onto x (vpsignb); Q4_0 and Q5_0 unsigned.
 template <int TYPE, int MR>
 inline void tile_blocks(const uint8_t* const* w, const Act& a, __m256* acc) {
   constexpr int64_t BB = kBlockBytes<TYPE>;
@@ -479,17 +502,29 @@ inline void tile_blocks(const uint8_t* const* w, const Act& a, __m256* acc) {
     for (int m = 0; m < MR; m++)
       xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + m * K + blk * 32));
     for (int k = 0; k < 4; k++) {
-      const __m256i q0 = block_quants<TYPE>(b[2 * k]), q1 = block_quants<TYPE>(b[2 * k + 1]);
-      const __m256i a0 = _mm256_sign_epi8(q0, q0), a1 = _mm256_sign_epi8(q1, q1);
-      for (int m = 0; m < MR; m++)
-        h[m][k] = pair_sums(dot_u8s8(a0, _mm256_sign_epi8(xv[m], q0)),
-                            dot_u8s8(a1, _mm256_sign_epi8(xv[m], q1)));
+      if constexpr (kUnsignedRow<TYPE>) {
+        const __m256i u0 = block_unsigned<TYPE>(b[2 * k]), u1 = block_unsigned<TYPE>(b[2 * k + 1]);
+        for (int m = 0; m < MR; m++)
+          h[m][k] = pair_sums(dot_u8s8(u0, xv[m]), dot_u8s8(u1, xv[m]));
+      } else {
+        const __m256i q0 = block_quants<TYPE>(b[2 * k]), q1 = block_quants<TYPE>(b[2 * k + 1]);
+        const __m256i a0 = _mm256_sign_epi8(q0, q0), a1 = _mm256_sign_epi8(q1, q1);
+        for (int m = 0; m < MR; m++)
+          h[m][k] = pair_sums(dot_u8s8(a0, _mm256_sign_epi8(xv[m], q0)),
+                              dot_u8s8(a1, _mm256_sign_epi8(xv[m], q1)));
+      }
     }
     const __m256 s = block_scales<TYPE>(b);
-    for (int m = 0; m < MR; m++)
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(row_sums(h[m])),
+    for (int m = 0; m < MR; m++) {
+      __m256i I = row_sums(h[m]);
+      if constexpr (kUnsignedRow<TYPE>) {  // - bias * sum(x) of row m's block
+        const int16_t* hx = a.h + m * (K / 16) + blk * 2;
+        I = _mm256_sub_epi32(I, _mm256_set1_epi32((int32_t(hx[0]) + hx[1]) * (1 << kRowBiasShift<TYPE>)));
+      }
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I),
                                _mm256_mul_ps(s, _mm256_broadcast_ss(a.d + m * nblocks + blk)),
                                acc[m]);
+    }
   }
 }
 
@@ -653,29 +688,6 @@ inline int32_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// Q4_0 and Q5_0 in a row: their values unsigned (q + bias: Q4_0's nibble, Q5_0's nibble and
-// high bit), so vpdpbusd takes them as they are, and bias * sum(x) comes off each block's sum
-// in integers (the activations' int16 sums per 16 values): the same integer I as the signed
-// form, in about half the instructions. One row, 28 layers of the 0.6B's four linears from
-// memory, ms, medians of 3 alternating runs, tiles of 8 rows / rows signed / rows unsigned:
-// Q5_0 26.5 / 23.8 / 21.1 (303 MB), Q4_0 19.2 / 19.3 / 17.9 (248 MB).
-template <int TYPE> constexpr bool kUnsignedRow = TYPE == kQ4_0 || TYPE == kQ5_0;
-template <int TYPE> constexpr int kRowBiasShift = TYPE == kQ4_0 ? 3 : 4;  // bias 8, 16
-template <int TYPE>
-inline __m256i block_unsigned(const uint8_t* b) {
-  if constexpr (TYPE == kQ4_0) {
-    return nibbles(b + 2);
-  } else {
-    uint32_t qh;
-    std::memcpy(&qh, b + 2, 4);
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-    const __m256i n = nibbles(b + 6);
-    return _mm256_mask_add_epi8(n, __mmask32(qh), n, _mm256_set1_epi8(16));
-#else
-    return _mm256_or_si256(nibbles(b + 6), bit_bytes(qh));
-#endif
-  }
-}
 // Block j's integer sum of q * x (8 lanes to add), from its values and activations x.
 template <int TYPE>
 inline __m256i block_dot(const uint8_t* b, __m256i x) {
@@ -1397,11 +1409,13 @@ void amx_q6k_rows(const uint8_t* g, const uint8_t* wb, const Act& a, int64_t m0,
 // ms, these tiles / the integer path: Q8_0 8 rows 52.5 / 36.1, 16 50.5 / 48.4, 20 58.1 /
 // 59.0, 24 57.8 / 66.6, 31 59.4 / 77.9; Q4_K 8 40.8 / 30.4, 16 39.2 / 38.9, 20 41.5 / 46.0,
 // 31 47.6 / 73.8; Q6_K (20 layers) 8 31.8 / 33.6, 16 31.3 / 41.0, 31 34.6 / 82.5; Q5_0 (its
-// panels) 4 51.9 / 31.9, 8 55.9 / 58.3, 16 57.0 / 72.9, 128 104.8 / 246.5; Q4_0 8 51.5 / 48.6,
-// 12 52.4 / 59.9, 128 105.3 / 242.4.
+// panels) 4 51.9 / 31.9, 16 57.0 / 72.9, 128 104.8 / 246.5; Q4_0 128 105.3 / 242.4. Since Q4_0
+// and Q5_0 tiles take their values unsigned: Q5_0 8 59.2 / 49.4, 9 59.0 / 59.8, 11 59.3 / 69.9,
+// 12 59.7 / 71.6; Q4_0 8 41.9 / 41.4, 12 56.9 / 65.1.
 constexpr int64_t bf16_min_rows(int type) {
   switch (type) {
-    case kQ6KR: case kQ5_0: return 8;
+    case kQ6KR: return 8;
+    case kQ5_0: return 9;
     case kQ4_0: return 12;
     case kQ4KR: return 16;
     default: return 20;  // Q8_0, int8 rows
