@@ -9,8 +9,9 @@
 // float scale (d = max|x| / 127); a weight block of 32 is unpacked in registers to 32 int8
 // values; the 32 products are summed in integers (AVX2 vpmaddubsw + vpmaddwd, or VNNI vpdpbusd),
 // converted once and scaled by d_w * d_x. vpmaddubsw multiplies unsigned by signed bytes, so the
-// signed weights of Q8_0, Q4_0, Q5_0 and MXFP4 go in as |w| with the sign moved onto x
-// (vpsignb). The K-quants' values go in unsigned (Q4_K's nibbles, Q6_K's q before its -32), their
+// signed weights of Q8_0 and MXFP4 go in as |w| with the sign moved onto x (vpsignb); Q4_0's and
+// Q5_0's go in as q + 8 and q + 16, that bias times sum(x) taken off each block's integer sum.
+// The K-quants' values go in unsigned (Q4_K's nibbles, Q6_K's q before its -32), their
 // sub-block scales multiply the integer sums in the vpmaddwd, and what the unsigned form adds
 // comes off per sub-block from the activations' sums kept beside their scales (Q6_K's offset in
 // integers, Q4_K's mins as one FMA). An int8 row is read as Q8_0 blocks with scale 1, and its row
@@ -368,9 +369,10 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 // Q4_0 and Q5_0 (in a row and in tiles): their values unsigned (q + bias: Q4_0's nibble,
 // Q5_0's nibble and high bit), so vpdpbusd takes them as they are, and bias * sum(x) comes off
 // each block's sum in integers (the activations' int16 sums per 16 values): the same integer I
-// as the signed form, in about half the instructions. One row, 28 layers of the 0.6B's four linears from
-// memory, ms, medians of 3 alternating runs, tiles of 8 rows / rows signed / rows unsigned:
-// Q5_0 26.5 / 23.8 / 21.1 (303 MB), Q4_0 19.2 / 19.3 / 17.9 (248 MB).
+// as the signed form, in about half the instructions. One row, 28 layers of the 0.6B's four
+// linears from memory, ms, medians of 3 alternating runs, tiles of 8 rows / rows signed / rows
+// unsigned: Q5_0 26.5 / 23.8 / 21.1 (303 MB), Q4_0 19.2 / 19.3 / 17.9 (248 MB). Tiles of 4
+// and 8 rows (the integer path): Q5_0 34.0 -> 29.3, 61.7 -> 49.8; Q4_0 30.8 -> 27.0, 51 -> 42.5.
 template <int TYPE> constexpr bool kUnsignedRow = TYPE == kQ4_0 || TYPE == kQ5_0;
 template <int TYPE> constexpr int kRowBiasShift = TYPE == kQ4_0 ? 3 : 4;  // bias 8, 16
 template <int TYPE>
@@ -503,7 +505,8 @@ inline void tile_blocks(const uint8_t* const* w, const Act& a, __m256* acc) {
       xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + m * K + blk * 32));
     for (int k = 0; k < 4; k++) {
       if constexpr (kUnsignedRow<TYPE>) {
-        const __m256i u0 = block_unsigned<TYPE>(b[2 * k]), u1 = block_unsigned<TYPE>(b[2 * k + 1]);
+        const __m256i u0 = block_unsigned<TYPE>(b[2 * k]);
+        const __m256i u1 = block_unsigned<TYPE>(b[2 * k + 1]);
         for (int m = 0; m < MR; m++)
           h[m][k] = pair_sums(dot_u8s8(u0, xv[m]), dot_u8s8(u1, xv[m]));
       } else {
@@ -519,7 +522,8 @@ inline void tile_blocks(const uint8_t* const* w, const Act& a, __m256* acc) {
       __m256i I = row_sums(h[m]);
       if constexpr (kUnsignedRow<TYPE>) {  // - bias * sum(x) of row m's block
         const int16_t* hx = a.h + m * (K / 16) + blk * 2;
-        I = _mm256_sub_epi32(I, _mm256_set1_epi32((int32_t(hx[0]) + hx[1]) * (1 << kRowBiasShift<TYPE>)));
+        const int32_t sum = int32_t(hx[0]) + hx[1];
+        I = _mm256_sub_epi32(I, _mm256_set1_epi32(sum * (1 << kRowBiasShift<TYPE>)));
       }
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I),
                                _mm256_mul_ps(s, _mm256_broadcast_ss(a.d + m * nblocks + blk)),
@@ -1023,8 +1027,8 @@ inline void r16_rows(const uint8_t* g, const Act& a, int64_t m0, float (*out)[16
   // lines each (Q4_K 37 lines over its 8 sub-blocks, Q6_K 53 over its 16 steps): issued all at
   // the block's start they left the demand loads waiting behind them. One row, the 0.6B's four
   // linears x 28 layers from memory, ms, medians of 4 alternating runs, at the start / spread:
-  // Q4_K 17.8 / 14.8 (248 MB: 17 GB/s of the 22 measured), Q6_K (20 layers) 16.9 / 17.1 (it is
-  // near its compute bound: 21 GB/s from L3).
+  // Q4_K 17.8 / 14.8 (248 MB: 17 GB/s of the 22 measured), Q6_K (20 layers) 16.9 / 17.1. Both
+  // run at L3's ~30 GB/s when the weights are there (4 layers), so what is left is waiting.
   const int64_t ahead = nsub / (TYPE == kQ6KR ? 8 : kR16Subs<TYPE>) * kR16Block<TYPE>;
   constexpr int64_t kLines = (kR16Block<TYPE> + 63) / 64;
   __m512 acc[MR];
