@@ -318,7 +318,9 @@ def test_amx_tiles_give_the_vector_kernels_bits(kind, dtype):
     every row, float32 and bfloat16, with one 16-row chunk and with two and a remainder, at K
     of one and of several super-blocks, and (32-value blocks) at a K of 21 blocks, which ends
     the tile program's spans short, and at 8 and 15 rows, which Q8_0 and int8 rows run on the
-    tiles as one sixteen padded with zero rows. Elsewhere AMX stays off and the call says so."""
+    tiles as one sixteen padded with zero rows; a last partial sixteen of 8 (Q6_K), 10 (Q8_0,
+    int8 rows) or 13 (Q4_K) rows or more also runs padded on the tiles (24, 29 and 31 rows).
+    Elsewhere AMX stays off and the call says so."""
     if not cpu_has_amx_int8():
         assert kernels.set_quant_amx(True) is False
         pytest.skip("this CPU has no AMX-INT8")
@@ -326,7 +328,8 @@ def test_amx_tiles_give_the_vector_kernels_bits(kind, dtype):
     assert "amx-int8" in kernels.quant_isa()
     g = torch.Generator().manual_seed(21 + kind)
     try:
-        shapes = [(16, 32, 256), (37, 48, 1024), (20, 16, 2048)]
+        shapes = [(16, 32, 256), (37, 48, 1024), (20, 16, 2048), (24, 16, 1024),
+                  (29, 48, 768), (31, 32, 512)]
         if kind in (Q.INT8_ROW, Q.Q8_0):  # and 8-15 rows, one padded sixteen (amx_small)
             shapes += [(33, 16, 672), (8, 48, 1024), (15, 32, 672)]
         for m, n, k in shapes:
@@ -415,7 +418,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind, dtype):
     x = torch.randn(rows, k, generator=g).to(dtype)
     with batch_invariant_mode():
         alone = torch.cat([Q.quant_linear(x[i:i + 1], w) for i in range(rows)])
-        for m in (2, 3, 5, 8, 11, 12, 13, 17, 40):
+        for m in (2, 3, 5, 8, 11, 12, 13, 17, 31, 40):
             assert torch.equal(Q.quant_linear(x[:m], w), alone[:m]), m
         assert torch.equal(Q.quant_linear(x[3:30], w), alone[3:30])
     assert relative_error(alone.float(), x, w) < (1e-5 if dtype == torch.float32 else 4e-3)

@@ -302,9 +302,12 @@ struct Act {
   // The first rows' q again as AMX A tiles (tile_activations), or null: sixteen of rows r, sub-
   // block sb at qt + (r * K / 32 + sb) * 512, 32 bytes a row.
   const int8_t* qt = nullptr;
+  // Rows q, d, s and h (and qt) hold: the call's M, or where the tile unit runs, M rounded up
+  // to sixteens with zero rows (r16_group's padded last sixteen).
+  int64_t rows = 0;
   Act from_row(int64_t m) const {
     return {q + m * K, d + m * (K / 32), s + m * (K / 32), h + m * (K / 16), K,
-            qt && m % 16 == 0 ? qt + m / 16 * (K / 32) * 512 : nullptr};
+            qt && m % 16 == 0 ? qt + m / 16 * (K / 32) * 512 : nullptr, rows - m};
   }
 };
 
@@ -1660,6 +1663,11 @@ constexpr int64_t kAmxSpan = 16;
 // Q8_0 layer's four linears, 2 threads, us, tiles / vector kernel: 4 rows 489 / 399, 6 548 / 510,
 // 8 565 / 587, 10 652 / 702, 12 670 / 783, 15 790 / 1007.
 constexpr int64_t kAmxMinRows = 8;
+// From this many rows in a last partial sixteen (M of 16 or more) r16_group runs it on the tile
+// unit, padded, rather than on the vector kernel (the integer path: batch-invariant mode, or
+// without AMX-BF16). All 28 layers of the 0.6B, ms, M rows / 32 rows: Q8_0 24 63.3 / 63.9, 28
+// 69.9, 31 76.1; Q4_K 28 61.8 / 63.1, 31 70.9; Q6_K 20 72.9 / 81.1, 24 85.0, 28 96.6, 31 107.2.
+template <int TYPE> constexpr int64_t kAmxPadMin = TYPE == kQ6KR ? 8 : TYPE == kQ4KR ? 13 : 10;
 
 template <int TYPE, typename T>
 void r16_group(const Part& p, int64_t g0, int ng, const Act& a, int64_t M, T* y, int64_t ldy) {
@@ -1686,7 +1694,12 @@ void r16_group(const Part& p, int64_t g0, int ng, const Act& a, int64_t M, T* y,
     }
   }
   if (M >= 16 && amx_active()) {
-    const int64_t nsub = a.K / 32, mt = M / 16 * 16;
+    // A last partial sixteen of at least kAmxPadMin rows runs on the tile unit too, padded with
+    // the zero rows the call's activations hold (results dropped), instead of on the vector
+    // kernel: the same integers and float steps, so the same bits.
+    const int64_t rem = M % 16, full = M - rem;
+    const int64_t mt = rem >= kAmxPadMin<TYPE> && a.rows >= full + 16 ? full + 16 : full;
+    const int64_t nsub = a.K / 32;
     thread_local std::vector<uint8_t> buf;  // this thread's B tiles
     buf.resize(size_t(ng * nsub * 512));
     for (int j = 0; j < ng; j++) amx_unpack<TYPE>(group(g0 + j), nsub, buf.data() + j * nsub * 512);
@@ -1696,7 +1709,7 @@ void r16_group(const Part& p, int64_t g0, int ng, const Act& a, int64_t M, T* y,
       for (int j = 0; j < ng; j++)
         for (int64_t r = 0; r < mt; r += 16) {
           amx_q6k_rows(group(g0 + j), buf.data() + j * nsub * 512, a, r, out);
-          store(g0 + j, r, 16, out);
+          store(g0 + j, r, std::min<int64_t>(16, M - r), out);
         }
     } else {
       static const AmxBlockConfig config;
@@ -1719,10 +1732,10 @@ void r16_group(const Part& p, int64_t g0, int ng, const Act& a, int64_t M, T* y,
           else amx_block<TYPE, 1, 1>(gs, wbs, a, r, sb, se, sp);
         }
       }
-      for (int j = 0; j < ng; j++) store(g0 + j, 0, mt, sp[j]);
+      for (int j = 0; j < ng; j++) store(g0 + j, 0, std::min(mt, M), sp[j]);
     }
     _tile_release();
-    m0 = mt;
+    m0 = std::min(mt, M);
   }
 #endif
   for (int j = 0; j < ng; j++) {
@@ -2241,19 +2254,21 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
   (void)invariant;
 #endif
   // Where the tile unit will run, the activations are also copied into A-tile order
-  // (Act::qt). Below 16 rows (amx_small) that one sixteen is padded with zero rows, and the
-  // scales and sums with zeros, so its float steps run in fours.
+  // (Act::qt), and q, the scales and the sums are padded with zero rows to a whole sixteen:
+  // below 16 rows (amx_small) so the float steps run in fours, from 16 for r16_group's padded
+  // last sixteen.
   bool on_tiles = false;
 #if defined(LADLE_QUANT_AMX)
   on_tiles = M >= kAmxMinRows && amx_active() &&
              std::any_of(parts.begin(), parts.end(), [](const Part& p) { return is_r16(p.type); });
 #endif
-  const int64_t Mp = on_tiles && M < 16 ? 16 : M;
-  auto q = at::empty({M, K}, x.options().dtype(at::kChar));
+  const int64_t Mp = on_tiles ? std::max<int64_t>(16, (M + 15) / 16 * 16) : M;
   auto padded = [&](int64_t cols, at::ScalarType t) {
-    const auto o = x.options().dtype(t);
-    return Mp > M ? at::zeros({Mp, cols}, o) : at::empty({Mp, cols}, o);
+    auto v = at::empty({Mp, cols}, x.options().dtype(t));
+    if (Mp > M) v.narrow(0, M, Mp - M).zero_();
+    return v;
   };
+  auto q = padded(K, at::kChar);
   auto d = padded(K / 32, at::kFloat), s = padded(K / 32, at::kFloat);
   auto h = padded(K / 16, at::kShort);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quant_matmul_x", [&] {
@@ -2261,7 +2276,7 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
                   s.data_ptr<float>(), h.data_ptr<int16_t>());
   });
   Act a{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(),
-        h.data_ptr<int16_t>(), K};
+        h.data_ptr<int16_t>(), K, nullptr, Mp};
 #if defined(LADLE_QUANT_AMX)
   at::Tensor qt;
   if (on_tiles) {
