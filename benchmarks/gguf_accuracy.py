@@ -157,6 +157,12 @@ def int8_agreement(path: Path, ids: list[int], n: int) -> None:
         res = quantize_model_int8(runner.model)
         if res is not None and res is not runner.model and hasattr(res, "compute_logits"):
             runner.model = res  # a new module rather than the same one changed in place
+        try:  # as the loader then lays the int8 rows out for the kernels
+            from ladle.runner.quant import repack_for_kernels
+
+            repack_for_kernels(runner.model)
+        except ImportError:
+            pass
         int8 = ladle_logits(llm, ids)[:n]
     finally:
         llm.close()

@@ -4,7 +4,8 @@ must change nothing but speed: the logits of every step equal the Python loop's 
 in bfloat16, float32 and with GGUF Q8_0 blocks, with biases (Qwen2), q/k norms (Qwen3), a
 sliding window (Mistral), mixture-of-experts layers (Qwen3-MoE with dense layers between,
 Mixtral's float32 routing weights, Q8_0 experts) and Gemma's sandwich norms (Gemma 2's
-soft-caps, Gemma 3's per-head norms and sliding-layer rope; the real Gemma 3 270M Q4_K_M file);
+soft-caps, Gemma 3's per-head norms and sliding-layer rope; the real Gemma 3 270M Q4_K_M file),
+and `--quantization int8`'s rotated int8 rows;
 families it does not mirror keep the Python loop."""
 
 from __future__ import annotations
@@ -98,11 +99,11 @@ class _Counting:
         return self.stack.run(*args)
 
 
-def _both_ways(model_path: str, dtype: str):
+def _both_ways(model_path: str, dtype: str, **kw):
     """(tokens, logits) with the stack, the same with the Python loop, and the stack's steps."""
     # No prefix cache: the second run's prompts must be computed as the first run's were.
     engine = EngineCore(EngineConfig(model=model_path, dtype=dtype, max_model_len=256,
-                                     enable_prefix_caching=False), keep_logits=True)
+                                     enable_prefix_caching=False, **kw), keep_logits=True)
     model = engine.runner.model
     run(engine, PROMPTS[:1], max_tokens=2, start=100)  # the first decode step builds it
     built = model._decode_stack
@@ -122,9 +123,14 @@ def _both_ways(model_path: str, dtype: str):
     ("mistral", "bfloat16"), ("qwen3-q8_0", "bfloat16"), ("qwen3_moe-top4", "bfloat16"),
     ("mixtral-top2-window", "bfloat16"), ("qwen3moe-q8_0", "float32"), ("gemma2", "bfloat16"),
     ("gemma3", "bfloat16"), ("gemma3", "float32"), ("gemma-3-270m", "bfloat16"),
+    ("qwen3-int8", "bfloat16"), ("gemma3-int8", "float32"),
 ])
 def test_decode_stack_equals_the_python_loop(case, dtype, tmp_path):
-    (toks, logits), (py_toks, py_logits), steps = _both_ways(_checkpoint(case, tmp_path), dtype)
+    kw = {}
+    if case.endswith("-int8"):  # --quantization int8: rotated int8 rows (rotate_rows first)
+        case, kw = case.removesuffix("-int8"), {"quantization": "int8"}
+    (toks, logits), (py_toks, py_logits), steps = _both_ways(_checkpoint(case, tmp_path), dtype,
+                                                             **kw)
     # Every decode step after the prefill went through the stack: NUM_DECODE - 1 per batch.
     assert steps == NUM_DECODE - 1, steps
     assert toks == py_toks

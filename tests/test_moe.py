@@ -259,9 +259,10 @@ def test_int8_keeps_the_router_dense(checkpoint):
         assert b.stacked is None
     _, logs = run(eng, PROMPTS, max_tokens=4)
     _, ref_logs = run(engine(path), PROMPTS, max_tokens=4)
-    for ours, theirs in zip(logs, ref_logs, strict=True):
-        # W8A8 moves the first step's logits (measured: up to 11% of their spread on these
-        # random weights, whose 0.15-scale matrices amplify rounding); a broken expert path
-        # would move them by the whole spread.
-        spread = theirs[0].max() - theirs[0].min()
-        assert (ours[0] - theirs[0]).abs().max() < 0.25 * spread
+    # W8A8 moves the first step's logits (measured: 1-7% of their spread on these random
+    # weights, whose 0.15-scale matrices amplify rounding, and up to 29% on a prompt where the
+    # rounding flips a near-tie of the dense router to another expert); a broken expert path
+    # would move them by the whole spread on every prompt. So: the median prompt within 10%.
+    moved = sorted(((ours[0] - theirs[0]).abs().max() / (theirs[0].max() - theirs[0].min())).item()
+                   for ours, theirs in zip(logs, ref_logs, strict=True))
+    assert moved[len(moved) // 2] < 0.1, moved

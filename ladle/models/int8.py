@@ -8,7 +8,10 @@ parts; a checkpoint that names per-token activations gets these finer ones):
     (`install_checkpoint_int8`).
 
 Every linear (q|k|v, o, gate|up, down, lm_head) and the embedding are int8; norms, biases and
-the KV cache stay in the model dtype. The embedding is int8 too, looked up by dequantizing its
+the KV cache stay in the model dtype. What `--quantization int8` quantizes is rotated first
+(runner/quant.py's `rotation_block`, `rotated_weight`): each linear then rotates its
+activations, and the embedding's rows are rotated back at lookup; a checkpoint's int8 tensors
+run as stored, unrotated. The embedding is int8 too, looked up by dequantizing its
 rows: a tied model then keeps one int8 table that both the lookup and the head read (a dense
 table beside an int8 copy would hold 3 bytes per vocabulary weight instead of 1; in Qwen3-0.6B
 the table is a quarter of the weights)."""
@@ -32,6 +35,7 @@ from ladle.runner.quant import (
     QuantWeight,
     install,
     quantize_weight_rows,
+    rotation_block,
 )
 
 logger = logging.getLogger(__name__)
@@ -113,6 +117,13 @@ def _merged(parts: list[QuantPart]) -> list[QuantPart]:
     return out
 
 
+def _quantized(w: torch.Tensor) -> QuantWeight:
+    """A dense (N, K) weight as int8 rows, quantized in the Hadamard rotation of its K
+    (quant.rotation_block; none where K has no power-of-two factor of 32 or more)."""
+    rotation = rotation_block(w.shape[1])
+    return QuantWeight([quantize_weight_rows(w, rotation)], w.shape[1], w.dtype, rotation)
+
+
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, attr, module)
@@ -134,13 +145,11 @@ def quantize_model_int8(model: nn.Module) -> None:
                 parts = [quantize_weight_rows(p.data) if p.kind == DENSE else p for p in w.parts]
                 qw = QuantWeight(_merged(parts), w.in_features, w.dtype)
             else:
-                qw = QuantWeight([quantize_weight_rows(w.data)], w.shape[1], w.dtype)
+                qw = _quantized(w.data)
             install(module, "weight", qw)
             count += 1
         elif isinstance(module, nn.Embedding):
-            w = module.weight
-            _set_module(model, name, QuantEmbedding(
-                QuantWeight([quantize_weight_rows(w.data)], w.shape[1], w.dtype)))
+            _set_module(model, name, QuantEmbedding(_quantized(module.weight.data)))
             count += 1
     logger.info("int8: %d weights quantized at load (per output channel) in %.1f s", count,
                 time.perf_counter() - t0)

@@ -96,7 +96,8 @@ def stack_kernels(model, dtype: torch.dtype, rotaries: list):
 
 def stack_linear(module: nn.Linear, dtype: torch.dtype) -> tuple | None:
     """A DecodeStack's spec of a linear: (dense weight or None, bias or None, block parts, their
-    types, scales, first columns, N), run as cpu_kernels.linear runs it; None where it cannot."""
+    types, scales, first columns, N, rotation block or 0), run as cpu_kernels.linear runs it;
+    None where it cannot."""
     w, b = module.weight, module.bias
     b = None if b is None else b.detach()
     if b is not None and (b.dtype != dtype or not b.is_contiguous()):
@@ -104,10 +105,10 @@ def stack_linear(module: nn.Linear, dtype: torch.dtype) -> tuple | None:
     if isinstance(w, QuantWeight):  # quant_linear: one quant_matmul over the block parts
         if not w.on_cpu or w.dtype != dtype or w._dense:
             return None
-        return (None, b, *w._kernel_args, w.shape[0])
+        return (None, b, *w._kernel_args, w.shape[0], w.rotation)
     if w.dtype != dtype or not w.is_contiguous() or w.device.type != "cpu":
         return None
-    return (w.detach(), b, [], [], [], [], w.shape[0])
+    return (w.detach(), b, [], [], [], [], w.shape[0], 0)
 
 
 def stack_row_limit(specs: list[tuple], dtype: torch.dtype) -> int:

@@ -22,10 +22,11 @@ std::string isa() {
 #endif
 }
 
-// (weight or None, bias or None, quantized parts, their types, scales, first columns, N)
+// (weight or None, bias or None, quantized parts, their types, scales, first columns, N,
+//  the parts' rotation block or 0)
 using LinearSpec = std::tuple<c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                               std::vector<at::Tensor>, std::vector<int64_t>,
-                              std::vector<at::Tensor>, std::vector<int64_t>, int64_t>;
+                              std::vector<at::Tensor>, std::vector<int64_t>, int64_t, int64_t>;
 
 static StackLinear stack_linear(const LinearSpec& s) {
   StackLinear l;
@@ -36,6 +37,7 @@ static StackLinear stack_linear(const LinearSpec& s) {
   l.scales = std::get<4>(s);
   l.cols = std::get<5>(s);
   l.out_features = std::get<6>(s);
+  l.rotation = std::get<7>(s);
   TORCH_CHECK(l.weight.defined() || !l.parts.empty(), "decode_stack: a linear has no weight");
   return l;
 }
@@ -155,6 +157,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ weight parts (GGUF blocks, int8 rows)^T into out, x quantized per block of 32",
         py::arg("x"), py::arg("weights"), py::arg("types"), py::arg("scales"), py::arg("cols"),
         py::arg("out"), py::arg("invariant"));
+  m.def("rotate_rows", &rotate_rows,
+        "each block of `block` values of x's rows times the Hadamard matrix, scaled by "
+        "2^-(log2(block) // 2): --quantization int8's rotation", py::arg("x"), py::arg("block"));
   m.def("dequantize_rows", &dequantize_rows, "rows of GGUF-block weights, dequantized");
   m.def("quant_isa", &quant_isa, "instruction set of the quantized kernels");
   m.def("quant_r16", &quant_r16, "whether quant_matmul takes types repacked by 16 rows");

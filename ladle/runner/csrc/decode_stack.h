@@ -20,6 +20,7 @@ struct StackLinear {
   std::vector<at::Tensor> scales;
   std::vector<int64_t> cols;
   int64_t out_features = 0;
+  int64_t rotation = 0;  // QuantWeight.rotation: the parts' Hadamard block (rotate_rows), or 0
   at::Tensor operator()(const at::Tensor& x, bool invariant) const;
 };
 

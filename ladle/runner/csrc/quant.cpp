@@ -2460,6 +2460,133 @@ at::Tensor moe_quant_swiglu(const at::Tensor& x, const at::Tensor& ids,
   return y;
 }
 
+// The Hadamard rotation of `--quantization int8` (models/int8.py): each block of B values of a
+// row (B a power of two, 32 <= B <= 1024, dividing K) times the B x B Hadamard matrix of +-1,
+// then times 2^-(log2(B) / 2, rounded down), into a new tensor of x's dtype. The butterflies
+// in float32 in a fixed order, stage h = 1, 2, 4, ... B/2 taking (a, b) at (j, j + h) to
+// (a + b, a - b): runner/quant.py's rotate_rows_torch does the same operations, so the bits
+// are equal. Weights rotated at load by the same transform (scaled to undo B) give
+// x W^T = rot(x) rot(W)^T exactly in real numbers, while an outlier channel of x is spread
+// over its block, so int8 per block loses less.
+namespace {
+#if defined(LADLE_QUANT_512)
+// Stages h = 1 .. 8 inside each of N vectors of 16 values (the partner j ^ h by a lane permute;
+// lanes with bit h set take partner - self, a - b, the others self + partner, a + b), then
+// h = 16 .. 8N between the vectors: a chunk of 16N values in registers.
+template <int N>
+__attribute__((always_inline)) inline void rotate_in_registers(__m512* r) {
+  const __m512i partner[4] = {
+      _mm512_setr_epi32(1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14),
+      _mm512_setr_epi32(2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13),
+      _mm512_setr_epi32(4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11),
+      _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)};
+  constexpr __mmask16 upper[4] = {0xAAAA, 0xCCCC, 0xF0F0, 0xFF00};
+  for (int s = 0; s < 4; s++)
+    for (int i = 0; i < N; i++) {
+      const __m512 p = _mm512_permutexvar_ps(partner[s], r[i]);
+      r[i] = _mm512_mask_blend_ps(upper[s], _mm512_add_ps(r[i], p), _mm512_sub_ps(p, r[i]));
+    }
+  for (int h = 1; h < N; h *= 2)
+    for (int i = 0; i < N; i += 2 * h)
+      for (int j = i; j < i + h; j++) {
+        const __m512 a = r[j], b = r[j + h];
+        r[j] = _mm512_add_ps(a, b);
+        r[j + h] = _mm512_sub_ps(a, b);
+      }
+}
+
+// One block of B values of float32 or bfloat16: chunks of up to 256 in registers, the stages
+// past 128 (B of 512, 1024) over a float32 copy.
+// 16 floats times `sc`, rounded to T and stored (bfloat16: to nearest even, as T(float) rounds;
+// one vcvtneps2bf16 where the CPU has it).
+template <typename T>
+__attribute__((always_inline)) inline void store_scaled(T* out, __m512 r, __m512 sc) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(r, sc))));
+    return;
+  }
+#endif
+  store16(out, round_to(_mm512_mul_ps(r, sc), out));
+}
+
+template <typename T, int N>
+void rotate_block_512(const T* x, T* out, int64_t B, float scale, float* v) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t c = 0; c < B; c += 16 * N) {
+    __m512 r[N];
+    for (int i = 0; i < N; i++) r[i] = load16(x + c + 16 * i);
+    rotate_in_registers<N>(r);
+    for (int i = 0; i < N; i++) {
+      if (B == 16 * N)
+        store_scaled(out + c + 16 * i, r[i], sc);
+      else
+        _mm512_store_ps(v + c + 16 * i, r[i]);
+    }
+  }
+  if (B == 16 * N) return;
+  for (int64_t h = 16 * N; h < B; h *= 2)
+    for (int64_t i = 0; i < B; i += 2 * h)
+      for (int64_t j = i; j < i + h; j += 16) {
+        const __m512 a = _mm512_load_ps(v + j), b = _mm512_load_ps(v + j + h);
+        _mm512_store_ps(v + j, _mm512_add_ps(a, b));
+        _mm512_store_ps(v + j + h, _mm512_sub_ps(a, b));
+      }
+  for (int64_t i = 0; i < B; i += 16) store_scaled(out + i, _mm512_load_ps(v + i), sc);
+}
+#endif
+
+template <typename T>
+void rotate_row_blocks(const T* x, T* out, int64_t K, int64_t B, float scale) {
+  alignas(64) float v[1024];
+  for (int64_t b0 = 0; b0 < K; b0 += B) {
+#if defined(LADLE_QUANT_512)
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+      switch (B) {
+        case 32: rotate_block_512<T, 2>(x + b0, out + b0, B, scale, v); break;
+        case 64: rotate_block_512<T, 4>(x + b0, out + b0, B, scale, v); break;
+        case 128: rotate_block_512<T, 8>(x + b0, out + b0, B, scale, v); break;
+        default: rotate_block_512<T, 16>(x + b0, out + b0, B, scale, v); break;
+      }
+      continue;
+    }
+#endif
+    for (int64_t i = 0; i < B; i++) v[i] = static_cast<float>(x[b0 + i]);
+    for (int64_t h = 1; h < B; h *= 2)
+      for (int64_t i = 0; i < B; i += 2 * h)
+        for (int64_t j = i; j < i + h; j++) {
+          const float a = v[j], b = v[j + h];
+          v[j] = a + b;
+          v[j + h] = a - b;
+        }
+    for (int64_t i = 0; i < B; i++) out[b0 + i] = T(v[i] * scale);
+  }
+}
+}  // namespace
+
+at::Tensor rotate_rows(const at::Tensor& x, int64_t block) {
+  TORCH_CHECK(block >= 32 && block <= 1024 && (block & (block - 1)) == 0,
+              "rotate_rows: block must be a power of two in [32, 1024], got ", block);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % block == 0,
+              "rotate_rows: x must be contiguous (M, K) with K a multiple of ", block);
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+                  x.scalar_type() == at::kHalf, "rotate_rows: x must be float32, bfloat16 or float16");
+  auto out = at::empty_like(x);
+  const int64_t M = x.size(0), K = x.size(1);
+  int log2b = 0;
+  while ((int64_t(1) << log2b) < block) log2b++;
+  const float scale = std::ldexp(1.f, -(log2b / 2));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotate_rows", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, M, grain_for(K * kElementWork), [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; m++) rotate_row_blocks(xp + m * K, op + m * K, K, block, scale);
+    });
+  });
+  return out;
+}
+
 // out (T, K) = rows ids (T,) of w (N, row bytes) of `type`, dequantized: the embedding lookup.
 void dequantize_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, at::Tensor out) {
   TORCH_CHECK(is_kernel_type(type) && type != kI8 && type != kI8R,

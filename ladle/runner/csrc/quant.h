@@ -10,6 +10,7 @@ std::vector<at::Tensor> quantize_blocks(const at::Tensor& x);
 void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
                   const std::vector<int64_t>& types, const std::vector<at::Tensor>& scales,
                   const std::vector<int64_t>& cols, at::Tensor y, bool invariant);
+at::Tensor rotate_rows(const at::Tensor& x, int64_t block);  // models/int8.py's rotation
 void dequantize_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, at::Tensor out);
 at::Tensor moe_quant_swiglu(const at::Tensor& x, const at::Tensor& ids,
                             const at::Tensor& weights, const at::Tensor& gate, int64_t gate_type,
