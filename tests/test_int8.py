@@ -197,13 +197,17 @@ def assert_generates_the_reference(choices, ref) -> None:
 
 
 def test_float32_int8_generates_the_w8a8_reference(dense, monkeypatch):
-    """In float32 ladle's int8 run is the W8A8 arithmetic: each quantized linear of the served
-    prefill is the float64 W8A8 product of its own input (rotated, quantized per block of 32)
-    within 1e-5 of the largest output, and the run generates the transformers W8A8 model's
-    tokens (assert_generates_the_reference)."""
+    """In float32 ladle's int8 run is the W8A8 arithmetic. Each quantized linear of a served
+    run is its path's float64 product of its own input within 1e-5 of the largest output: the
+    activations rotated and quantized per block of 32 (linear_reference), or, from
+    quant_token_min_rows() rows on AMX-INT8 CPUs (the prompts' prefill), per token
+    (token_reference). With the tile unit off, every call takes the per-block path, and the run
+    generates the transformers W8A8 model's tokens (assert_generates_the_reference)."""
     import ladle.runner.cpu_kernels as cpu_kernels
     import ladle.runner.quant as quant
 
+    kernels = cpu_kernels.load_cpu_kernels()
+    token_rows = kernels.quant_token_min_rows() if kernels is not None else 0
     calls = []
 
     def recorded(x, w, bias=None):
@@ -213,11 +217,23 @@ def test_float32_int8_generates_the_w8a8_reference(dense, monkeypatch):
 
     real = quant.quant_linear
     monkeypatch.setattr(cpu_kernels, "quant_linear", recorded)
-    _, choices = generate(dense, quantization="int8", dtype="float32")
+    generate(dense, quantization="int8", dtype="float32")
     assert {w.rotation for _, w, _ in calls} == {64, 128}  # hidden 64, q heads and MLP 128
+    per_token = 0
     for x, w, y in calls:
-        ref = quant.linear_reference(x.contiguous(), w)
+        tokens = 0 < token_rows <= x.shape[0] and w.in_features % 64 == 0 and \
+            all(p.kind == INT8_ROW_R16 for p in w.parts)
+        ref = (quant.token_reference if tokens else quant.linear_reference)(x.contiguous(), w)
         assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+        per_token += tokens
+    assert per_token >= (4 if token_rows else 0)  # the prefill's four linears and its head
+    monkeypatch.setattr(cpu_kernels, "quant_linear", real)
+    amx = kernels is not None and kernels.set_quant_amx(False)
+    try:
+        _, choices = generate(dense, quantization="int8", dtype="float32")
+    finally:
+        if amx:
+            kernels.set_quant_amx(True)
     assert_generates_the_reference(choices, w8a8_reference(dense, torch.float32))
 
 
@@ -225,10 +241,10 @@ def test_bfloat16_int8_is_as_close_to_w8a8_as_transformers_bfloat16(dense, int8_
     """Served in bfloat16, ladle's int8 logprobs are no further from the float32 W8A8 reference
     than transformers running the same W8A8 linears in bfloat16 is, as the largest error over
     the three prompts' 72 positions (50% slack: both round the activations to bfloat16 between
-    ops, differently; on AMX-BF16 CPUs the prompts' prefill, 47 rows, multiplies unquantized
-    activations, which stays within it; per prompt, over 24 positions, the ratio is noise:
-    0.65-1.56 seen); and the weights take under 0.6x their bfloat16 bytes (int8 plus a float32
-    scale per row; only the norms stay bfloat16)."""
+    ops, differently; on AMX-INT8 CPUs the prompts' prefill, 47 rows, quantizes its rotated
+    activations per token instead of per block, which stays within it; per prompt, over 24
+    positions, the ratio is noise: 0.65-1.56 seen); and the weights take under 0.6x their
+    bfloat16 bytes (int8 plus a float32 scale per row; only the norms stay bfloat16)."""
     llm, choices = int8_run
     ref, ref_bf16 = w8a8_reference(dense, torch.float32), w8a8_reference(dense, torch.bfloat16)
     ours, theirs = [], []
@@ -238,8 +254,8 @@ def test_bfloat16_int8_is_as_close_to_w8a8_as_transformers_bfloat16(dense, int8_
         theirs.append(max(hf_err[i, t].item() for i, top in enumerate(choice.logprobs)
                           for t in top))
         ours.append(logprob_error(choice, ref_lp))
-        # the random model does not just repeat a token (4 distinct of 24 on AMX-BF16 CPUs,
-        # where the first step's 47 prompt rows run W8A16: the int8 weights as bfloat16 tiles)
+        # the random model does not just repeat a token (4 distinct of 24 seen where the first
+        # step's 47 prompt rows ran W8A16: the int8 weights as bfloat16 tiles)
         assert len(set(choice.token_ids)) >= 4
     assert max(ours) <= 1.5 * max(theirs), (ours, theirs)
     dense_bytes = weight_bytes(load_model(dense, read_hf_config(dense), torch.bfloat16, CPU))

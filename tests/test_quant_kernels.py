@@ -617,3 +617,55 @@ def test_bf16_gemm_for_long_prefills(kind):
         with batch_invariant_mode():
             integer = Q.quant_linear(x, w)
         assert relative_error(integer.float(), x, w) < 4e-3
+
+
+needs_token_tiles = pytest.mark.skipif(
+    kernels is None or not hasattr(kernels, "quant_token_min_rows")
+    or kernels.quant_token_min_rows() == 0, reason="no AMX-INT8 here (or no kernels)")
+
+
+def rotated_int8(ns: list[int], k: int, g: torch.Generator) -> Q.QuantWeight:
+    """`--quantization int8`'s weight: rows quantized in the rotation, repacked by 16."""
+    b = Q.rotation_block(k)
+    parts = [Q.quantize_weight_rows(torch.randn(n, k, generator=g), b) for n in ns]
+    return Q.QuantWeight([repacked(p) for p in parts], k, torch.bfloat16, b)
+
+
+@needs_token_tiles
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotated_int8_rows_take_per_token_tiles(dtype):
+    """From quant_token_min_rows() rows outside batch-invariant mode, rotated int8 rows run on
+    AMX-INT8 with the activations quantized per token: each output is token_reference's (one
+    integer sum over K, times the row's and the weight row's scales) within 1e-6 of the sum of
+    |products|, every column written once (out starts as NaN), two parts into their columns, a
+    partial last sixteen of rows, an all-zero row. One row fewer, in batch-invariant mode, and
+    with the rotation left out (a checkpoint's int8 rows), the call keeps its other paths."""
+    g = torch.Generator().manual_seed(61)
+    min_rows = kernels.quant_token_min_rows()
+    for m, ns, k in [(min_rows, [48], 640), (20, [64, 32], 1024), (37, [32], 1024),
+                     (128, [96], 3072)]:
+        w = rotated_int8(ns, k, g)
+        x = torch.randn(m, k, generator=g).to(dtype)
+        x[1, :5] *= 50
+        x[-1] = 0
+        y = torch.full((m, sum(ns)), float("nan"))
+        kernels.quant_matmul(x, *w._kernel_args, y, False, w.rotation)
+        q, d = Q.quantize_rows_torch(Q.rotate_rows(x.float(), w.rotation))
+        held = torch.cat([Q.unpack_r16(p.data, p.kind) for p in w.parts]).double()
+        scale = torch.cat([p.scale for p in w.parts]).double()
+        bound = (q.double().abs() @ held.abs().T) * d.double()[:, None] * scale
+        err = ((y.double() - Q.token_reference(x, w)).abs() / bound.clamp_min(1e-30)).max()
+        assert err < 1e-6, (m, ns, k, err.item())
+        assert not y[-1].any()
+        out = Q.quant_linear(x, w)  # the model's call: out in w.dtype, rounded once
+        assert torch.equal(out, y.bfloat16()), (m, ns, k)
+        with batch_invariant_mode():
+            integer = Q.quant_linear(x, w)
+        assert relative_error(integer.float(), x, w) < 4e-3
+        assert not torch.equal(integer, out)
+        short = x[:min_rows - 1]
+        assert relative_error(Q.quant_linear(short, w).float(), short, w) < 4e-3
+    plain = Q.QuantWeight(w.parts, k, torch.bfloat16)  # the same rows, not rotated
+    y = torch.full((128, 96), float("nan"))
+    kernels.quant_matmul(x, *plain._kernel_args, y, False)
+    assert not torch.allclose(y.double(), Q.token_reference(x, w), rtol=1e-3)

@@ -30,7 +30,10 @@ tests compare the kernels with. One exception, on CPUs with AMX-BF16 outside bat
 mode: a call of enough bfloat16 rows (`quant_bf16_min_rows(type)`, 8-20 by type) whose parts
 are all repacked (Q4_K, Q6_K, Q8_0, INT8_ROW) or Q4_0/Q5_0 of whole sixteens of rows dequantizes
 the weights to bfloat16 tiles instead and multiplies the activations as they are (prefill,
-decode batches; `bf16_tiles_reference`).
+decode batches; `bf16_tiles_reference`). And on CPUs with AMX-INT8, also outside that mode: a
+call of 4 or more rows (`quant_token_min_rows()`) of a rotated weight of int8 rows quantizes
+the rotated activations per token (row) instead of per block, and sums all of K in one integer
+(`token_reference`).
 
 The twins (`_linear_torch`, `_rows_torch`) run where the kernels do not: on other devices,
 without a compiler, or with LADLE_DISABLE_CPU_KERNELS=1. They quantize the activations the same
@@ -287,14 +290,12 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     x2 = x if flat else x.reshape(-1, w.in_features)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    if w.rotation:
-        x2 = rotate_rows(x2, w.rotation)
     k = _kernels(x2) if w.on_cpu else None
     if k is None:
-        y = _linear_torch(x2, w)
+        y = _linear_torch(rotate_rows(x2, w.rotation) if w.rotation else x2, w)
     else:
         y = torch.empty(x2.shape[0], w.shape[0], dtype=w.dtype)
-        k.quant_matmul(x2, *w._kernel_args, y, _cpu.batch_invariant())
+        k.quant_matmul(x2, *w._kernel_args, y, _cpu.batch_invariant(), w.rotation)
         for col, p in w._dense:
             y.narrow(1, col, p.rows).copy_(torch.nn.functional.linear(x2.to(p.data.dtype), p.data))
     if bias is not None:
@@ -352,6 +353,20 @@ def bf16_tiles_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
             outs.append(x.double() @ p.dequantize(w.in_features).bfloat16().double().T)
     return torch.cat(outs, dim=1)
 
+
+
+def token_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """float64: what the kernel computes on AMX-INT8 for a rotated weight of int8 rows
+    repacked by 16 (`--quantization int8`), from quant_token_min_rows() rows outside
+    batch-invariant mode: the activations rotated in float32 (not rounded to their dtype
+    first), quantized per row (token), times the int8 rows, each product's integer sum times
+    the row's and the weight row's scales."""
+    q, d = quantize_rows_torch(rotate_rows(x.float().contiguous(), w.rotation))
+    outs = []
+    for p in w.parts:
+        wq = unpack_r16(p.data, p.kind) if p.kind in R16_BASE else p.data
+        outs.append((q.double() @ wq.double().T) * d.double()[:, None] * p.scale.double())
+    return torch.cat(outs, dim=1)
 
 # --- rows (the embedding) --------------------------------------------------------------------
 

@@ -156,7 +156,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_matmul", &quant_matmul,
         "x @ weight parts (GGUF blocks, int8 rows)^T into out, x quantized per block of 32",
         py::arg("x"), py::arg("weights"), py::arg("types"), py::arg("scales"), py::arg("cols"),
-        py::arg("out"), py::arg("invariant"));
+        py::arg("out"), py::arg("invariant"), py::arg("rotation") = 0);
   m.def("rotate_rows", &rotate_rows,
         "each block of `block` values of x's rows times the Hadamard matrix, scaled by "
         "2^-(log2(block) // 2): --quantization int8's rotation", py::arg("x"), py::arg("block"));
@@ -167,6 +167,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "from how many bfloat16 rows quant_matmul runs parts of this type (repacked, Q4_0, Q5_0) "
         "dequantized on AMX-BF16 outside batch-invariant mode (a call of several types: the largest; 0: never, "
         "here)", py::arg("type"));
+  m.def("quant_token_min_rows", &quant_token_min_rows,
+        "from how many rows quant_matmul runs rotated int8 rows with per-token activations on "
+        "AMX-INT8 outside batch-invariant mode (0: never, here)");
   m.def("quant_bf16_gemm_rows", &quant_bf16_gemm_rows,
         "from how many of those rows the dequantized weights go to torch's GEMM (0: never)");
   m.def("set_linear_amx", &set_linear_amx,

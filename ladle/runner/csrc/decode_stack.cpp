@@ -8,8 +8,7 @@
 at::Tensor StackLinear::operator()(const at::Tensor& x, bool invariant) const {
   if (weight.defined()) return linear(x, weight, bias, invariant);
   auto y = at::empty({x.size(0), out_features}, x.options());
-  // quant_linear's call
-  quant_matmul(rotation ? rotate_rows(x, rotation) : x, parts, types, scales, cols, y, invariant);
+  quant_matmul(x, parts, types, scales, cols, y, invariant, rotation);  // quant_linear's call
   if (bias) y.add_(*bias);  // quant_linear's `y += bias`
   return y;
 }

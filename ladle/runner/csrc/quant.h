@@ -9,7 +9,8 @@
 std::vector<at::Tensor> quantize_blocks(const at::Tensor& x);
 void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
                   const std::vector<int64_t>& types, const std::vector<at::Tensor>& scales,
-                  const std::vector<int64_t>& cols, at::Tensor y, bool invariant);
+                  const std::vector<int64_t>& cols, at::Tensor y, bool invariant,
+                  int64_t rotation);  // rotation: the parts' Hadamard block (rotate_rows) or 0
 at::Tensor rotate_rows(const at::Tensor& x, int64_t block);  // models/int8.py's rotation
 void dequantize_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, at::Tensor out);
 at::Tensor moe_quant_swiglu(const at::Tensor& x, const at::Tensor& ids,
@@ -22,4 +23,7 @@ bool set_quant_amx(bool on);  // repacked parts on AMX from 16 rows; returns whe
 // From how many rows a call of parts of this type (repacked: -3 .. -6; Q4_0, Q5_0) runs
 // dequantized on AMX-BF16 (not batch-invariant; a call of several types: the largest); 0: never
 int64_t quant_bf16_min_rows(int64_t type);
-int64_t quant_bf16_gemm_rows();  // from how many of those rows torch's GEMM multiplies; 0: never
+int64_t quant_bf16_gemm_rows();
+// From how many rows a call of rotated int8 rows (repacked) quantizes its activations per token
+// and sums over all of K on AMX-INT8 (not batch-invariant); 0: never, here
+int64_t quant_token_min_rows();  // from how many of those rows torch's GEMM multiplies; 0: never
