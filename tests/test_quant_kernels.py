@@ -95,7 +95,7 @@ def test_a_rotated_int8_linear_spreads_an_outlier_channel():
     (1e-5), and, with six outlier channels 100x the rest, closer to the float product than the
     same weight quantized without rotation (an outlier no longer sets its block's int8 step
     alone; seen: 0.49-0.59 of the error over five seeds). Its rows, looked up (an embedding),
-    are the weight's."""
+    are the weight's. A rotation that does not fit K is refused."""
     g = torch.Generator().manual_seed(9)
     k, n = 640, 48
     dense = torch.randn(n, k, generator=g)
@@ -114,6 +114,13 @@ def test_a_rotated_int8_linear_spreads_an_outlier_channel():
     rows = Q.quant_rows(rotated, ids)
     assert (rows - dense[ids]).abs().max() < 0.02 * dense.abs().max()
     assert torch.allclose(rotated.dequantize()[ids], rows, atol=1e-6)
+    # a rotation that is not K's block is refused, in the weight and in the kernel call
+    with pytest.raises(ValueError, match="rotation 64: expected 128"):
+        Q.QuantWeight(rotated.parts, k, torch.float32, 64)
+    y = torch.empty(6, n)
+    for bad in (48, 2048, 256):  # not a power of two; too large; does not divide 640
+        with pytest.raises(RuntimeError, match="rotation must be 0 or a power of two"):
+            kernels.quant_matmul(x, *rotated._kernel_args, y, False, bad)
 
 
 @needs_kernels

@@ -2063,8 +2063,6 @@ __attribute__((always_inline)) inline void rotate_in_registers(__m512* r) {
       }
 }
 
-// One block of B values of float32 or bfloat16: chunks of up to 256 in registers, the stages
-// past 128 (B of 512, 1024) over a float32 copy.
 // 16 floats times `sc`, rounded to T and stored (bfloat16: to nearest even, as T(float) rounds;
 // one vcvtneps2bf16 where the CPU has it).
 template <typename T>
@@ -2079,6 +2077,8 @@ __attribute__((always_inline)) inline void store_scaled(T* out, __m512 r, __m512
   store16(out, round_to(_mm512_mul_ps(r, sc), out));
 }
 
+// One block of B values of float32 or bfloat16: chunks of up to 256 in registers, the stages
+// past 128 (B of 512, 1024) over a float32 copy.
 template <typename T, typename O, int N>
 void rotate_block_512(const T* x, O* out, int64_t B, float scale, float* v) {
   const __m512 sc = _mm512_set1_ps(scale);
@@ -2411,15 +2411,16 @@ std::vector<at::Tensor> quantize_blocks(const at::Tensor& x) {
 // ws[i] of types[i] (a GGUF block type, or -1: int8 rows times scales[i] (rows,) float32;
 // other parts pass an empty scale), whose rows give y's columns cols[i] ... Columns no part
 // covers are left as they are (the caller's dense parts).
-void quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& ws,
+void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
                   const std::vector<int64_t>& types, const std::vector<at::Tensor>& scales,
                   const std::vector<int64_t>& cols, at::Tensor y, bool invariant,
                   int64_t rotation) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.is_contiguous() && x_in.size(1) % 32 == 0,
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 32 == 0,
               "x must be contiguous (M, K) with K a multiple of 32");
-  TORCH_CHECK(rotation == 0 || x_in.size(1) % rotation == 0, "rotation ", rotation,
-              " does not divide K ", x_in.size(1));
-  const at::Tensor& x = x_in;  // (rotated below, for the paths other than token_matmul)
+  TORCH_CHECK(rotation == 0 || (rotation >= 32 && rotation <= 1024 &&
+                                (rotation & (rotation - 1)) == 0 && x.size(1) % rotation == 0),
+              "rotation must be 0 or a power of two in [32, 1024] dividing K ", x.size(1),
+              ", got ", rotation);
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "x must be float32 or bfloat16");
   TORCH_CHECK(ws.size() == types.size() && ws.size() == scales.size() && ws.size() == cols.size(),
@@ -2472,7 +2473,7 @@ void quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& ws,
 #endif
   // Rotated weights (quant.py's QuantWeight.rotation): the activations rotated the same way.
   if (rotation) {
-    at::Tensor xr = rotate_rows(x_in, rotation);
+    at::Tensor xr = rotate_rows(x, rotation);
     quant_matmul(xr, ws, types, scales, cols, y, invariant, 0);
     return;
   }
