@@ -200,9 +200,10 @@ def test_float32_int8_generates_the_w8a8_reference(dense, monkeypatch):
     """In float32 ladle's int8 run is the W8A8 arithmetic. Each quantized linear of a served
     run is its path's float64 product of its own input within 1e-5 of the largest output: the
     activations rotated and quantized per block of 32 (linear_reference), or, from
-    quant_token_min_rows() rows on AMX-INT8 CPUs (the prompts' prefill), per token
-    (token_reference). With the tile unit off, every call takes the per-block path, and the run
-    generates the transformers W8A8 model's tokens (assert_generates_the_reference)."""
+    quant_token_min_rows() rows on AVX-512 VNNI CPUs (the prompts' prefill), per token
+    (token_reference). In batch-invariant mode every call takes the per-block path (and with
+    the tile unit off, the vector kernels' one), and the run generates the transformers W8A8
+    model's tokens (assert_generates_the_reference)."""
     import ladle.runner.cpu_kernels as cpu_kernels
     import ladle.runner.quant as quant
 
@@ -230,7 +231,7 @@ def test_float32_int8_generates_the_w8a8_reference(dense, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "quant_linear", real)
     amx = kernels is not None and kernels.set_quant_amx(False)
     try:
-        _, choices = generate(dense, quantization="int8", dtype="float32")
+        _, choices = generate(dense, quantization="int8", dtype="float32", batch_invariant=True)
     finally:
         if amx:
             kernels.set_quant_amx(True)
@@ -241,7 +242,7 @@ def test_bfloat16_int8_is_as_close_to_w8a8_as_transformers_bfloat16(dense, int8_
     """Served in bfloat16, ladle's int8 logprobs are no further from the float32 W8A8 reference
     than transformers running the same W8A8 linears in bfloat16 is, as the largest error over
     the three prompts' 72 positions (50% slack: both round the activations to bfloat16 between
-    ops, differently; on AMX-INT8 CPUs the prompts' prefill, 47 rows, quantizes its rotated
+    ops, differently; on AVX-512 VNNI CPUs the prompts' prefill, 47 rows, quantizes its rotated
     activations per token instead of per block, which stays within it; per prompt, over 24
     positions, the ratio is noise: 0.65-1.56 seen); and the weights take under 0.6x their
     bfloat16 bytes (int8 plus a float32 scale per row; only the norms stay bfloat16)."""

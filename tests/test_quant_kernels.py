@@ -628,7 +628,7 @@ def test_bf16_gemm_for_long_prefills(kind):
 
 needs_token_tiles = pytest.mark.skipif(
     kernels is None or not hasattr(kernels, "quant_token_min_rows")
-    or kernels.quant_token_min_rows() == 0, reason="no AMX-INT8 here (or no kernels)")
+    or kernels.quant_token_min_rows() == 0, reason="no AVX-512 VNNI here (or no kernels)")
 
 
 def rotated_int8(ns: list[int], k: int, g: torch.Generator) -> Q.QuantWeight:
@@ -641,22 +641,32 @@ def rotated_int8(ns: list[int], k: int, g: torch.Generator) -> Q.QuantWeight:
 @needs_token_tiles
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotated_int8_rows_take_per_token_tiles(dtype):
-    """From quant_token_min_rows() rows outside batch-invariant mode, rotated int8 rows run on
-    AMX-INT8 with the activations quantized per token: each output is token_reference's (one
+    """From quant_token_min_rows() rows outside batch-invariant mode, rotated int8 rows run
+    with the activations quantized per token (on AMX-INT8's tiles where the CPU has them, else
+    on AVX-512 VNNI; where both run, with the same bits): each output is token_reference's (one
     integer sum over K, times the row's and the weight row's scales) within 1e-6 of the sum of
     |products|, every column written once (out starts as NaN), two parts into their columns, a
     partial last sixteen of rows, an all-zero row. One row fewer, in batch-invariant mode, and
     with the rotation left out (a checkpoint's int8 rows), the call keeps its other paths."""
     g = torch.Generator().manual_seed(61)
     min_rows = kernels.quant_token_min_rows()
+    amx = kernels.set_quant_amx(True)
     for m, ns, k in [(min_rows, [48], 640), (20, [64, 32], 1024), (37, [32], 1024),
                      (128, [96], 3072)]:
         w = rotated_int8(ns, k, g)
         x = torch.randn(m, k, generator=g).to(dtype)
         x[1, :5] *= 50
         x[-1] = 0
-        y = torch.full((m, sum(ns)), float("nan"))
-        kernels.quant_matmul(x, *w._kernel_args, y, False, w.rotation)
+        ys = []
+        try:
+            for on in [True, False] if amx else [False]:
+                kernels.set_quant_amx(on)
+                ys.append(torch.full((m, sum(ns)), float("nan")))
+                kernels.quant_matmul(x, *w._kernel_args, ys[-1], False, w.rotation)
+        finally:
+            kernels.set_quant_amx(True)
+        y = ys[0]
+        assert all(torch.equal(y, other) for other in ys[1:]), (m, ns, k)  # the same bits
         q, d = Q.quantize_rows_torch(Q.rotate_rows(x.float(), w.rotation))
         held = torch.cat([Q.unpack_r16(p.data, p.kind) for p in w.parts]).double()
         scale = torch.cat([p.scale for p in w.parts]).double()

@@ -2133,18 +2133,31 @@ void rotate_row_blocks(const T* x, O* out, int64_t K, int64_t B, float scale) {
   }
 }
 
-#if defined(LADLE_QUANT_AMX)
-// Rotated int8 rows (`--quantization int8`) from kTokenMinRows activation rows, outside
+#if defined(LADLE_QUANT_512)
+// Rotated int8 rows (`--quantization int8`) from token_min_rows() activation rows, outside
 // batch-invariant mode: the activations quantized per token (one scale per row over all of K,
 // which the rotation makes nearly as accurate as per block of 32: Gemma 3 270M's top-1
 // agreement with bf16 96.1% against 95.3% for the dequantizing path, mean KL 0.0052 against
-// 0.0037), so each output is one int32 sum over K: the C tiles accumulate all of K on the tile
-// unit with no float step per sub-block (what bounds amx_block), and the weights are read as
-// stored (TDPBSUD: signed activations times the repacked unsigned w + 128, the 128 x sum(q) of
-// each row taken off after), two sub-blocks (64 values) per product. y = float(I) * d_row *
-// scale[n], in that order (quant.py's token_reference).
+// 0.0037), so each output is one int32 sum over K with no float step per sub-block (what bounds
+// amx_block and r16_rows), the weights read as stored: signed activations times the repacked
+// unsigned w + 128, the 128 x sum(q) of each row taken off after. On AMX-INT8 the C tiles
+// accumulate all of K (TDPBSUD, 64 values per product; token_groups); on AVX-512 VNNI alone
+// (Zen 4, Ice Lake) vpdpbusd does (token_groups_512). Both reach the same integers, then
+// y = float(I) * d_row * scale[n], in that order (quant.py's token_reference): the two paths
+// give the same bits.
 constexpr int64_t kTokenMinRows = 4;
+// The int32 sums hold K x 255 x 127 at most: past this K the per-block paths run.
+constexpr int64_t kTokenMaxK = 65536;
 
+// Row `row`'s 16 outputs at out from their integer sums I (before the bias): the one float step.
+template <typename T>
+inline void token_out(__m512i I, int32_t sum, float d, __m512 sw, T* out) {
+  const __m512i v = _mm512_sub_epi32(I, _mm512_set1_epi32(128 * sum));
+  const __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(d)), sw);
+  store16(out, round_to(f, out));
+}
+
+#if defined(LADLE_QUANT_AMX)
 // A tiles 0, 1 (16 activation rows x 64 bytes), B tiles 2, 3 (64 values of 16 repacked rows:
 // 16 x 64 bytes, two sub-blocks), C tiles 4 .. 7.
 struct alignas(64) AmxTokenConfig {
@@ -2152,6 +2165,7 @@ struct alignas(64) AmxTokenConfig {
   uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
   uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
 };
+#endif
 
 // Per row of x (M, K) rotated in float32 (rotate_row_blocks, blocks of `block`: x'), the rule
 // of quantize_into over the whole row: d = max|x'| / 127, q = round-half-even(x' * (127 /
@@ -2197,6 +2211,7 @@ void token_activations(const T* x, int64_t M, int64_t K, int64_t block, int8_t* 
   });
 }
 
+#if defined(LADLE_QUANT_AMX)
 // Groups g0 .. g1 - 1 of part p (16 rows each; the part's rows a multiple of 16) for all M rows
 // of qt (tile_activations' layout with 64-byte rows: sixteen r, chunk c at (r * K / 64 + c) *
 // 1024), two sixteens of rows by two groups per product. K in blocks of kTokenChunks chunks and
@@ -2282,11 +2297,8 @@ void token_groups(const Part& p, int64_t g0, int64_t g1, const int8_t* qt, const
               for (int m = 0; m < 16; m++) {
                 const int64_t row = (r + i) * 16 + m;
                 if (row >= M) break;
-                const __m512i v = _mm512_sub_epi32(_mm512_load_si512(c[2 * i + j] + 16 * m),
-                                                   _mm512_set1_epi32(128 * sum[row]));
-                const __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(v),
-                                                             _mm512_set1_ps(d[row])), sw);
-                store16(out + row * ldy, round_to(f, out));
+                token_out(_mm512_load_si512(c[2 * i + j] + 16 * m), sum[row], d[row], sw,
+                          out + row * ldy);
               }
             }
         }
@@ -2295,12 +2307,73 @@ void token_groups(const Part& p, int64_t g0, int64_t g1, const int8_t* qt, const
   }
 }
 
+#endif
+
+// Without the tile unit: a unit's NG groups by blocks of R activation rows (8, or 4 for a last
+// block of 4 or fewer) in int32 accumulators over all of K, each dword slot of the repacked
+// weights (64 bytes: 4 values of 16 rows) loaded once for the R rows, each row's 4 activation
+// bytes broadcast once for the NG groups. A unit's weights (32 x K bytes: 96 KB for the 0.6B's
+// down) stay in L2 while its row blocks pass; the next unit's are prefetched into L2 over this
+// one's steps. Zen 4, 2 threads, weights in L3, 128 rows: the 0.6B's gate|up 403 G
+// multiply-adds/s (torch._int_mm's int8 GEMM in the same run: 443), down 335.
+template <int R, int NG, typename T>
+void token_rows_512(const Part& p, int64_t g, const int8_t* qt, const float* d,
+                    const int32_t* sum, int64_t M, int64_t K, int64_t m0, T* y, int64_t ldy,
+                    const uint8_t* next, int64_t& pf, int64_t lines, int64_t per_step) {
+  // Rows m0 .. m0 + R - 1, inside one sixteen of qt (rows past M are its zero padding).
+  const int64_t chunks = K / 64;
+  const int8_t* a = qt + m0 / 16 * chunks * 1024 + m0 % 16 * 64;
+  const uint8_t* w[NG];
+  for (int j = 0; j < NG; j++) w[j] = p.w + (g + j) * 16 * p.row_bytes;
+  __m512i acc[R][NG];
+  for (int m = 0; m < R; m++)
+    for (int j = 0; j < NG; j++) acc[m][j] = _mm512_setzero_si512();
+  for (int64_t c = 0; c < chunks; c++) {
+    for (int64_t e = std::min(lines, pf + per_step); pf < e; pf++)
+      _mm_prefetch(reinterpret_cast<const char*>(next + pf * 64), _MM_HINT_T1);
+    const int8_t* ac = a + c * 1024;
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; t++) {
+      __m512i wv[NG];
+      for (int j = 0; j < NG; j++) wv[j] = _mm512_loadu_si512(w[j] + c * 1024 + t * 64);
+      for (int m = 0; m < R; m++) {
+        int32_t x4;
+        std::memcpy(&x4, ac + m * 64 + 4 * t, 4);
+        const __m512i xb = _mm512_set1_epi32(x4);
+        for (int j = 0; j < NG; j++) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], wv[j], xb);
+      }
+    }
+  }
+  for (int j = 0; j < NG; j++) {
+    const int64_t n = (g + j) * 16;
+    const __m512 sw = _mm512_loadu_ps(p.scale + n);
+    T* out = y + p.col + n;
+    for (int m = 0; m < R && m0 + m < M; m++)
+      token_out(acc[m][j], sum[m0 + m], d[m0 + m], sw, out + (m0 + m) * ldy);
+  }
+}
+
+template <int NG, typename T>
+void token_groups_512(const Part& p, int64_t g, const int8_t* qt, const float* d,
+                      const int32_t* sum, int64_t M, int64_t K, T* y, int64_t ldy,
+                      const uint8_t* next, int64_t next_bytes) {
+  const int64_t blocks = (M + 7) / 8, lines = next ? next_bytes / 64 : 0;
+  const int64_t per_step = (lines + blocks * (K / 64) - 1) / (blocks * (K / 64));
+  int64_t pf = 0;
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    if (M - m0 > 4)
+      token_rows_512<8, NG>(p, g, qt, d, sum, M, K, m0, y, ldy, next, pf, lines, per_step);
+    else
+      token_rows_512<4, NG>(p, g, qt, d, sum, M, K, m0, y, ldy, next, pf, lines, per_step);
+  }
+}
+
 // The call when every part is int8 rows repacked by 16 and the weights were rotated in blocks
 // of `rotation` (x as given, not rotated): true if it ran.
 template <typename T, typename X>
 bool token_matmul(const std::vector<Part>& parts, const X* x, int64_t M, int64_t K,
                   int64_t rotation, T* y, int64_t ldy) {
-  if (M < kTokenMinRows || K % 64 || !amx_active() ||
+  if (M < kTokenMinRows || K % 64 || K > kTokenMaxK ||
       !std::all_of(parts.begin(), parts.end(), [](const Part& p) { return p.type == kI8R; }))
     return false;
   const int64_t Mp = (M + 15) / 16 * 16;
@@ -2311,19 +2384,40 @@ bool token_matmul(const std::vector<Part>& parts, const X* x, int64_t M, int64_t
   std::vector<std::pair<const Part*, int64_t>> units;  // (part, first group of two)
   for (const Part& p : parts)
     for (int64_t g = 0; g < p.rows / 16; g += 2) units.emplace_back(&p, g);
+  auto groups = [&](int64_t i) {  // unit i's: 2, or 1 at a part's odd end
+    return int(std::min<int64_t>(2, units[size_t(i)].first->rows / 16 - units[size_t(i)].second));
+  };
+  auto first_row = [&](int64_t i) {  // unit i's first weight byte
+    return units[size_t(i)].first->w + units[size_t(i)].second * 16 * units[size_t(i)].first->row_bytes;
+  };
+#if defined(LADLE_QUANT_AMX)
+  const bool amx = amx_active();
+#endif
   at::parallel_for(0, int64_t(units.size()), 1, [&](int64_t i0, int64_t i1) {
-    static const AmxTokenConfig config;
-    _tile_loadconfig(&config);
+#if defined(LADLE_QUANT_AMX)
+    if (amx) {
+      static const AmxTokenConfig config;
+      _tile_loadconfig(&config);
+      for (int64_t i = i0; i < i1; i++) {
+        const Part& p = *units[size_t(i)].first;
+        const int64_t g = units[size_t(i)].second;
+        token_groups(p, g, g + groups(i), qt.data(), d.data(), sum.data(), M, K, y, ldy,
+                     i + 1 < i1 ? first_row(i + 1) : nullptr);
+      }
+      _tile_release();
+      return;
+    }
+#endif
     for (int64_t i = i0; i < i1; i++) {
       const Part& p = *units[size_t(i)].first;
       const int64_t g = units[size_t(i)].second;
-      const uint8_t* next = nullptr;  // the next unit's first group
-      if (i + 1 < i1) next = units[size_t(i + 1)].first->w + units[size_t(i + 1)].second * 16 *
-                             units[size_t(i + 1)].first->row_bytes;
-      token_groups(p, g, std::min<int64_t>(g + 2, p.rows / 16), qt.data(), d.data(), sum.data(),
-                   M, K, y, ldy, next);
+      const uint8_t* next = i + 1 < i1 ? first_row(i + 1) : nullptr;
+      const int64_t next_bytes = next ? groups(i + 1) * 16 * units[size_t(i + 1)].first->row_bytes : 0;
+      if (groups(i) == 2)
+        token_groups_512<2>(p, g, qt.data(), d.data(), sum.data(), M, K, y, ldy, next, next_bytes);
+      else
+        token_groups_512<1>(p, g, qt.data(), d.data(), sum.data(), M, K, y, ldy, next, next_bytes);
     }
-    _tile_release();
   });
   return true;
 }
@@ -2459,7 +2553,7 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
   }
   if (M == 0 || tiles == 0) return;
   const int64_t ldy = y.stride(0);
-#if defined(LADLE_QUANT_AMX)
+#if defined(LADLE_QUANT_512)
   if (rotation && !invariant) {
     auto run = [&](auto* yp) {  // (x and out: float32 or bfloat16, checked above)
       return x.scalar_type() == at::kBFloat16
@@ -2856,8 +2950,8 @@ int64_t quant_bf16_min_rows(int64_t type) {
 }
 
 int64_t quant_token_min_rows() {
-#if defined(LADLE_QUANT_AMX)
-  return amx_active() ? kTokenMinRows : 0;
+#if defined(LADLE_QUANT_512)
+  return kTokenMinRows;
 #else
   return 0;
 #endif
@@ -2892,7 +2986,8 @@ std::string quant_isa() {
            ;
 #endif
 #if defined(LADLE_QUANT_512) && defined(__AVX512VL__)
-  return "avx512-vnni (256-bit tiles, 512-bit panels from 12 rows, Q4_K/Q6_K/Q8_0 repacked)";
+  return "avx512-vnni (256-bit tiles, 512-bit panels from 12 rows, Q4_K/Q6_K/Q8_0 repacked; "
+         "rotated int8 rows per token from 4 rows)";
 #elif defined(LADLE_QUANT_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return "avx512-vnni (256-bit)";
 #elif defined(LADLE_QUANT_AVX2) && defined(__AVXVNNI__)
