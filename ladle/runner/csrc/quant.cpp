@@ -2134,7 +2134,7 @@ void rotate_row_blocks(const T* x, O* out, int64_t K, int64_t B, float scale) {
 }
 
 #if defined(LADLE_QUANT_512)
-// Rotated int8 rows (`--quantization int8`) from token_min_rows() activation rows, outside
+// Rotated int8 rows (`--quantization int8`) from kTokenMinRows activation rows, outside
 // batch-invariant mode: the activations quantized per token (one scale per row over all of K,
 // which the rotation makes nearly as accurate as per block of 32: Gemma 3 270M's top-1
 // agreement with bf16 96.1% against 95.3% for the dequantizing path, mean KL 0.0052 against
@@ -2314,8 +2314,8 @@ void token_groups(const Part& p, int64_t g0, int64_t g1, const int8_t* qt, const
 // weights (64 bytes: 4 values of 16 rows) loaded once for the R rows, each row's 4 activation
 // bytes broadcast once for the NG groups. A unit's weights (32 x K bytes: 96 KB for the 0.6B's
 // down) stay in L2 while its row blocks pass; the next unit's are prefetched into L2 over this
-// one's steps. Zen 4, 2 threads, weights in L3, 128 rows: the 0.6B's gate|up 403 G
-// multiply-adds/s (torch._int_mm's int8 GEMM in the same run: 443), down 335.
+// one's steps. Zen 4, 2 threads, weights in L3, 128 rows: the 0.6B's gate|up 403-421 G
+// multiply-adds/s (torch._int_mm's int8 GEMM in the same run: 443), down 335-385.
 template <int R, int NG, typename T>
 void token_rows_512(const Part& p, int64_t g, const int8_t* qt, const float* d,
                     const int32_t* sum, int64_t M, int64_t K, int64_t m0, T* y, int64_t ldy,
