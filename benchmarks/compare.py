@@ -36,7 +36,9 @@ int32) and fbgemm's dynamic int8 linear (torch.ao.nn.quantized.dynamic.Linear, a
 quantized per call, VNNI where the CPU has it); either may be missing or run a slow reference
 path on a given build, so the method that gave the number is printed beside it. Every
 single-stream decode cell gets a share of the read bandwidth: bytes of weights read per token x
-tok/s / bandwidth, where the bytes per token are
+tok/s / bandwidth (measured again right before and after each decode, with the same method in
+every system's process: on a shared machine it drifts by half between minutes), where the bytes
+per token are
   - for a GGUF file, its tensor bytes (token_embd counted once when it is also the output head,
     left out when an output.weight exists, since the lookup reads one row);
   - for a safetensors checkpoint, 2 (bf16) or 4 (f32) bytes x every matmul weight (the head once);
@@ -247,10 +249,14 @@ def worker_ladle(path, dtype, cases, quantization=None):
     out = {}
     if "single" in cases:
         ttft = _median_over(lambda q: run([q], 1), single.ttft)
-        t = time.perf_counter()
-        run([single.decode], DECODE_TOKENS + 1)
+
+        def decode():
+            t = time.perf_counter()
+            run([single.decode], DECODE_TOKENS + 1)
+            return decode_rate(DECODE_TOKENS, time.perf_counter() - t, ttft)
+
         out["ttft_ms"] = ttft * 1e3
-        out.update(decode_rate(DECODE_TOKENS, time.perf_counter() - t, ttft))
+        out.update(decode_beside_bandwidth(decode))
     if "batch" in cases:
         t = time.perf_counter()
         res = run(p, BATCH_OUT)
@@ -276,10 +282,14 @@ def worker_hf(path, dtype, cases):
     out = {}
     if "single" in cases:
         ttft = _median_over(lambda q: run([q], 1), single.ttft)
-        t = time.perf_counter()
-        run([single.decode], DECODE_TOKENS + 1)
+
+        def decode():
+            t = time.perf_counter()
+            run([single.decode], DECODE_TOKENS + 1)
+            return decode_rate(DECODE_TOKENS, time.perf_counter() - t, ttft)
+
         out["ttft_ms"] = ttft * 1e3
-        out.update(decode_rate(DECODE_TOKENS, time.perf_counter() - t, ttft))
+        out.update(decode_beside_bandwidth(decode))
     if "batch" in cases:
         t = time.perf_counter()
         run(p, BATCH_OUT)
@@ -318,10 +328,14 @@ def worker_llama(path, outtype, cases):
     out = {}
     if "single" in cases:
         ttft = _median_over(lambda q: run(q, 1), single.ttft)
-        t = time.perf_counter()
-        n = run(single.decode, DECODE_TOKENS + 1)
+
+        def decode():
+            t = time.perf_counter()
+            n = run(single.decode, DECODE_TOKENS + 1)
+            return decode_rate(n - 1, time.perf_counter() - t, ttft)
+
         out["ttft_ms"] = ttft * 1e3
-        out.update(decode_rate(n - 1, time.perf_counter() - t, ttft))
+        out.update(decode_beside_bandwidth(decode))
     return out
 
 
@@ -353,6 +367,34 @@ def _median_over(fn, inputs) -> float:
     return statistics.median(ts)
 
 
+def read_bandwidth() -> float:
+    """The read bandwidth now, bytes/s: the sum of 1 GiB of float32, split over every core's
+    thread (numpy, which releases the GIL in the sum: the same method in ladle's, transformers'
+    and llama-cpp-python's environments), median of 3."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    x = np.ones(256 * 2**20, dtype=np.float32)
+    parts = np.array_split(x, os.cpu_count() or 1)
+    with ThreadPoolExecutor(len(parts)) as pool:
+        def read():
+            return sum(pool.map(np.sum, parts))
+
+        read()
+        return x.nbytes / _median_time(read)
+
+
+def decode_beside_bandwidth(decode) -> dict:
+    """decode() (returning its dict of results) between two read-bandwidth measurements: the
+    machine's bandwidth drifts by half between minutes (29-47 GB/s seen on one Zen 4), so each
+    decode's share of it is taken against the bandwidth measured beside it (their mean)."""
+    before = read_bandwidth()
+    out = decode()
+    out["read_gbs"] = (before + read_bandwidth()) / 2e9
+    return out
+
+
 def worker_limits():
     """This machine's read bandwidth (sum of a 1 GiB tensor) and matmul peaks: bf16 and f32
     (the faster of torch's matmul and ladle's linear, which is what the engine runs at that
@@ -362,10 +404,7 @@ def worker_limits():
 
     from ladle.runner import cpu_kernels
 
-    x = torch.ones(256 * 2**20)  # 1 GiB float32
-    x.sum()
-    bw = 4 * x.numel() / _median_time(lambda: x.sum())
-    x = None  # freed before the matmuls
+    bw = read_bandwidth()
     cpu_kernels.load_cpu_kernels()
     peaks = {}
     for name, dt in (("bf16", torch.bfloat16), ("f32", torch.float32)):
@@ -797,6 +836,7 @@ def rows() -> list[tuple[str, str, bool]]:
         # key, label, higher is better
         ("decode_tps", f"single-stream decode, tok/s ({DECODE_TOKENS} tokens)", True),
         ("decode_bw", "  decode: share of read bandwidth", True),
+        ("read_gbs", "  read bandwidth beside that decode, GB/s", True),
         ("ttft_ms", f"TTFT, {PROMPT_LEN}-token prompt, ms", False),
         ("batch_tps", f"{BATCH} x ({PROMPT_LEN} in, {BATCH_OUT} out), tok/s", True),
         ("srv_server_tps", f"server, {SERVER_CLIENTS} streaming clients: aggregate tok/s", True),
@@ -817,10 +857,12 @@ def report(name, spec, results, limits, weights: dict[str, Weights]) -> dict[str
         vals = [r[key] for r in results[system] if key in r]
         return statistics.median(vals) if vals else None
 
+    for s, reps in results.items():  # each decode against the bandwidth measured beside it
+        for r in reps:
+            if "decode_tps" in r:
+                r["decode_bw"] = r["decode_tps"] * weights[s].bytes_per_token / 1e9 / \
+                    r.get("read_gbs", limits["read_gbs"])
     meds = {s: {k: med(s, k) for k, _, _ in rows() if med(s, k) is not None} for s in results}
-    for s, m in meds.items():
-        if "decode_tps" in m:
-            m["decode_bw"] = m["decode_tps"] * weights[s].bytes_per_token / 1e9 / limits["read_gbs"]
     quantized = spec.ladle_on_gguf and spec.gguf not in ("bf16", "f16", "f32")
     peak_key = ("peak_int8_gops" if quantized and limits.get("peak_int8_gops") else
                 "peak_bf16_gflops" if spec.dtype == "bfloat16" else "peak_f32_gflops")
@@ -846,7 +888,7 @@ def report(name, spec, results, limits, weights: dict[str, Weights]) -> dict[str
         return f"{v:>{w}.0%}" if key == "decode_bw" else f"{v:>{w}.1f}"
 
     def ratio(vals, key, num, den, label):
-        if vals[num] is None or vals[den] is None or key == "decode_bw":
+        if vals[num] is None or vals[den] is None or key in ("decode_bw", "read_gbs"):
             return f"{'-':>{len(label)}}"
         return f"{vals[num] / vals[den]:>{len(label) - 1}.2f}x"
 
