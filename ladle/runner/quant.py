@@ -30,10 +30,10 @@ tests compare the kernels with. One exception, on CPUs with AMX-BF16 outside bat
 mode: a call of enough bfloat16 rows (`quant_bf16_min_rows(type)`, 8-20 by type) whose parts
 are all repacked (Q4_K, Q6_K, Q8_0, INT8_ROW) or Q4_0/Q5_0 of whole sixteens of rows dequantizes
 the weights to bfloat16 tiles instead and multiplies the activations as they are (prefill,
-decode batches; `bf16_tiles_reference`). And on CPUs with AMX-INT8, also outside that mode: a
-call of 4 or more rows (`quant_token_min_rows()`) of a rotated weight of int8 rows quantizes
-the rotated activations per token (row) instead of per block, and sums all of K in one integer
-(`token_reference`).
+decode batches; `bf16_tiles_reference`). And on CPUs with AVX-512 VNNI (on AMX-INT8's tiles
+where present), also outside that mode: a call of 4 or more rows (`quant_token_min_rows()`) of
+a rotated weight of int8 rows quantizes the rotated activations per token (row) instead of per
+block, and sums all of K in one integer (`token_reference`).
 
 The twins (`_linear_torch`, `_rows_torch`) run where the kernels do not: on other devices,
 without a compiler, or with LADLE_DISABLE_CPU_KERNELS=1. They quantize the activations the same
@@ -356,8 +356,8 @@ def bf16_tiles_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 
 
 def token_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
-    """float64: what the kernel computes on AMX-INT8 for a rotated weight of int8 rows
-    repacked by 16 (`--quantization int8`), from quant_token_min_rows() rows outside
+    """float64: what the kernel computes on AVX-512 VNNI (and AMX-INT8) for a rotated weight of
+    int8 rows repacked by 16 (`--quantization int8`), from quant_token_min_rows() rows outside
     batch-invariant mode: the activations rotated in float32 (not rounded to their dtype
     first), quantized per row (token), times the int8 rows, each product's integer sum times
     the row's and the weight row's scales."""
