@@ -686,3 +686,10 @@ def test_rotated_int8_rows_take_per_token_tiles(dtype):
     y = torch.full((128, 96), float("nan"))
     kernels.quant_matmul(x, *plain._kernel_args, y, False)
     assert not torch.allclose(y.double(), Q.token_reference(x, w), rtol=1e-3)
+    # K not a multiple of 64 (a sixteen's chunk): the per-block path, whatever the row count.
+    w = rotated_int8([32], 96, g)
+    x = torch.randn(20, 96, generator=g)
+    y = torch.full((20, 32), float("nan"))
+    kernels.quant_matmul(x, *w._kernel_args, y, False, w.rotation)
+    ref = Q.linear_reference(x, w)
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
