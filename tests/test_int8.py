@@ -204,6 +204,7 @@ def test_float32_int8_generates_the_w8a8_reference(dense, monkeypatch):
     (token_reference). In batch-invariant mode every call takes the per-block path (and with
     the tile unit off, the vector kernels' one), and the run generates the transformers W8A8
     model's tokens (assert_generates_the_reference)."""
+    import ladle.models.llama as llama
     import ladle.runner.cpu_kernels as cpu_kernels
     import ladle.runner.quant as quant
 
@@ -218,6 +219,9 @@ def test_float32_int8_generates_the_w8a8_reference(dense, monkeypatch):
 
     real = quant.quant_linear
     monkeypatch.setattr(cpu_kernels, "quant_linear", recorded)
+    # Every layer through Python, where the calls are recorded (the C++ layer loop, which runs
+    # decode steps and the prompts' prefill as rows of the decode kernel, makes the same calls).
+    monkeypatch.setattr(llama, "decode_stack", lambda *args: None)
     generate(dense, quantization="int8", dtype="float32")
     assert {w.rotation for _, w, _ in calls} == {64, 128}  # hidden 64, q heads and MLP 128
     per_token = 0
@@ -228,7 +232,7 @@ def test_float32_int8_generates_the_w8a8_reference(dense, monkeypatch):
         assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
         per_token += tokens
     assert per_token >= (4 if token_rows else 0)  # the prefill's four linears and its head
-    monkeypatch.setattr(cpu_kernels, "quant_linear", real)
+    monkeypatch.undo()  # the real quant_linear and the C++ layer loop again
     amx = kernels is not None and kernels.set_quant_amx(False)
     try:
         _, choices = generate(dense, quantization="int8", dtype="float32", batch_invariant=True)

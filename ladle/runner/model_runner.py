@@ -81,6 +81,8 @@ class ModelRunner:
             check_batch_invariant(device, dtype)
         cpu_kernels.set_batch_invariant(batch_invariant)
         self.batch_invariant = batch_invariant
+        # Prefill chunks up to this context attend as decode-kernel rows (_attention_layout).
+        self.prefill_rows_ctx = cpu_kernels.prefill_kernel_max_ctx(dtype, device)
         self.block_size = block_size
         self.max_model_len = max_model_len
         cfg = model.config
@@ -344,37 +346,36 @@ class ModelRunner:
                 torch.from_numpy(pos).to(self.device), attn, starts, ends)
 
     def _attention_layout(self, batch_rows, num_sched, num_computed, starts) -> dict:
-        """Decode rows attend in one batched call; each prefill chunk in its own. In
-        batch-invariant mode every token is a decode row: the query at position p attends to
-        the cached positions 0..p through the decode kernel, which reduces over them in one
-        order whatever the step holds (a prefill chunk, a verification, a lone decode)."""
+        """Decode rows attend in one batched call of the paged decode kernel, and with them the
+        prefill chunks (and verifications) whose context is at most prefill_rows_ctx, each
+        query a row: the query at position p attends to the cached positions 0..p (the chunk's
+        keys are in the cache by then), reduced in one order whatever the step holds. Longer
+        chunks run one SDPA call each. In batch-invariant mode every token is such a row, so a
+        position's result does not depend on the chunk it came in."""
         ctx = num_computed + num_sched
         bs = self.block_size
         table = self.input_batch.block_table
+        as_rows = (num_sched == 1) | (ctx <= self.prefill_rows_ctx)
         if cpu_kernels.batch_invariant():
-            local = np.repeat(np.arange(len(batch_rows)), num_sched)
-            token_ctx = (np.repeat(num_computed, num_sched) + np.arange(len(local))
-                         - np.repeat(starts, num_sched) + 1)
+            as_rows[:] = True
+        decode = None
+        sel = np.nonzero(as_rows)[0]
+        if len(sel):
+            n = num_sched[sel]
+            local = np.repeat(sel, n)  # batch row of each token
+            offs = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)  # its index in its row
+            token_ctx = np.repeat(num_computed[sel], n) + offs + 1
             num_blocks = -(-int(token_ctx.max()) // bs)
-            return {"decode": DecodeBatch(
-                rows=torch.arange(len(local), device=self.device),
+            decode = DecodeBatch(
+                rows=torch.from_numpy(np.repeat(starts[sel], n) + offs).to(self.device),
                 block_table=torch.from_numpy(table[batch_rows[local], :num_blocks]).to(self.device),
                 ctx_lens=torch.from_numpy(token_ctx).to(self.device),
-            ), "prefills": []}
-        decode = None
-        rows = np.nonzero(num_sched == 1)[0]
-        if len(rows):
-            num_blocks = -(-int(ctx[rows].max()) // bs)
-            decode = DecodeBatch(
-                rows=torch.from_numpy(starts[rows]).to(self.device),
-                block_table=torch.from_numpy(table[batch_rows[rows], :num_blocks]).to(self.device),
-                ctx_lens=torch.from_numpy(ctx[rows]).to(self.device),
             )
         prefills = [
             build_prefill(int(starts[r]), int(num_sched[r]), int(ctx[r]),
                           torch.from_numpy(table[batch_rows[r], : -(-int(ctx[r]) // bs)]), bs,
                           self.device)
-            for r in np.nonzero(num_sched > 1)[0]
+            for r in np.nonzero(~as_rows)[0]
         ]
         return {"decode": decode, "prefills": prefills}
 
