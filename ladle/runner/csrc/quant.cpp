@@ -298,10 +298,11 @@ struct Act {
   const float* d;
   const float* s;
   const int16_t* h;
-  // -128 * sum(q) per block of 32: where a repacked Q8_0 or int8 part's integer sums start (its
-  // weights go in as w + 128), one broadcast load where adding h's pair in scalar code, or a
-  // vpmaddwd beside the vpdpbusd, cost 6% of a 128-row 0.6B Q8_0 pass (200 -> 188 ms).
-  const int32_t* b128;
+  // Where a repacked part's integer sums start, one broadcast load each (computing them from h
+  // in scalar code per row and block, or with a vpmaddwd beside the vpdpbusd, cost 28 layers of
+  // the 0.6B at 128 rows 200 -> 183 ms in Q8_0, 340 -> 275 ms in Q6_K):
+  const int32_t* b128;  // -128 * sum(q) per block of 32 (Q8_0, int8 rows: w + 128)
+  const int32_t* b32;   // -32 * sum(q) per 16 values, h's (Q6_K: q, not q - 32)
   int64_t K;
   // The first rows' q again as AMX A tiles (tile_activations), or null: sixteen of rows r, sub-
   // block sb at qt + (r * K / 32 + sb) * 512, 32 bytes a row.
@@ -310,7 +311,8 @@ struct Act {
   // to sixteens with zero rows (r16_group's padded last sixteen).
   int64_t rows = 0;
   Act from_row(int64_t m) const {
-    return {q + m * K, d + m * (K / 32), s + m * (K / 32), h + m * (K / 16), b128 + m * (K / 32), K,
+    return {q + m * K, d + m * (K / 32), s + m * (K / 32), h + m * (K / 16), b128 + m * (K / 32),
+            b32 + m * (K / 16), K,
             qt && m % 16 == 0 ? qt + m / 16 * (K / 32) * 512 : nullptr, rows - m};
   }
 };
@@ -917,15 +919,16 @@ template <int TYPE, int MR, int H>
 inline void r16_start(const Act& a, int64_t m0, int64_t sb, __m512i (*i)[H]) {
   constexpr int32_t bias = kR16Bias<TYPE>;
   const int64_t ld = a.K / 16;
-  const int16_t* hx = a.h + m0 * ld + sb * 2;  // row m's: hx[m * ld], hx[m * ld + 1]
   for (int m = 0; m < MR; m++) {
     if constexpr (H == 2) {
-      i[m][0] = _mm512_set1_epi32(-bias * hx[m * ld]);
-      i[m][1] = _mm512_set1_epi32(-bias * hx[m * ld + 1]);
+      static_assert(bias == 32);
+      i[m][0] = _mm512_set1_epi32(a.b32[(m0 + m) * ld + sb * 2]);
+      i[m][1] = _mm512_set1_epi32(a.b32[(m0 + m) * ld + sb * 2 + 1]);
     } else if constexpr (bias == 128) {
       i[m][0] = _mm512_set1_epi32(a.b128[(m0 + m) * (a.K / 32) + sb]);
     } else {
-      i[m][0] = _mm512_set1_epi32(-bias * (hx[m * ld] + hx[m * ld + 1]));
+      static_assert(bias == 0);  // Q4_K's nibbles
+      i[m][0] = _mm512_setzero_si512();
     }
   }
 }
@@ -2434,7 +2437,7 @@ bool token_matmul(const std::vector<Part>& parts, const X* x, int64_t M, int64_t
 // bit-identical.
 template <typename scalar_t>
 void quantize_into(const scalar_t* xp, int64_t M, int64_t K, int8_t* qp, float* dp, float* sp,
-                   int16_t* hp, int32_t* bp) {
+                   int16_t* hp, int32_t* bp, int32_t* cp) {
   const int64_t nb = K / 32;
   at::parallel_for(0, M * nb, grain_for(32 * kElementWork), [&](int64_t b0, int64_t b1) {
 #if defined(LADLE_QUANT_512)
@@ -2459,6 +2462,8 @@ void quantize_into(const scalar_t* xp, int64_t M, int64_t K, int8_t* qp, float* 
         hp[2 * b] = int16_t(h0);
         hp[2 * b + 1] = int16_t(h1);
         bp[b] = -128 * (h0 + h1);
+        cp[2 * b] = -32 * h0;
+        cp[2 * b + 1] = -32 * h1;
         dp[b] = amax / 127.f;
         sp[b] = dp[b] * float(h0 + h1);
       }
@@ -2482,6 +2487,8 @@ void quantize_into(const scalar_t* xp, int64_t M, int64_t K, int8_t* qp, float* 
       hp[2 * b] = int16_t(half[0]);
       hp[2 * b + 1] = int16_t(half[1]);
       bp[b] = -128 * (half[0] + half[1]);
+      cp[2 * b] = -32 * half[0];
+      cp[2 * b + 1] = -32 * half[1];
       dp[b] = amax / 127.f;
       sp[b] = dp[b] * float(half[0] + half[1]);
     }
@@ -2503,9 +2510,11 @@ std::vector<at::Tensor> quantize_blocks(const at::Tensor& x) {
   auto s = at::empty({M, K / 32}, x.options().dtype(at::kFloat));
   auto h = at::empty({M, K / 16}, x.options().dtype(at::kShort));
   auto b = at::empty({M, K / 32}, x.options().dtype(at::kInt));
+  auto c = at::empty({M, K / 16}, x.options().dtype(at::kInt));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quantize_blocks", [&] {
     quantize_into(x.data_ptr<scalar_t>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(),
-                  s.data_ptr<float>(), h.data_ptr<int16_t>(), b.data_ptr<int32_t>());
+                  s.data_ptr<float>(), h.data_ptr<int16_t>(), b.data_ptr<int32_t>(),
+                  c.data_ptr<int32_t>());
   });
   return {q, d, s};
 }
@@ -2697,13 +2706,14 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
   auto q = padded(K, at::kChar);
   auto d = padded(K / 32, at::kFloat), s = padded(K / 32, at::kFloat);
   auto h = padded(K / 16, at::kShort);
-  auto b = padded(K / 32, at::kInt);
+  auto b = padded(K / 32, at::kInt), c = padded(K / 16, at::kInt);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quant_matmul_x", [&] {
     quantize_into(x.data_ptr<scalar_t>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(),
-                  s.data_ptr<float>(), h.data_ptr<int16_t>(), b.data_ptr<int32_t>());
+                  s.data_ptr<float>(), h.data_ptr<int16_t>(), b.data_ptr<int32_t>(),
+                  c.data_ptr<int32_t>());
   });
   Act a{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(),
-        h.data_ptr<int16_t>(), b.data_ptr<int32_t>(), K, nullptr, Mp};
+        h.data_ptr<int16_t>(), b.data_ptr<int32_t>(), c.data_ptr<int32_t>(), K, nullptr, Mp};
 #if defined(LADLE_QUANT_AMX)
   at::Tensor qt;
   if (on_tiles) {
@@ -2833,17 +2843,20 @@ static void moe_quant_kernel(const at::Tensor& x, const at::Tensor& ids,
   auto s = at::empty({P, Kmax / 32}, opts.dtype(at::kFloat));
   auto h = at::empty({P, Kmax / 16}, opts.dtype(at::kShort));
   auto b = at::empty({P, Kmax / 32}, opts.dtype(at::kInt));
+  auto c = at::empty({P, Kmax / 16}, opts.dtype(at::kInt));
   // gate | up: the gathered rows quantized once for both.
   quantize_into(rows.data_ptr<T>(), P, H, q.data_ptr<int8_t>(), d.data_ptr<float>(),
-                s.data_ptr<float>(), h.data_ptr<int16_t>(), b.data_ptr<int32_t>());
+                s.data_ptr<float>(), h.data_ptr<int16_t>(), b.data_ptr<int32_t>(),
+                c.data_ptr<int32_t>());
   experts_quant<T>({q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(),
-                    h.data_ptr<int16_t>(), b.data_ptr<int32_t>(), H}, {&gate, &up}, {gate_type, up_type}, r, H,
+                    h.data_ptr<int16_t>(), b.data_ptr<int32_t>(), c.data_ptr<int32_t>(), H}, {&gate, &up}, {gate_type, up_type}, r, H,
                    gu.data_ptr<T>(), 2 * I);
   silu_mul_kernel(static_cast<const T*>(gu.data_ptr<T>()), act.data_ptr<T>(), P, I, 2 * I);
   quantize_into(act.data_ptr<T>(), P, I, q.data_ptr<int8_t>(), d.data_ptr<float>(),
-                s.data_ptr<float>(), h.data_ptr<int16_t>(), b.data_ptr<int32_t>());
+                s.data_ptr<float>(), h.data_ptr<int16_t>(), b.data_ptr<int32_t>(),
+                c.data_ptr<int32_t>());
   experts_quant<T>({q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(),
-                    h.data_ptr<int16_t>(), b.data_ptr<int32_t>(), I}, {&down}, {down_type}, r, I, out.data_ptr<T>(), H);
+                    h.data_ptr<int16_t>(), b.data_ptr<int32_t>(), c.data_ptr<int32_t>(), I}, {&down}, {down_type}, r, I, out.data_ptr<T>(), H);
   combine(static_cast<const T*>(out.data_ptr<T>()), id, weights.data_ptr<float>(),
           r.slot.data(), y.data_ptr<T>(), Tn, k, H);
 }
