@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import os
 import pickle
+import time
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -20,7 +21,7 @@ import zmq
 
 from ladle.distributed.group import TPGroup
 from ladle.lifetime import die_with_parent
-from ladle.native_memory import bound_native_memory
+from ladle.native_memory import bound_native_memory, trim_heap
 
 logger = logging.getLogger("ladle.distributed.worker")
 
@@ -166,6 +167,7 @@ def _serve(model, sock: zmq.Socket, spec: WorkerSpec, device: torch.device) -> N
             out = model(input_ids.to(device), positions.to(device), move(meta, device),
                         kv_caches)
             hidden = [out] if micro_batch == 0 else [*hidden, out]
+            trim_heap(time.monotonic())  # (the engine loop's rhythm, per forward here)
         elif command == Command.LOGITS:  # the last stage's ranks only
             joined = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
             model.compute_logits(joined, None if payload is None else payload.to(device))

@@ -33,7 +33,7 @@ from ladle.config import EngineConfig
 from ladle.engine.request import FinishReason
 from ladle.lifetime import die_with_parent
 from ladle.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
-from ladle.native_memory import bound_native_memory
+from ladle.native_memory import bound_native_memory, trim_heap
 
 logger = logging.getLogger("ladle.engine.core_proc")
 
@@ -147,6 +147,7 @@ class EngineCoreLoop:
             # the API's gauges (/metrics) every _STATS_EVERY_S.
             if outputs or self.errors or time.monotonic() - self.sent_at > _STATS_EVERY_S:
                 self._send(outputs)
+            trim_heap(time.monotonic())
 
     def _drain_input(self) -> None:
         while True:
