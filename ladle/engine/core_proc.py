@@ -139,6 +139,7 @@ class EngineCoreLoop:
                     self._send([])  # aborts freed blocks: report the idle gauges once
                 while not self.poller.poll(_IDLE_POLL_MS):
                     engine.check_health()  # a dead TP worker ends the engine even when idle
+                    trim_heap(time.monotonic())  # the last steps' free pages, once idle too
                     if engine.release_transfers():  # a decode server read a prefill's KV
                         self._send([])
             self._drain_input()
