@@ -364,12 +364,16 @@ def decode_turns(run) -> None:
         if len(cmd) != 2 or cmd[0] != "turn":
             break
         first, second = prompts(2, seed=100 + int(cmd[1]))
-        t = time.perf_counter()
-        run(first, 1)
-        ttft = time.perf_counter() - t
-        t = time.perf_counter()
-        n = run(second, DECODE_TOKENS + 1)
-        print(json.dumps(decode_rate(n - 1, time.perf_counter() - t, ttft)), flush=True)
+
+        def decode(first=first, second=second):
+            t = time.perf_counter()
+            run(first, 1)
+            ttft = time.perf_counter() - t
+            t = time.perf_counter()
+            n = run(second, DECODE_TOKENS + 1)
+            return decode_rate(n - 1, time.perf_counter() - t, ttft)
+
+        print(json.dumps(decode_beside_bandwidth(decode)), flush=True)
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -382,16 +386,16 @@ def cpu_seconds(pid: int) -> float | None:
 
 
 def paired_decode(entries: dict[str, tuple[str, list[str]]], turns: int,
-                  log: Path) -> dict[str, list[float]]:
+                  log: Path) -> dict[str, list[dict]]:
     """Single-stream decode of several systems in alternating turns: each system's worker
     process (entries: system -> (python, worker args)) loads its model once and waits; then every
     turn runs one decode per system, one after another (the order reversed every other turn), so
     each ratio compares measurements seconds apart. Separate repetitions are minutes apart, and
     this machine's bandwidth drifts by half between minutes. Returns the tok/s of each turn per
-    system, and under "_idle" the most CPU (cores) any waiting worker used during another's
+    system (decode_beside_bandwidth's dicts), and under "_idle" the most CPU (cores) any waiting worker used during another's
     turn (spin-waiting threads would slow the one measured)."""
     procs: dict[str, subprocess.Popen] = {}
-    rates: dict[str, list[float]] = {s: [] for s in entries}
+    rates: dict[str, list[dict]] = {s: [] for s in entries}
     idle = 0.0
 
     def answer(proc) -> dict:
@@ -421,8 +425,7 @@ def paired_decode(entries: dict[str, tuple[str, list[str]]], turns: int,
                         after = cpu_seconds(procs[o].pid)
                         if before is not None and after is not None:
                             idle = max(idle, (after - before) / wall)
-                    if "decode_tps" in r:
-                        rates[s].append(r["decode_tps"])
+                    rates[s].append(r)
         finally:
             for p in procs.values():
                 try:
@@ -430,7 +433,7 @@ def paired_decode(entries: dict[str, tuple[str, list[str]]], turns: int,
                     p.wait(timeout=60)
                 except (OSError, subprocess.TimeoutExpired):
                     p.kill()
-    return {**rates, "_idle": [idle]}
+    return {**rates, "_idle": [{"cores": idle}]}
 
 
 def decode_rate(tokens: int, total: float, ttft: float) -> dict:
@@ -964,7 +967,7 @@ RATIOS = [("ladle/llama.cpp", "ladle", "llama.cpp"),
 
 
 def report(name, spec, results, limits, weights: dict[str, Weights],
-           paired: dict[str, list[float]] | None = None) -> dict[str, dict]:
+           paired: dict[str, list[dict]] | None = None) -> dict[str, dict]:
     def med(system, key):
         vals = [r[key] for r in results[system] if key in r]
         return statistics.median(vals) if vals else None
@@ -1030,31 +1033,41 @@ def report(name, spec, results, limits, weights: dict[str, Weights],
         print(f"server median inter-token latency / llama.cpp single-stream inter-token latency: "
               f"{itl:.1f} / {1e3 / llama_tps:.1f} ms = {itl * llama_tps / 1e3:.2f}x")
     if paired:
-        meds["paired ratio"] = report_paired(paired)
+        meds["paired ratio"] = report_paired(paired, weights)
     sys.stdout.flush()
     return meds
 
 
-def report_paired(paired: dict[str, list[float]]) -> dict[str, float]:
-    """The alternating turns' tok/s per system, and each RATIOS pair's median of per-turn ratios
-    (both measured in the same turn, seconds apart). Returns {"num/den": ratio}."""
+def report_paired(paired: dict[str, list[dict]], weights: dict[str, Weights]) -> dict[str, float]:
+    """The alternating turns' tok/s and share of the read bandwidth measured beside each turn per
+    system, and each RATIOS pair's median of per-turn ratios (both measured in the same turn,
+    seconds apart). Returns {"num/den": ratio, "system share": median share}."""
     turns = {s: v for s, v in paired.items() if not s.startswith("_")}
     n = max(len(v) for v in turns.values())
     print(f"single-stream decode in {n} alternating turns (each system once per turn, a new "
-          f"prompt per turn), tok/s:")
-    for s, v in turns.items():
-        if v:
-            print(f"  {s:12} median {statistics.median(v):6.1f}   turns: "
-                  + " ".join(f"{x:.1f}" for x in v))
+          f"prompt per turn; tok/s, and share of the read bandwidth measured beside each turn):")
     out = {}
+    for s, v in turns.items():
+        tps = [r["decode_tps"] for r in v if "decode_tps" in r]
+        shares = [r["decode_tps"] * weights[s].bytes_per_token / 1e9 / r["read_gbs"]
+                  for r in v if "decode_tps" in r and r.get("read_gbs")]
+        if tps:
+            print(f"  {s:12} median {statistics.median(tps):6.1f}   turns: "
+                  + " ".join(f"{x:.1f}" for x in tps))
+        if shares:
+            out[f"{s} share"] = statistics.median(shares)
+            print(f"  {'':12} median {out[f'{s} share']:6.0%}   turns: "
+                  + " ".join(f"{x:.0%}" for x in shares))
     for label, num, den in RATIOS:
         a, b = turns.get(num), turns.get(den)
-        if a and b and len(a) == len(b):
-            per_turn = [x / y for x, y in zip(a, b, strict=True)]
-            out[f"{num}/{den}"] = statistics.median(per_turn)
-            print(f"  {label}: median of per-turn ratios {out[f'{num}/{den}']:.2f}x "
-                  f"(turns {min(per_turn):.2f}-{max(per_turn):.2f}x)")
-    idle = paired.get("_idle", [0.0])[0]
+        if a and b:
+            per_turn = [x["decode_tps"] / y["decode_tps"] for x, y in zip(a, b, strict=False)
+                        if "decode_tps" in x and "decode_tps" in y]
+            if per_turn:
+                out[f"{num}/{den}"] = statistics.median(per_turn)
+                print(f"  {label}: median of per-turn ratios {out[f'{num}/{den}']:.2f}x "
+                      f"(turns {min(per_turn):.2f}-{max(per_turn):.2f}x)")
+    idle = paired.get("_idle", [{}])[0].get("cores", 0.0)
     print(f"  the waiting workers used at most {idle:.0%} of a core during another's turn")
     return out
 
@@ -1093,9 +1106,11 @@ def print_targets(summary: dict[str, dict[str, dict[str, float]]]) -> None:
         if v is not None and den is not None:
             d = summary.get(den[0], {}).get(den[1], {}).get(key)
             v = None if not d else v / d
-        paired = summary.get(model, {}).get("paired ratio", {}).get(f"{num}/{den and den[1]}")
-        if key == "decode_tps" and den and den[0] == model and paired is not None:
-            v, how = paired, " (alternating turns)"  # rather than medians minutes apart
+        pairs = summary.get(model, {}).get("paired ratio", {})
+        paired = pairs.get(f"{num} share" if den is None else f"{num}/{den[1]}")
+        if key in ("decode_tps", "decode_bw") and (den is None or den[0] == model) \
+                and paired is not None:
+            v, how = paired, " (alternating turns)"  # rather than one run minutes apart
         if v is None:
             continue
         met = v >= target if higher else v <= target
