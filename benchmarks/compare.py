@@ -28,11 +28,14 @@ Cases:
 Each system runs in its own process, and the systems are interleaved within every repetition
 (reported: the median over repetitions), since this machine's speed drifts with other load.
 After the repetitions, the single-stream decode runs again in alternating turns
-(--decode-turns, default 6): every system's worker holds its model loaded and idle while the
+(--decode-turns, default 10): every system's worker holds its model loaded and idle while the
 others decode, each turn decodes once per system seconds apart (the order reversed every other
-turn, a new prompt per turn), and the decode ratios are the medians of the per-turn ratios. A
-repetition's systems are minutes apart, and this machine's read bandwidth moved by half between
-minutes (29-47 GB/s on one Zen 4), which moved those ratios by 20-40% from run to run.
+turn, a new prompt per turn), and the decode ratios are the medians of the per-turn ratios
+(each decode's share of the read bandwidth: the median over the turns, each measured beside its
+turn). A repetition's systems are minutes apart, and this machine's read bandwidth moved by half
+between minutes (29-47 GB/s on one Zen 4), which moved those ratios by 20-40% from run to run;
+within a turn they still moved 10-40% on that machine (two runs of 6 turns: Q8_0 decode medians
+1.33x and 1.18x), so one run's decode ratio is good to about a tenth.
 
 Physical limits, measured in the same run: the read bandwidth (sum of a 1 GiB tensor) and the
 matmul peaks in bf16, f32 and int8. The bf16 and f32 peaks are the faster of torch's matmul and
@@ -58,7 +61,7 @@ interleaved, runs).
     nice -n 19 benchmarks/build_llama_cpp.sh          # once, many minutes
     python benchmarks/compare.py [--reps 3] [--models gemma,0.6b-q8_0,0.6b-q4_k_m,0.6b,tiny]
         [--skip-batch] [--skip-server] [--skip-hf] [--skip-llama] [--skip-int8]
-        [--decode-turns 6] [--decode-tokens 64] [--batch-out 128] [--server-out 64]
+        [--decode-turns 10] [--decode-tokens 64] [--batch-out 128] [--server-out 64]
                                                           # smaller: quick checks only
 """
 
@@ -794,7 +797,7 @@ def main():
                     help="llama.cpp without its extra weight buffers (repacking, AMX), as "
                          "llama-server's --no-repack: on a KVM Xeon its AMX buffers crashed "
                          "(general protection fault) on batches of 16+ rows of a Q8_0 file")
-    ap.add_argument("--decode-turns", type=int, default=6,
+    ap.add_argument("--decode-turns", type=int, default=10,
                     help="alternating single-stream decode turns per system after the "
                          "repetitions (0: none); the decode ratios are taken from them")
     ap.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS,
