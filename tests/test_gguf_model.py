@@ -168,7 +168,18 @@ def test_quantized_blocks_predict_like_the_float32_model(gemma_gguf, reference):
     from prompt_logits import mean_kl, prompt_logits
 
     from ladle.runner.cpu_kernels import load_cpu_kernels
-    from ladle.runner.quant import Q4_K, Q4_K_R16, Q6_K, Q6_K_R16, Q8_0, Q8_0_R16, QuantWeight
+    from ladle.runner.quant import (
+        Q4_K,
+        Q4_K_R16,
+        Q5_0,
+        Q5_0_R16,
+        Q6_K,
+        Q6_K_R16,
+        Q8_0,
+        Q8_0_R16,
+        QuantWeight,
+        _repacks,
+    )
 
     tok, model = reference
     ids = [tok.bos_token_id] + tok(ENGLISH, add_special_tokens=False).input_ids[:256]
@@ -181,11 +192,13 @@ def test_quantized_blocks_predict_like_the_float32_model(gemma_gguf, reference):
                  if isinstance(w, QuantWeight) for p in w.parts]
         kinds = {p.name() for p in parts}
         assert kinds == {"Q8_0", "Q5_0", "Q4_K", "Q6_K"}, kinds
-        # AVX-512 VNNI builds run Q4_K, Q6_K, Q8_0 repacked by 16 rows: this test covers them.
+        # AVX-512 VNNI builds run Q4_K, Q6_K, Q8_0 repacked by 16 rows, and Q5_0 where AMX-BF16
+        # does not take its blocks: this test covers them.
         kernels = load_cpu_kernels()
         repacked = kernels is not None and hasattr(kernels, "quant_r16") and kernels.quant_r16()
-        assert {p.kind for p in parts} >= ({Q4_K_R16, Q6_K_R16, Q8_0_R16} if repacked else
-                                           {Q4_K, Q6_K, Q8_0})
+        assert {p.kind for p in parts} >= (
+            {Q4_K_R16, Q6_K_R16, Q8_0_R16, Q5_0_R16 if _repacks(Q5_0) else Q5_0} if repacked
+            else {Q4_K, Q6_K, Q8_0, Q5_0})
         got = prompt_logits(llm, ids)
     finally:
         llm.close()

@@ -296,7 +296,10 @@ needs_r16 = pytest.mark.skipif(kernels is None or not hasattr(kernels, "quant_r1
                                or not kernels.quant_r16(),
                                reason="this build does not run repacked blocks (AVX-512 VNNI)")
 R16_KINDS = sorted(Q.R16_OF)
-BF16_KINDS = R16_KINDS + [Q.Q4_0, Q.Q5_0]  # what AMX-BF16 takes dequantized (test_bf16_tiles_*)
+# The repacked kinds the tile unit takes (Q5_0's repacked rows run on the vector kernel only),
+# and what AMX-BF16 takes dequantized (test_bf16_tiles_*): those, and Q4_0 and Q5_0 blocks.
+TILE_KINDS = [k for k in R16_KINDS if k != Q.Q5_0]
+BF16_KINDS = TILE_KINDS + [Q.Q4_0, Q.Q5_0]
 R16_ID = {Q.INT8_ROW: "int8", **Q.BLOCK_TYPES}.get
 
 
@@ -308,10 +311,16 @@ def r16_weight(kind: int, rows: int, k: int, g: torch.Generator) -> Q.QuantPart:
 
 
 def repacked(p: Q.QuantPart) -> Q.QuantPart:
-    """Repacked by 16 rows as the loader does on VNNI builds; Q4_0 and Q5_0 stay as they are."""
+    """Repacked by 16 rows as the loader does on VNNI builds (Q5_0 too: see tile_repacked); Q4_0
+    stays as it is."""
     if p.kind not in Q.R16_OF:
         return p
     return Q.QuantPart(Q.R16_OF[p.kind], Q.repack_r16(p.data, p.kind), p.scale)
+
+
+def tile_repacked(p: Q.QuantPart) -> Q.QuantPart:
+    """As the loader on CPUs with AMX-BF16, which takes Q5_0 blocks as they are."""
+    return p if p.kind == Q.Q5_0 else repacked(p)
 
 
 @contextlib.contextmanager
@@ -427,12 +436,13 @@ def test_amx_tiles_give_the_vector_kernels_bits(kind, dtype):
 @needs_r16
 def test_repack_for_kernels_keeps_stacked_experts():
     """A model's Q4_K, Q6_K and Q8_0 parts of 16-row multiples are repacked, the embedding's
-    table too (shared with a tied lm_head: both read the new layout); a part of other rows and
-    experts stacked for the fused MoE keep their GGUF blocks; outputs and rows do not move."""
+    table too (shared with a tied lm_head: both read the new layout), and Q5_0's where AMX-BF16
+    does not take its blocks as they are; a part of other rows and experts stacked for the fused
+    MoE keep their GGUF blocks; outputs and rows do not move."""
     g = torch.Generator().manual_seed(13)
     k = 256
     model = torch.nn.Module()
-    model.proj = torch.nn.Linear(k, 56, bias=False)
+    model.proj = torch.nn.Linear(k, 72, bias=False)
     model.expert = torch.nn.Linear(k, 16, bias=False)
     table_raw = random_blocks(Q.Q6_K, 32, k, g)
     table = Q.QuantWeight([Q.QuantPart(Q.Q6_K, table_raw)], k, torch.float32)
@@ -442,7 +452,8 @@ def test_repack_for_kernels_keeps_stacked_experts():
     Q.install(model.proj, "weight", Q.QuantWeight(
         [Q.QuantPart(Q.Q4_K, random_blocks(Q.Q4_K, 32, k, g)),
          Q.QuantPart(Q.Q8_0, random_blocks(Q.Q8_0, 16, k, g)),
-         Q.QuantPart(Q.Q4_K, random_blocks(Q.Q4_K, 8, k, g))], k, torch.float32))
+         Q.QuantPart(Q.Q4_K, random_blocks(Q.Q4_K, 8, k, g)),
+         Q.QuantPart(Q.Q5_0, random_blocks(Q.Q5_0, 16, k, g))], k, torch.float32))
     stacked = Q.QuantWeight([Q.QuantPart(Q.Q4_K, random_blocks(Q.Q4_K, 16, k, g))], k,
                             torch.float32)
     stacked.stacked = True
@@ -451,15 +462,17 @@ def test_repack_for_kernels_keeps_stacked_experts():
     before = (Q.quant_linear(x, model.proj.weight), Q.quant_linear(x, model.lm_head.weight))
     ids = torch.tensor([[31, 0, 5]])
     rows = model.embed(ids)
-    assert Q.repack_for_kernels(model) == 3
-    assert [p.kind for p in model.proj.weight.parts] == [Q.Q4_K_R16, Q.Q8_0_R16, Q.Q4_K]
+    q5_repacked = kernels.quant_bf16_min_rows(Q.Q5_0) == 0  # (no AMX-BF16 here)
+    assert Q.repack_for_kernels(model) == 3 + q5_repacked
+    assert [p.kind for p in model.proj.weight.parts] == [
+        Q.Q4_K_R16, Q.Q8_0_R16, Q.Q4_K, Q.Q5_0_R16 if q5_repacked else Q.Q5_0]
     assert [p.kind for p in table.parts] == [Q.Q6_K_R16] and model.lm_head.weight is table
     assert [p.kind for p in stacked.parts] == [Q.Q4_K]
     assert torch.equal(Q.quant_linear(x, model.proj.weight), before[0])
     assert torch.equal(Q.quant_linear(x, model.lm_head.weight), before[1])
     assert torch.equal(model.embed(ids), rows)
     assert Q.weight_bytes(model) == {"Q4_K": 32 * 148 + 8 * 144 + 16 * 144, "Q8_0": 16 * 272,
-                                     "Q6_K": 32 * 210}
+                                     "Q6_K": 32 * 210, "Q5_0": 16 * 176}
 
 
 def test_weight_shapes_are_checked():
@@ -544,7 +557,8 @@ def test_bf16_tiles_compute_the_bf16_weights_product(kind):
     # (from the fewest rows, a partial sixteen; 200 rows at K 3072: two chunks, 160 and 40)
     for m, ns, k in [(min_rows, [16], 256), (32, [16], 256), (37, [48], 1024),
                      (64, [32, 16], 768), (200, [80], 3072)]:
-        w = Q.QuantWeight([repacked(r16_weight(kind, n, k, g)) for n in ns], k, torch.bfloat16)
+        w = Q.QuantWeight([tile_repacked(r16_weight(kind, n, k, g)) for n in ns], k,
+                          torch.bfloat16)
         x = torch.randn(m, k, generator=g).bfloat16()
         x[5] = 0  # an all-zero row
         y = torch.full((m, sum(ns)), float("nan"))
@@ -567,7 +581,7 @@ def test_bf16_tiles_compute_the_bf16_weights_product(kind):
     # beside a part that cannot (Q4_0 rows not a whole sixteen) the call keeps the integer path
     k = 512
     parts = [r16_weight(kind, 32, k, g), Q.QuantPart(Q.Q4_0, random_blocks(Q.Q4_0, 24, k, g))]
-    w = Q.QuantWeight([repacked(parts[0]), parts[1]], k, torch.bfloat16)
+    w = Q.QuantWeight([tile_repacked(parts[0]), parts[1]], k, torch.bfloat16)
     x = torch.randn(40, k, generator=g).bfloat16()
     with batch_invariant_mode():
         want = Q.quant_linear(x, w)
@@ -603,7 +617,7 @@ def test_bf16_tiles_take_a_q4_k_m_fused_weight():
 
 
 @needs_bf16_tiles
-@pytest.mark.parametrize("kind", R16_KINDS, ids=R16_ID)
+@pytest.mark.parametrize("kind", TILE_KINDS, ids=R16_ID)
 def test_bf16_gemm_for_long_prefills(kind):
     """From quant_bf16_gemm_rows() rows the dequantized weights (the same bf16 values, written
     row-major) go to torch's GEMM, whose output is rounded to bfloat16: each output within

@@ -58,11 +58,12 @@ DENSE = -2  # the model dtype
 # Blocks (and int8 rows) repacked at load by 16 rows for the AVX-512 VNNI kernels (repack_r16):
 # each kind, the kind it holds, and its (values per block, bytes per row and block): Q4_K's
 # 6-bit scales become bytes (148 against 144); the others keep their size.
-Q4_K_R16, Q6_K_R16, Q8_0_R16, INT8_ROW_R16 = -3, -4, -5, -6
-R16_OF = {Q4_K: Q4_K_R16, Q6_K: Q6_K_R16, Q8_0: Q8_0_R16, INT8_ROW: INT8_ROW_R16}
+Q4_K_R16, Q6_K_R16, Q8_0_R16, INT8_ROW_R16, Q5_0_R16 = -3, -4, -5, -6, -7
+R16_OF = {Q4_K: Q4_K_R16, Q6_K: Q6_K_R16, Q8_0: Q8_0_R16, INT8_ROW: INT8_ROW_R16,
+          Q5_0: Q5_0_R16}
 R16_BASE = {v: k for k, v in R16_OF.items()}
 R16_SIZES = {Q4_K_R16: (256, 148), Q6_K_R16: (256, 210), Q8_0_R16: (32, 34),
-             INT8_ROW_R16: (32, 32)}
+             INT8_ROW_R16: (32, 32), Q5_0_R16: (32, 22)}
 R16_ROWS = 16
 
 ACT_BLOCK = 32  # activations are quantized per this many values
@@ -470,7 +471,7 @@ def stack_expert_blocks(gate_ups: list[QuantWeight], downs: list[QuantWeight]) -
     kinds = [first_gu[0], first_gu[1], first_down[0]]
     if gate_ups[0].on_cpu and _r16_kernels():  # as repack_for_kernels, per expert's rows
         for i, (st, kind) in enumerate(zip(stacks, kinds, strict=True)):
-            if kind in R16_OF and st.shape[1] % R16_ROWS == 0:
+            if kind in R16_OF and st.shape[1] % R16_ROWS == 0 and _repacks(kind):
                 e, n, rb = st.shape
                 stacks[i] = repack_r16(st.reshape(e * n, rb), kind).reshape(e, n, -1)
                 kinds[i] = R16_OF[kind]
@@ -517,9 +518,9 @@ def _from_dword(v: torch.Tensor) -> torch.Tensor:
 
 
 def repack_r16(data: torch.Tensor, kind: int) -> torch.Tensor:
-    """Rows (N, row bytes) of Q4_K, Q6_K, Q8_0 or int8 (`kind`), N a multiple of 16 -> the rows
-    of R16_OF[kind], uint8, bytes moved (Q4_K's scales unpacked, Q8_0's and int8's values +
-    128)."""
+    """Rows (N, row bytes) of Q4_K, Q6_K, Q8_0, Q5_0 or int8 (`kind`), N a multiple of 16 -> the
+    rows of R16_OF[kind], uint8, bytes moved (Q4_K's scales unpacked, Q8_0's and int8's values +
+    128, Q5_0's high bits regrouped by dword slot)."""
     if kind == INT8_ROW:  # as Q8_0's values, without a scale per block
         data = data.view(torch.uint8)
     n, rb = data.shape
@@ -541,6 +542,11 @@ def repack_r16(data: torch.Tensor, kind: int) -> torch.Tensor:
                   torch.cat([ql.transpose(2 + 1, 2 + 2), qh.unsqueeze(4)], dim=4)]
     elif kind == Q8_0:
         fields = [b[..., 0:2], _by_dword(b[..., 2:] ^ 0x80)]
+    elif kind == Q5_0:  # row r's byte p holds in bit t value 4t + p's high bit (qh bit 4t + p)
+        qh = b[..., 2:6].to(torch.int64)
+        bits = ((qh.unsqueeze(-1) >> torch.arange(8)) & 1).reshape(*g, R16_ROWS, 8, 4)
+        high = (bits << torch.arange(8).reshape(8, 1)).sum(-2).to(torch.uint8)  # (.., 16, p)
+        fields = [b[..., 0:2], high.reshape(*g, -1), _by_dword(b[..., 6:22])]
     else:
         fields = [_by_dword(b ^ 0x80)]
     # fields with a row dim at 2 (d, scales): by row (d) or by sub-block then row (scales).
@@ -591,6 +597,11 @@ def unpack_r16(data: torch.Tensor, kind: int) -> torch.Tensor:
     elif base == Q8_0:
         d = by_row(2)
         blocks = [d, values(32) ^ 0x80]
+    elif base == Q5_0:
+        d, high = by_row(2), by_row(4).to(torch.int64)  # (.., 16, p): bit t is value 4t + p's
+        bits = (high.unsqueeze(-2) >> torch.arange(8).reshape(8, 1)) & 1  # (.., 16, t, p)
+        qh = (bits.reshape(*g, R16_ROWS, 4, 8) << torch.arange(8)).sum(-1).to(torch.uint8)
+        blocks = [d, qh, values(16)]
     else:
         blocks = [values(32) ^ 0x80]
     out = torch.cat(blocks, dim=-1)  # (G, nb, 16, block bytes)
@@ -606,9 +617,21 @@ def _r16_kernels() -> bool:
     return k is not None and hasattr(k, "quant_r16") and k.quant_r16()
 
 
+def _repacks(kind: int) -> bool:
+    """Whether the loader repacks parts of `kind` (a key of R16_OF) on this machine: every kind
+    where the kernels run them, but Q5_0 not where AMX-BF16 takes its blocks as they are for
+    prefill (quant_bf16_min_rows), which its repacked rows, vector-kernel only, would lose."""
+    if kind != Q5_0:
+        return True
+    from ladle.runner.cpu_kernels import load_cpu_kernels
+
+    return load_cpu_kernels().quant_bf16_min_rows(Q5_0) == 0
+
+
 def repack_for_kernels(model: nn.Module) -> int:
-    """Repack the model's Q4_K, Q6_K, Q8_0 and int8 weight parts of a multiple of 16 rows for the
-    kernels, where this build runs them (AVX-512 VNNI); returns how many parts. Embedding
+    """Repack the model's Q4_K, Q6_K, Q8_0, Q5_0 and int8 weight parts of a multiple of 16 rows
+    for the kernels, where this build runs them (AVX-512 VNNI; Q5_0: see _repacks); returns how
+    many parts. Embedding
     tables too (a tied lm_head multiplies by them; the row lookup reads the layout). Experts
     stacked for the fused MoE are views of their stacks, which stack_expert_blocks repacks."""
     todo: dict[int, QuantWeight] = {}
@@ -622,7 +645,8 @@ def repack_for_kernels(model: nn.Module) -> int:
     done = 0
     for w in todo.values():
         parts = [QuantPart(R16_OF[p.kind], repack_r16(p.data, p.kind), p.scale)
-                 if p.kind in R16_OF and p.rows % R16_ROWS == 0 else p for p in w.parts]
+                 if p.kind in R16_OF and p.rows % R16_ROWS == 0 and _repacks(p.kind) else p
+                 for p in w.parts]
         done += sum(p.kind in R16_BASE for p in parts)
         w.__init__(parts, w.in_features, w.dtype, w.rotation)
     return done

@@ -67,15 +67,20 @@ namespace {
 
 constexpr int kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kMXFP4 = 39;
 constexpr int kI8 = -1;  // int8 rows with a float scale per row (quant.py's INT8_ROW)
-// Repacked at load by 16 rows (quant.py's Q4_K_R16, Q6_K_R16, Q8_0_R16, INT8_ROW_R16; AVX-512
-// VNNI builds).
-constexpr int kQ4KR = -3, kQ6KR = -4, kQ8R = -5, kI8R = -6;
+// Repacked at load by 16 rows (quant.py's Q4_K_R16, Q6_K_R16, Q8_0_R16, INT8_ROW_R16,
+// Q5_0_R16; AVX-512 VNNI builds).
+constexpr int kQ4KR = -3, kQ6KR = -4, kQ8R = -5, kI8R = -6, kQ5R = -7;
 inline bool is_r16(int type) {
-  return type == kQ4KR || type == kQ6KR || type == kQ8R || type == kI8R;
+  return type == kQ4KR || type == kQ6KR || type == kQ8R || type == kI8R || type == kQ5R;
 }
+// The repacked types the tile unit's paths (AMX-INT8, AMX-BF16) take; Q5_0_R16 runs on the
+// vector kernel only (quant.py repacks Q5_0 only where AMX-BF16 does not take its blocks).
+inline bool tile_r16(int type) { return is_r16(type) && type != kQ5R; }
 // Types not repacked whose 16-row panels can also become bfloat16 B tiles (bf16_group).
 constexpr bool bf16_panel_type(int type) { return type == kQ4_0 || type == kQ5_0; }
-inline int r16_base(int type) { return type == kQ4KR ? kQ4_K : type == kQ6KR ? kQ6_K : kQ8_0; }
+inline int r16_base(int type) {
+  return type == kQ4KR ? kQ4_K : type == kQ6KR ? kQ6_K : type == kQ5R ? kQ5_0 : kQ8_0;
+}
 
 // f(std::integral_constant<int, TYPE>{}) for a kernel type (checked by the caller): the one
 // switch from a part's type to the code compiled for it.
@@ -109,6 +114,7 @@ inline int64_t block_bytes(int type) {
     case kQ6KR: return 210;  // 16 rows' 3360
     case kQ8R: return 34;  // 16 rows' 544 per 32 values
     case kI8R: return 32;  // 16 rows' 512
+    case kQ5R: return 22;  // 16 rows' 352
   }
   return 0;
 }
@@ -242,7 +248,7 @@ inline void unpack_scalar(const uint8_t* row, int64_t sb, Sub& o) {
   }
 }
 
-// Row r of a repacked group g (kQ4KR, kQ6KR, kQ8R; `nblocks` blocks) back in its GGUF blocks
+// Row r of a repacked group g (kQ4KR, kQ6KR, kQ8R, kQ5R; `nblocks` blocks) back in its GGUF blocks
 // (quant.py's unpack_r16 for one row): what the embedding's row lookup reads.
 inline void r16_row(int type, const uint8_t* g, int r, int64_t nblocks, uint8_t* out) {
   for (int64_t blk = 0; blk < nblocks; blk++) {
@@ -275,6 +281,15 @@ inline void r16_row(int type, const uint8_t* g, int r, int64_t nblocks, uint8_t*
           for (int c = 0; c < 2; c++) std::memcpy(o + half * 64 + c * 32 + 4 * t, q + c * 64, 4);
           std::memcpy(o + 128 + half * 32 + 4 * t, q + 128, 4);
         }
+    } else if (type == kQ5R) {
+      const uint8_t* b = g + blk * 352;
+      uint8_t* o = out + blk * 22;
+      std::memcpy(o, b + 2 * r, 2);
+      uint32_t qh = 0;  // bit 4t + p from bit t of the row's byte p
+      for (int p = 0; p < 4; p++)
+        for (int t = 0; t < 8; t++) qh |= uint32_t((b[32 + 4 * r + p] >> t) & 1) << (4 * t + p);
+      std::memcpy(o + 2, &qh, 4);
+      for (int t = 0; t < 4; t++) std::memcpy(o + 6 + 4 * t, b + 96 + t * 64 + 4 * r, 4);
     } else {
       const uint8_t* b = g + blk * 544;
       uint8_t* o = out + blk * 34;
@@ -904,14 +919,21 @@ void part_tiles(const Part& p, int64_t t0, int64_t t1, const Act& a, int64_t M, 
 //   Q8_0 (544 per 32, as 16 x 34): d[16] float16; 8 x 64 bytes of the values + 128 (unsigned).
 //   int8 rows (512 per 32, as 16 x 32): the values + 128 as Q8_0's; the rows' float scales stay
 //     beside the part and multiply the sums at the end, as in a tile.
-// A sub-block's int32 sums start at -bias * sum(x) (Q6_K 32 per half, Q8_0 128), and the float
+//   Q5_0 (352 per 32, as 16 x 22): d[16] float16; 64 bytes of high bits, byte 4r + p holding
+//     in bit t value 4t + p's (row r); then 4 x 64 bytes, dword r of the t-th 64 being row r's
+//     qs bytes 4t .. 4t + 3 (low nibbles: dword slot t's values, high: slot t + 4's). Its rows
+//     run as Q8_0's, the values q (0 .. 31) unsigned with bias 16: nibble | high bit << 4, two
+//     or three instructions per 64, where the 8-row tiles (not repacked) ran compute-bound at
+//     ~15 G weights/s from cache against repacked Q8_0's ~64 (2 threads, 2048 x 640).
+// A sub-block's int32 sums start at -bias * sum(x) (Q6_K 32 per half, Q8_0 128, Q5_0 16), and the float
 // steps are the tiles' and panels' (the one order): a repacked part gives its blocks' bits.
 constexpr int64_t kR16Rows = 16;
 template <int TYPE> constexpr int64_t kR16Block =
-    TYPE == kQ4KR ? 2368 : TYPE == kQ6KR ? 3360 : TYPE == kQ8R ? 544 : 512;
-template <int TYPE> constexpr int kR16Subs = TYPE == kQ8R || TYPE == kI8R ? 1 : 8;  // per block
+    TYPE == kQ4KR ? 2368 : TYPE == kQ6KR ? 3360 : TYPE == kQ8R ? 544 : TYPE == kQ5R ? 352 : 512;
+template <int TYPE> constexpr int kR16Subs =  // per block
+    TYPE == kQ8R || TYPE == kI8R || TYPE == kQ5R ? 1 : 8;
 template <int TYPE> constexpr int32_t kR16Bias =
-    TYPE == kQ8R || TYPE == kI8R ? 128 : TYPE == kQ6KR ? 32 : 0;
+    TYPE == kQ8R || TYPE == kI8R ? 128 : TYPE == kQ6KR ? 32 : TYPE == kQ5R ? 16 : 0;
 
 // The int32 sums of a sub-block of 32 for MR activation rows (i[m][h]: values 16h .. 16h + 15
 // where Q6_K's halves have a scale each, else one sum) start at -bias * sum(x).
@@ -926,6 +948,8 @@ inline void r16_start(const Act& a, int64_t m0, int64_t sb, __m512i (*i)[H]) {
       i[m][1] = _mm512_set1_epi32(a.b32[(m0 + m) * ld + sb * 2 + 1]);
     } else if constexpr (bias == 128) {
       i[m][0] = _mm512_set1_epi32(a.b128[(m0 + m) * (a.K / 32) + sb]);
+    } else if constexpr (bias == 16) {  // Q5_0: -128 x sum(x) / 8, exact
+      i[m][0] = _mm512_set1_epi32(a.b128[(m0 + m) * (a.K / 32) + sb] / 8);
     } else {
       static_assert(bias == 0);  // Q4_K's nibbles
       i[m][0] = _mm512_setzero_si512();
@@ -986,6 +1010,20 @@ inline void r16_finish(const uint8_t* b, int j, const Act& a, int64_t m0, int64_
 inline __m512i q4k_r16_values(const uint8_t* b, int j, int t) {
   const __m512i z = _mm512_loadu_si512(b + 320 + (j >> 1) * 512 + t * 64);
   return _mm512_and_si512((j & 1) ? _mm512_srli_epi16(z, 4) : z, _mm512_set1_epi8(0x0F));
+}
+
+// Q5_0 repacked: dword slot t of the 16 rows of the block at b (nibble | high bit << 4), its
+// high-bit bytes h (b + 32) loaded once per block.
+inline __m512i q5_r16_values(const uint8_t* b, __m512i h, int t) {
+  const __m512i z = _mm512_loadu_si512(b + 96 + (t & 3) * 64);
+  const __m512i low = _mm512_and_si512(t < 4 ? z : _mm512_srli_epi16(z, 4), _mm512_set1_epi8(0x0F));
+#if defined(__GFNI__)  // bit t of each byte to bit 4, the rest cleared: one instruction
+  const __m512i high = _mm512_gf2p8affine_epi64_epi8(h, _mm512_set1_epi64((1ll << t) << 24), 0);
+#else
+  const __m512i high = _mm512_and_si512(
+      t <= 4 ? _mm512_slli_epi16(h, 4 - t) : _mm512_srli_epi16(h, t - 4), _mm512_set1_epi8(0x10));
+#endif
+  return _mm512_or_si512(low, high);
 }
 
 // Q6_K repacked: dword slot t of the 16 rows for the four sub-blocks of one half of the block
@@ -1076,11 +1114,15 @@ inline void r16_rows(const uint8_t* g, const Act& a, int64_t m0, float (*out)[16
         const int64_t sb = sb0 + j;
         __m512i i[MR][1];
         r16_start<TYPE, MR, 1>(a, m0, sb, i);
+        [[maybe_unused]] __m512i h;
+        if constexpr (TYPE == kQ5R) h = _mm512_loadu_si512(b + 32);
 #pragma GCC unroll 8
         for (int t = 0; t < 8; t++) {
           __m512i v;
           if constexpr (TYPE == kQ4KR) {
             v = q4k_r16_values(b, j, t);
+          } else if constexpr (TYPE == kQ5R) {
+            v = q5_r16_values(b, h, t);
           } else {
             v = _mm512_loadu_si512(b + (TYPE == kI8R ? 0 : 32) + t * 64);
           }
@@ -1702,7 +1744,7 @@ void r16_group(const Part& p, int64_t g0, int ng, const Act& a, int64_t M, T* y,
       return;
     }
   }
-  if (M >= 16 && amx_active()) {
+  if constexpr (TYPE != kQ5R) if (M >= 16 && amx_active()) {
     // A last partial sixteen of at least kAmxPadMin rows runs on the tile unit too, padded with
     // the zero rows the call's activations hold (results dropped), instead of on the vector
     // kernel: the same integers and float steps, so the same bits.
@@ -1769,6 +1811,7 @@ void r16_group_any(const Part& p, int64_t g, int ng, const Act& a, int64_t M, T*
     case kQ4KR: return r16_group<kQ4KR>(p, g, ng, a, M, y, ldy);
     case kQ6KR: return r16_group<kQ6KR>(p, g, ng, a, M, y, ldy);
     case kQ8R: return r16_group<kQ8R>(p, g, ng, a, M, y, ldy);
+    case kQ5R: return r16_group<kQ5R>(p, g, ng, a, M, y, ldy);
     default: return r16_group<kI8R>(p, g, ng, a, M, y, ldy);
   }
 }
@@ -2592,11 +2635,11 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
 #if defined(LADLE_QUANT_BF16)
   if (!invariant && x.scalar_type() == at::kBFloat16 && amx_active() &&
       std::all_of(parts.begin(), parts.end(), [M](const Part& p) {
-        return (is_r16(p.type) || (bf16_panel_type(p.type) && p.rows % kR16Rows == 0)) &&
+        return (tile_r16(p.type) || (bf16_panel_type(p.type) && p.rows % kR16Rows == 0)) &&
                M >= bf16_min_rows(p.type);
       })) {
     if (M >= kBf16GemmRows && std::all_of(parts.begin(), parts.end(), [](const Part& p) {
-          return is_r16(p.type) && p.col % kR16Rows == 0;
+          return tile_r16(p.type) && p.col % kR16Rows == 0;
         })) {
       // The call's whole weight (its parts in their columns; columns of none, which the caller
       // fills, as zero rows) in chunks of rows of about kBf16GemmBytes, each one GEMM.
@@ -2695,7 +2738,7 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
   bool on_tiles = false;
 #if defined(LADLE_QUANT_AMX)
   on_tiles = M >= kAmxMinRows && amx_active() &&
-             std::any_of(parts.begin(), parts.end(), [](const Part& p) { return is_r16(p.type); });
+             std::any_of(parts.begin(), parts.end(), [](const Part& p) { return tile_r16(p.type); });
 #endif
   const int64_t Mp = on_tiles ? std::max<int64_t>(16, (M + 15) / 16 * 16) : M;
   auto padded = [&](int64_t cols, at::ScalarType t) {
@@ -2965,7 +3008,7 @@ bool quant_r16() { return kHasR16; }
 
 int64_t quant_bf16_min_rows(int64_t type) {
 #if defined(LADLE_QUANT_BF16)
-  return amx_active() && (is_r16(int(type)) || bf16_panel_type(int(type)))
+  return amx_active() && (tile_r16(int(type)) || bf16_panel_type(int(type)))
              ? bf16_min_rows(int(type)) : 0;
 #else
   (void)type;
@@ -3002,7 +3045,7 @@ bool set_quant_amx(bool on) {
 std::string quant_isa() {
 #if defined(LADLE_QUANT_AMX)
   if (amx_active())
-    return "avx512-vnni (256-bit tiles, 512-bit panels from 12 rows, Q4_K/Q6_K/Q8_0 repacked) "
+    return "avx512-vnni (256-bit tiles, 512-bit panels from 12 rows, Q4_K/Q6_K/Q8_0/Q5_0 repacked) "
            "+ amx-int8 (repacked parts, 16 rows at a time; rotated int8 rows per token from 4 rows)"
 #if defined(LADLE_QUANT_BF16)
            " + amx-bf16 (repacked, Q4_0, Q5_0 parts dequantized, from 8-20 rows)"
@@ -3010,7 +3053,7 @@ std::string quant_isa() {
            ;
 #endif
 #if defined(LADLE_QUANT_512) && defined(__AVX512VL__)
-  return "avx512-vnni (256-bit tiles, 512-bit panels from 12 rows, Q4_K/Q6_K/Q8_0 repacked; "
+  return "avx512-vnni (256-bit tiles, 512-bit panels from 12 rows, Q4_K/Q6_K/Q8_0/Q5_0 repacked; "
          "rotated int8 rows per token from 4 rows)";
 #elif defined(LADLE_QUANT_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return "avx512-vnni (256-bit)";
