@@ -291,8 +291,6 @@ def worker_hf(path, dtype, cases):
                               min_new_tokens=n, do_sample=False, pad_token_id=0)
 
     run([single.warm_up], 4)
-    if "paired" in cases:
-        return decode_turns(lambda q, n: len(run([q], n)[0].outputs[0].token_ids))
     out = {}
     if "single" in cases:
         ttft = _median_over(lambda q: run([q], 1), single.ttft)
@@ -394,9 +392,10 @@ def paired_decode(entries: dict[str, tuple[str, list[str]]], turns: int,
     process (entries: system -> (python, worker args)) loads its model once and waits; then every
     turn runs one decode per system, one after another (the order reversed every other turn), so
     each ratio compares measurements seconds apart. Separate repetitions are minutes apart, and
-    this machine's bandwidth drifts by half between minutes. Returns the tok/s of each turn per
-    system (decode_beside_bandwidth's dicts), and under "_idle" the most CPU (cores) any waiting worker used during another's
-    turn (spin-waiting threads would slow the one measured)."""
+    this machine's bandwidth drifts by half between minutes. Returns each turn's result per
+    system (decode_beside_bandwidth's dicts), and under "_idle" the most CPU (in cores) any
+    waiting worker used during another's turn (spin-waiting threads would slow the one
+    measured)."""
     procs: dict[str, subprocess.Popen] = {}
     rates: dict[str, list[dict]] = {s: [] for s in entries}
     idle = 0.0
