@@ -543,9 +543,12 @@ def repack_r16(data: torch.Tensor, kind: int) -> torch.Tensor:
     elif kind == Q8_0:
         fields = [b[..., 0:2], _by_dword(b[..., 2:] ^ 0x80)]
     elif kind == Q5_0:  # row r's byte p holds in bit t value 4t + p's high bit (qh bit 4t + p)
-        qh = b[..., 2:6].to(torch.int64)
-        bits = ((qh.unsqueeze(-1) >> torch.arange(8)) & 1).reshape(*g, R16_ROWS, 8, 4)
-        high = (bits << torch.arange(8).reshape(8, 1)).sum(-2).to(torch.uint8)  # (.., 16, p)
+        # in uint8 throughout: 32 bytes of bits per 22-byte block while it runs
+        bits = (b[..., 2:6].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1
+        bits = bits.reshape(*g, R16_ROWS, 8, 4)  # (.., t, p): qh bit 8 byte + i = 4t + p
+        high = torch.zeros(*g, R16_ROWS, 4, dtype=torch.uint8)
+        for t in range(8):
+            high |= bits[..., t, :] << t
         fields = [b[..., 0:2], high.reshape(*g, -1), _by_dword(b[..., 6:22])]
     else:
         fields = [_by_dword(b ^ 0x80)]
@@ -598,9 +601,12 @@ def unpack_r16(data: torch.Tensor, kind: int) -> torch.Tensor:
         d = by_row(2)
         blocks = [d, values(32) ^ 0x80]
     elif base == Q5_0:
-        d, high = by_row(2), by_row(4).to(torch.int64)  # (.., 16, p): bit t is value 4t + p's
-        bits = (high.unsqueeze(-2) >> torch.arange(8).reshape(8, 1)) & 1  # (.., 16, t, p)
-        qh = (bits.reshape(*g, R16_ROWS, 4, 8) << torch.arange(8)).sum(-1).to(torch.uint8)
+        d, high = by_row(2), by_row(4)  # (.., 16, p): bit t is value 4t + p's
+        bits = (high.unsqueeze(-2) >> torch.arange(8, dtype=torch.uint8).reshape(8, 1)) & 1
+        bits = bits.reshape(*g, R16_ROWS, 4, 8)  # (.., 16, t, p) as qh's (byte, bit)
+        qh = torch.zeros(*g, R16_ROWS, 4, dtype=torch.uint8)
+        for i in range(8):
+            qh |= bits[..., i] << i
         blocks = [d, qh, values(16)]
     else:
         blocks = [values(32) ^ 0x80]
