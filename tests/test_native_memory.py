@@ -39,3 +39,86 @@ def test_freed_step_buffers_stay_until_trim_heap_returns_them():
     m = json.loads(out.stdout.strip().splitlines()[-1])
     assert m["kept"] - m["base"] > 200, m  # freed, still resident: the next step reuses them
     assert m["trimmed"] - m["base"] < 32, m  # given back to the system
+
+
+WEIGHTS_CHILD = r"""
+import json
+import torch
+from ladle.runner import quant as Q
+from ladle.runner.cpu_kernels import load_cpu_kernels, weights_to_huge_pages
+
+def smaps(key):
+    for line in open("/proc/self/smaps_rollup"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+
+g = torch.Generator().manual_seed(0)
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Parameter(torch.randn(4096, 1024, generator=g).bfloat16(),
+                                        requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.ones(1024), requires_grad=False)
+        self.register_buffer("table", torch.randn(3000, 700, generator=g))
+        # Q8_0 rows: f16 scale 0.01 then 32 int8 values, per block of 32
+        blocks = torch.randint(-127, 128, (2048, 32, 34), generator=g, dtype=torch.int8)
+        blocks = blocks.view(torch.uint8).clone()
+        blocks[:, :, :2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+        self.q = Q.QuantWeight([Q.QuantPart(Q.Q8_0, blocks.view(2048, -1))], 1024,
+                               torch.float32)
+        self.stack = [torch.randn(512, 1024, generator=g), torch.arange(10)]
+class Outer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = Net()
+        self.head = torch.nn.Linear(1024, 4096, bias=False)
+        self.head.weight = self.net.embed  # tied
+        self.half = self.net.table[:, ::2]  # a strided view of a buffer
+
+m = Outer()
+load_cpu_kernels()
+x = torch.randn(3, 1024, generator=g)
+tensors = {"embed": m.net.embed, "norm": m.net.norm, "table": m.net.table, "half": m.half,
+           "q": m.net.q.parts[0].data, "s0": m.net.stack[0], "s1": m.net.stack[1]}
+before = {k: t.clone() for k, t in tensors.items()}
+ptrs = {k: t.data_ptr() for k, t in tensors.items()}
+y = Q.quant_linear(x, m.net.q)
+huge, rss = smaps("AnonHugePages"), smaps("Rss")
+moved = weights_to_huge_pages(m)
+print(json.dumps({
+    "moved": moved,
+    "expected": sum((t.untyped_storage().nbytes() + 63) // 64 * 64 for t in
+                    (m.net.embed, m.net.norm, m.net.table, m.net.q.parts[0].data,
+                     m.net.stack[0], m.net.stack[1])),
+    "equal": {k: bool(torch.equal(t, before[k])) for k, t in tensors.items()},
+    "moved_ptrs": {k: t.data_ptr() != ptrs[k] for k, t in tensors.items()},
+    "tied": m.head.weight.data_ptr() == m.net.embed.data_ptr(),
+    "view": m.half.untyped_storage().data_ptr() == m.net.table.untyped_storage().data_ptr()
+            and m.half.stride() == (700, 2),
+    "same_output": bool(torch.equal(Q.quant_linear(x, m.net.q), y)),
+    "huge_mib": smaps("AnonHugePages") - huge, "rss_mib": smaps("Rss") - rss,
+    "thp": open("/sys/kernel/mm/transparent_hugepage/enabled").read(),
+}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages (Linux)")
+def test_weights_move_into_huge_pages_in_place():
+    """weights_to_huge_pages (loader.py calls it on every CPU model): every tensor the modules
+    hold - parameters, buffers, plain attributes, QuantWeight parts, lists - moves once per
+    storage with its values; tied weights stay one storage and views keep their strides; the
+    kernels then read the new memory (same output); the pages are 2 MiB ones where the kernel
+    allows them, and the old memory is given back (resident memory does not double)."""
+    out = subprocess.run([sys.executable, "-c", WEIGHTS_CHILD], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    if "[never]" in m["thp"]:
+        assert m["moved"] == 0, m  # nothing to gain: left where they are
+        return
+    assert m["moved"] == m["expected"], m
+    assert all(m["equal"].values()) and all(m["moved_ptrs"].values()), m
+    assert m["tied"] and m["view"] and m["same_output"], m
+    total = m["moved"] / 2**20  # ~28 MiB
+    assert m["huge_mib"] >= total - 4, m  # all but the partial 2 MiB pages at the ends
+    assert m["rss_mib"] < 8, m  # the old storages freed and trimmed, not kept beside the copy

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -225,6 +226,14 @@ def load_model(path: Path, hf_config: dict, dtype: torch.dtype, device: torch.de
     if repacked:
         logger.info("%s: %d Q4_K/Q6_K/Q8_0/Q5_0 weight parts repacked by 16 rows for the AVX-512 "
                     "VNNI kernels", path, repacked)
+    if device.type == "cpu":
+        from ladle.runner.cpu_kernels import weights_to_huge_pages
+
+        t = time.perf_counter()
+        moved = weights_to_huge_pages(model)
+        if moved:
+            logger.info("%s: %.0f MiB of weights moved into memory advised for 2 MiB pages in "
+                        "%.2f s", path, moved / 2**20, time.perf_counter() - t)
     return model.eval()
 
 

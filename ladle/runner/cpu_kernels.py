@@ -297,6 +297,60 @@ def kernels_for(*tensors: torch.Tensor):
     return load_cpu_kernels()
 
 
+_THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def weights_to_huge_pages(model: torch.nn.Module) -> int:
+    """Move the model's CPU weights (parameters, buffers, QuantWeight parts, stacked experts:
+    every tensor its modules hold, each storage once) into one mapping backed by 2 MiB pages
+    (csrc/memory.cpp), in place. A decode step streams all of them once; on 4 KiB pages the same
+    kernels read 10-25% slower (a Zen 4: the bf16 one-row linear 28-32 -> 33-36 GB/s). Returns
+    the bytes moved: 0 without the kernels, off Linux, or where transparent huge pages are
+    off ("never"), since the move would then buy nothing."""
+    try:
+        if "[never]" in _THP_ENABLED.read_text():
+            return 0
+    except OSError:
+        return 0
+    tensors = [t for t in _held_tensors(model) if t.device.type == "cpu"]
+    kernels = load_cpu_kernels() if tensors else None
+    if kernels is None:
+        return 0
+    return kernels.weights_to_huge_pages(tensors)
+
+
+def _held_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every tensor the model's modules hold: parameters, buffers and plain attributes, and
+    those inside QuantWeights and lists, tuples and dicts of them (stacked experts' blocks)."""
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def visit(v, depth: int) -> None:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif id(v) in seen or depth > 3:
+            return
+        elif isinstance(v, QuantWeight):
+            seen.add(id(v))
+            for part in v.parts:
+                visit(part.data, depth + 1)
+                visit(part.scale, depth + 1)
+        elif isinstance(v, dict):
+            seen.add(id(v))
+            for item in v.values():
+                visit(item, depth + 1)
+        elif isinstance(v, (list, tuple)):
+            seen.add(id(v))
+            for item in v:
+                visit(item, depth + 1)
+
+    for m in model.modules():
+        for v in vars(m).values():
+            if not isinstance(v, torch.nn.Module):
+                visit(v, 0)
+    return out
+
+
 def supports(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float32)
 

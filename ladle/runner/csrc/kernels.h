@@ -90,3 +90,8 @@ void noise_uniform(at::Tensor token_key, at::Tensor k1, at::Tensor k2,
                    at::Tensor out);
 at::Tensor seeded_race(at::Tensor logits, at::Tensor token_key, at::Tensor k1,
                        at::Tensor k2);
+
+// memory.cpp
+// Moves the CPU storages of these tensors (each once) into one mapping advised for 2 MiB pages,
+// in place: every tensor and view keeps its object and offset. Returns the bytes moved.
+int64_t weights_to_huge_pages(const std::vector<at::Tensor>& tensors);
