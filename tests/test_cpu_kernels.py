@@ -287,6 +287,41 @@ def test_decode_attention_rows_of_one_sequence_equal_rows_alone(kernels, dtype, 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+# Gemma 3's one KV head (4 query heads, D 256: one head block, the value sum in passes of 64
+# dims split in two), 16 heads of 64 (two head blocks) and the scalar path (40).
+@pytest.mark.parametrize("H,D", [(4, 256), (16, 64), (4, 40)])
+@pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (300, 30.0, True)])
+def test_long_decode_of_one_kv_head_split_between_threads_equals_batched(kernels, dtype, H, D,
+                                                                          window, softcap,
+                                                                          sinks, monkeypatch):
+    """One sequence of a one-KV-head model at a long context is a single attention job, which
+    the kernel splits between the threads (its key scores and value sums); in a batch each
+    sequence is a job of its own on one thread. The row must be the same bit for bit both ways
+    (a request's tokens do not depend on its batch), and match the twin."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("the split needs two threads")
+    torch.manual_seed(13)
+    bs, nblocks = 16, 96
+    k_cache = torch.randn(nblocks, 1, bs, D).to(dtype)
+    v_cache = torch.randn(nblocks, 1, bs, D).to(dtype)
+    tables = torch.stack([torch.randperm(nblocks)[:40] for _ in range(3)])
+    ctx = torch.tensor([613, 250, 640])  # 613 x 4 heads x 256 dims: past the split's threshold
+    q = (torch.randn(3, H, D) * 2).to(dtype)
+    sink = torch.linspace(-3, 3, H) if sinks else None
+    batch = DecodeBatch(rows=torch.arange(3), block_table=tables, ctx_lens=ctx)
+    together = decode_attention(q, k_cache, v_cache, batch, D**-0.5, window, softcap, sink)
+    for b in (0, 2):
+        alone = DecodeBatch(rows=torch.arange(1), block_table=tables[b:b + 1],
+                            ctx_lens=ctx[b:b + 1])
+        one = decode_attention(q[b:b + 1], k_cache, v_cache, alone, D**-0.5, window, softcap,
+                               sink)
+        assert torch.equal(one[0], together[b]), f"row {b} alone differs from its batch"
+    monkeypatch.setitem(cpu_kernels._loaded, "module", None)  # the torch path
+    want = decode_attention(q, k_cache, v_cache, batch, D**-0.5, window, softcap, sink)
+    torch.testing.assert_close(together, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_window_wider_than_context_is_bit_identical(kernels, dtype):
     """A window that reaches every cached token reads exactly what full attention reads."""
     torch.manual_seed(6)
