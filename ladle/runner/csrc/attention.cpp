@@ -15,11 +15,16 @@
 #include "vec.h"
 
 #if defined(__AVX512F__)
-// Cached rows this many tokens ahead are prefetched into L1, and each job prefetches the next
-// job's keys and values into L2: a sequence's blocks lie anywhere in the cache, so the hardware
-// prefetcher loses the stream at every block boundary. Measured on a Zen 4 at 32 sequences x
-// 192 tokens (Qwen3-0.6B heads), with the vector softmax: 1.98 -> 1.35 ms per layer.
+// Cached rows this many tokens ahead are prefetched into L1, and those kFarBytes ahead into L2;
+// each job prefetches the first kFarBytes of the next job's keys and values into L2. A
+// sequence's blocks lie anywhere in the cache, so the hardware prefetcher loses the stream at
+// every block boundary. Measured on a Zen 4 at 32 sequences x 192 tokens (Qwen3-0.6B heads),
+// with the vector softmax, L1 prefetch and all of the next job's rows: 1.98 -> 1.35 ms per layer.
+// One sequence (0.6B heads, 2 threads, a cold cache, consecutive blocks), us per layer, that /
+// with the L2 stream and the next job's first rows only: 512 tokens 136 / 108, 1024 333 / 206,
+// 4096 1137 / 881 (prefetching a whole next job that outgrows L2 fetched it twice).
 constexpr int64_t kPrefetchTokens = 8;
+constexpr int64_t kFarBytes = 8192;
 
 template <typename T>
 static inline void prefetch_rows(const T* const* rows, int64_t begin, int64_t end, int64_t D) {
@@ -27,14 +32,28 @@ static inline void prefetch_rows(const T* const* rows, int64_t begin, int64_t en
     for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64)
       _mm_prefetch(reinterpret_cast<const char*>(rows[t]) + b, _MM_HINT_T0);
 }
+// Rows [begin, end) into L2.
+template <typename T>
+static inline void prefetch_rows_l2(const T* const* rows, int64_t begin, int64_t end, int64_t D) {
+  for (int64_t t = begin; t < end; ++t)
+    for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rows[t]) + b, _MM_HINT_T1);
+}
+// The L2 stream's distance in rows of D values of T.
+template <typename T>
+static inline int64_t far_rows(int64_t D) {
+  return std::max<int64_t>(2 * kPrefetchTokens, kFarBytes / (D * static_cast<int64_t>(sizeof(T))));
+}
 
 // scores[t] = q . keys[t] for n keys (row pointers), four keys per shuffle-tree reduction.
 template <typename T>
 static inline void key_scores(const float* q, const T* const* keys, int64_t n, int64_t D,
                               float* scores) {
+  const int64_t far = far_rows<T>(D);
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) {
     prefetch_rows(keys, t + kPrefetchTokens, std::min(n, t + kPrefetchTokens + 4), D);
+    prefetch_rows_l2(keys, t + far, std::min(n, t + far + 4), D);
     __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                    _mm512_setzero_ps()};
     for (int64_t d = 0; d < D; d += 16) {
@@ -56,8 +75,10 @@ static inline void key_scores(const float* q, const T* const* keys, int64_t n, i
 template <int HN, typename T>
 static inline void key_scores_shared(const float* const* q, const T* const* keys, int64_t n,
                                      int64_t D, float* const* scores) {
+  const int64_t far = far_rows<T>(D);
   for (int64_t t = 0; t < n; t += 4) {
     prefetch_rows(keys, t + kPrefetchTokens, std::min(n, t + kPrefetchTokens + 4), D);
+    prefetch_rows_l2(keys, t + far, std::min(n, t + far + 4), D);
     __m512 a[HN][4];
     for (int i = 0; i < HN; ++i)
       for (int j = 0; j < 4; ++j) a[i][j] = _mm512_setzero_ps();
@@ -89,8 +110,10 @@ static inline void weighted_values_shared(const float* const* p, const int64_t* 
   __m512 a[HN][P];
   for (int i = 0; i < HN; ++i)
     for (int c = 0; c < P; ++c) a[i][c] = _mm512_setzero_ps();
+  const int64_t far = far_rows<T>(D);
   for (int64_t t = 0; t < lo; ++t) {
     if (t + kPrefetchTokens < hi) prefetch_rows(values, t + kPrefetchTokens, t + kPrefetchTokens + 1, D);
+    if (t + far < hi) prefetch_rows_l2(values, t + far, t + far + 1, D);
     __m512 pi[HN];
     for (int i = 0; i < HN; ++i) pi[i] = _mm512_set1_ps(p[i][t]);
     for (int c = 0; c < P; ++c) {
@@ -404,13 +427,15 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* b
     // The group's rows share the blocks of its longest context n (its last row).
     const int64_t n = ctx[b0 + rows - 1], start = first_token(n), m = n - start;
 #if defined(__AVX512F__)
-    // The next job's keys and values into L2 while this one runs, unless they are this job's.
+    // The first keys and values of the next job into L2 while this one runs (the L2 stream
+    // takes it from there), unless they are this job's.
     if (next >= 0 && !(grp + 1 < num_groups && follows[grp + 1])) {
       const int64_t g2 = next % num_groups, h2 = next / num_groups;
       const int64_t b2 = groups[g2 + 1] - 1;
       const int64_t bytes = bs * D * static_cast<int64_t>(sizeof(T));
       const int64_t start2 = first_token(ctx[b2]);
-      for (int64_t t0 = start2 - start2 % bs; t0 < ctx[b2]; t0 += bs) {
+      const int64_t stop2 = std::min(ctx[b2], start2 + far_rows<T>(D));
+      for (int64_t t0 = start2 - start2 % bs; t0 < stop2; t0 += bs) {
         const int64_t base = (bt[b2 * max_blocks + t0 / bs] * KVH + h2) * bs * D;
         const int64_t len = std::min<int64_t>(bytes, (ctx[b2] - t0) * D * sizeof(T));
         for (int64_t o = 0; o < len; o += 64) {
