@@ -274,15 +274,22 @@ def test_decode_attention_rows_of_one_sequence_equal_rows_alone(kernels, dtype, 
     batch = DecodeBatch(rows=torch.arange(len(ctx)), block_table=torch.stack(table),
                         ctx_lens=torch.tensor(ctx))
     sink = torch.linspace(-3, 3, H) if sinks else None
-    got = decode_attention(q, k_cache, v_cache, batch, D**-0.5, window, softcap, sink)
-    for b in range(len(ctx)):
+    assert_rows_alone_equal_batch(q, k_cache, v_cache, batch, range(len(ctx)), dtype,
+                                  monkeypatch, D**-0.5, window, softcap, sink)
+
+
+def assert_rows_alone_equal_batch(q, k_cache, v_cache, batch, rows, dtype, monkeypatch, *args):
+    """Each of `rows` attended alone equals the same row of the batch bit for bit, and the
+    batch matches the torch twin within rounding. args: decode_attention's after the batch."""
+    got = decode_attention(q, k_cache, v_cache, batch, *args)
+    for b in rows:
         alone = DecodeBatch(rows=torch.arange(1), block_table=batch.block_table[b:b + 1],
                             ctx_lens=batch.ctx_lens[b:b + 1])
-        one = decode_attention(q[b:b + 1], k_cache, v_cache, alone, D**-0.5, window, softcap,
-                               sink)
-        assert torch.equal(one[0], got[b]), f"row {b} (context {ctx[b]}) differs from alone"
+        one = decode_attention(q[b:b + 1], k_cache, v_cache, alone, *args)
+        assert torch.equal(one[0], got[b]), \
+            f"row {b} (context {int(batch.ctx_lens[b])}) alone differs from its batch"
     monkeypatch.setitem(cpu_kernels._loaded, "module", None)  # the torch path
-    want = decode_attention(q, k_cache, v_cache, batch, D**-0.5, window, softcap, sink)
+    want = decode_attention(q, k_cache, v_cache, batch, *args)
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
@@ -309,16 +316,8 @@ def test_long_decode_of_one_kv_head_split_between_threads_equals_batched(kernels
     q = (torch.randn(3, H, D) * 2).to(dtype)
     sink = torch.linspace(-3, 3, H) if sinks else None
     batch = DecodeBatch(rows=torch.arange(3), block_table=tables, ctx_lens=ctx)
-    together = decode_attention(q, k_cache, v_cache, batch, D**-0.5, window, softcap, sink)
-    for b in (0, 2):
-        alone = DecodeBatch(rows=torch.arange(1), block_table=tables[b:b + 1],
-                            ctx_lens=ctx[b:b + 1])
-        one = decode_attention(q[b:b + 1], k_cache, v_cache, alone, D**-0.5, window, softcap,
-                               sink)
-        assert torch.equal(one[0], together[b]), f"row {b} alone differs from its batch"
-    monkeypatch.setitem(cpu_kernels._loaded, "module", None)  # the torch path
-    want = decode_attention(q, k_cache, v_cache, batch, D**-0.5, window, softcap, sink)
-    torch.testing.assert_close(together, want, **TOL[dtype])
+    assert_rows_alone_equal_batch(q, k_cache, v_cache, batch, (0, 2), dtype, monkeypatch,
+                                  D**-0.5, window, softcap, sink)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
