@@ -293,20 +293,28 @@ def assert_rows_alone_equal_batch(q, k_cache, v_cache, batch, rows, dtype, monke
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
+@pytest.fixture
+def two_threads():
+    """At least two torch threads for the test (the suite may run with one), as before after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, before))
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 # Gemma 3's one KV head (4 query heads, D 256: one head block, the value sum in passes of 64
 # dims split in two), 16 heads of 64 (two head blocks) and the scalar path (40).
 @pytest.mark.parametrize("H,D", [(4, 256), (16, 64), (4, 40)])
 @pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (300, 30.0, True)])
-def test_long_decode_of_one_kv_head_split_between_threads_equals_batched(kernels, dtype, H, D,
-                                                                          window, softcap,
-                                                                          sinks, monkeypatch):
+def test_long_decode_of_one_kv_head_split_between_threads_equals_batched(kernels, two_threads,
+                                                                          dtype, H, D, window,
+                                                                          softcap, sinks,
+                                                                          monkeypatch):
     """One sequence of a one-KV-head model at a long context is a single attention job, which
     the kernel splits between the threads (its key scores and value sums); in a batch each
     sequence is a job of its own on one thread. The row must be the same bit for bit both ways
     (a request's tokens do not depend on its batch), and match the twin."""
-    if torch.get_num_threads() < 2:
-        pytest.skip("the split needs two threads")
     torch.manual_seed(13)
     bs, nblocks = 16, 96
     k_cache = torch.randn(nblocks, 1, bs, D).to(dtype)
