@@ -231,8 +231,8 @@ static inline void values_pass(int P, const float* const* p, const int64_t* n,
 }
 #endif
 
-// attend's work for QN query heads sharing one KV head, in three phases that one thread runs
-// one after the other (attend) or several threads share (attend_split, for a decode step with
+// One job's attention for QN query heads sharing one KV head, in three phases that one thread runs
+// one after the other (Attend::run) or several threads share (Attend::run_split, for a step with
 // fewer jobs than threads): the keys every head scores in whole groups of four (any range of
 // those groups), each head's own tail and softmax, then the value sums (any range of units,
 // a unit being up to 8 heads x `chunks` 16-dim chunks). Every score and every (head, chunk)
@@ -419,8 +419,8 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* b
     std::vector<int64_t> lens;
     std::vector<const T*> keys, values;
   };
-  // One job; `split`: its attention's phases shared by that many threads (attend_split), else
-  // on this thread, prefetching job `next`'s keys and values (-1: none) into L2 meanwhile.
+  // One job; `split`: its attention's phases shared by that many threads (Attend::run_split),
+  // else on this thread, prefetching job `next`'s keys and values (-1: none) into L2 meanwhile.
   auto run_job = [&](int64_t job, int64_t next, int64_t split, Scratch& w) {
     const int64_t grp = job % num_groups, h = job / num_groups;
     const int64_t b0 = groups[grp], rows = groups[grp + 1] - b0, QN = rows * G;
