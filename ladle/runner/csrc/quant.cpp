@@ -1067,9 +1067,18 @@ inline void q6k_r16_values(const uint8_t* b, int half, int t, __m512i* v) {
 }
 
 // out (MR x 16) = MR activation rows from m0 times the 16 repacked rows at g.
-template <int TYPE, int MR>
+// kOnce: the call has one activation row (single-stream decode); the prefetches are then
+// non-temporal, else into L2. Measured on a Zen 4 (2 cores, in process, the hint toggled every
+// 3-8 steps, medians of 20-80 alternations), the step with the non-temporal hint against L2:
+// one row of the 0.6B Q8_0 0.98-1.064x over six runs (mean ~1.025x; each linear 1.04-1.05x in
+// the run timed per linear), Q4_K_M 1.013-1.041x, Gemma 3 270M Q4_K_M 1.006-1.059x; but 2 rows
+// 0.96x, 4 rows 0.92x and 8 rows 0.84x, so those keep the L2 hint. (Why is not settled: the
+// Python between a step's kernels runs as slowly either way - a dtype check of 2.4 us warm
+// takes ~40 us there - so it is not the shared L3 kept clean for it.)
+template <int TYPE, int MR, bool kOnce>
 inline void r16_rows(const uint8_t* g, const Act& a, int64_t m0, float (*out)[16]) {
   const int64_t nsub = a.K / 32;
+  constexpr auto kHint = kOnce ? _MM_HINT_NTA : _MM_HINT_T1;
   // Each block prefetches the same block of the next group (the group this thread takes next)
   // into L2: a group ahead, where 4 KB ahead (the tiles' distance) left a group's compute and
   // its memory reads in turn (0.6B Q8_0 decode step, 1 row 31.1 -> 29.3 ms, 8 rows 59.4 -> 54.0;
@@ -1094,7 +1103,7 @@ inline void r16_rows(const uint8_t* g, const Act& a, int64_t m0, float (*out)[16
         for (int t = 0; t < 8; t++) {
           const int s = half * 8 + t;  // (the next group's lines, spread over the 16 steps)
           for (int64_t l = s * kLines / 16; l < (s + 1) * kLines / 16; l++)
-            _mm_prefetch(reinterpret_cast<const char*>(b) + ahead + l * 64, _MM_HINT_T1);
+            _mm_prefetch(reinterpret_cast<const char*>(b) + ahead + l * 64, kHint);
           __m512i v[4];
           q6k_r16_values(b, half, t, v);
           for (int j = 0; j < 4; j++) r16_dot<MR, 2>(a, m0, sb0 + 4 * half + j, t, v[j], i[j]);
@@ -1110,7 +1119,7 @@ inline void r16_rows(const uint8_t* g, const Act& a, int64_t m0, float (*out)[16
 #pragma GCC unroll 8  // every j's offsets and shifts fixed at compile time
       for (int j = 0; j < subs; j++) {
         for (int64_t l = j * kLines / subs; l < (j + 1) * kLines / subs; l++)  // (the next group's)
-          _mm_prefetch(reinterpret_cast<const char*>(b) + ahead + l * 64, _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(b) + ahead + l * 64, kHint);
         const int64_t sb = sb0 + j;
         __m512i i[MR][1];
         r16_start<TYPE, MR, 1>(a, m0, sb, i);
@@ -1790,13 +1799,18 @@ void r16_group(const Part& p, int64_t g0, int ng, const Act& a, int64_t M, T* y,
   }
 #endif
   for (int j = 0; j < ng; j++) {
+    if (m0 == 0 && M == 1) {  // one row: the group is read once (r16_rows' hint)
+      r16_rows<TYPE, 1, true>(group(g0 + j), a, 0, out);
+      store(g0 + j, 0, 1, out);
+      continue;
+    }
     for (int64_t m = m0; m < M;) {
       const int64_t left = M - m;
       const int mr = left >= most ? most : left >= 2 ? 2 : 1;
       switch (mr) {
-        case 4: r16_rows<TYPE, most>(group(g0 + j), a, m, out); break;
-        case 2: r16_rows<TYPE, 2>(group(g0 + j), a, m, out); break;
-        default: r16_rows<TYPE, 1>(group(g0 + j), a, m, out); break;
+        case 4: r16_rows<TYPE, most, false>(group(g0 + j), a, m, out); break;
+        case 2: r16_rows<TYPE, 2, false>(group(g0 + j), a, m, out); break;
+        default: r16_rows<TYPE, 1, false>(group(g0 + j), a, m, out); break;
       }
       store(g0 + j, m, mr, out);
       m += mr;
