@@ -26,18 +26,12 @@
 constexpr int64_t kPrefetchTokens = 8;
 constexpr int64_t kFarBytes = 8192;
 
-template <typename T>
+// Rows [begin, end) into L1 (_MM_HINT_T0) or L2 (_MM_HINT_T1).
+template <auto kHint, typename T>
 static inline void prefetch_rows(const T* const* rows, int64_t begin, int64_t end, int64_t D) {
   for (int64_t t = begin; t < end; ++t)
     for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(rows[t]) + b, _MM_HINT_T0);
-}
-// Rows [begin, end) into L2.
-template <typename T>
-static inline void prefetch_rows_l2(const T* const* rows, int64_t begin, int64_t end, int64_t D) {
-  for (int64_t t = begin; t < end; ++t)
-    for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(rows[t]) + b, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(rows[t]) + b, kHint);
 }
 // The L2 stream's distance in rows of D values of T.
 template <typename T>
@@ -52,8 +46,8 @@ static inline void key_scores(const float* q, const T* const* keys, int64_t n, i
   const int64_t far = far_rows<T>(D);
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) {
-    prefetch_rows(keys, t + kPrefetchTokens, std::min(n, t + kPrefetchTokens + 4), D);
-    prefetch_rows_l2(keys, t + far, std::min(n, t + far + 4), D);
+    prefetch_rows<_MM_HINT_T0>(keys, t + kPrefetchTokens, std::min(n, t + kPrefetchTokens + 4), D);
+    prefetch_rows<_MM_HINT_T1>(keys, t + far, std::min(n, t + far + 4), D);
     __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                    _mm512_setzero_ps()};
     for (int64_t d = 0; d < D; d += 16) {
@@ -77,8 +71,8 @@ static inline void key_scores_shared(const float* const* q, const T* const* keys
                                      int64_t D, float* const* scores) {
   const int64_t far = far_rows<T>(D);
   for (int64_t t = 0; t < n; t += 4) {
-    prefetch_rows(keys, t + kPrefetchTokens, std::min(n, t + kPrefetchTokens + 4), D);
-    prefetch_rows_l2(keys, t + far, std::min(n, t + far + 4), D);
+    prefetch_rows<_MM_HINT_T0>(keys, t + kPrefetchTokens, std::min(n, t + kPrefetchTokens + 4), D);
+    prefetch_rows<_MM_HINT_T1>(keys, t + far, std::min(n, t + far + 4), D);
     __m512 a[HN][4];
     for (int i = 0; i < HN; ++i)
       for (int j = 0; j < 4; ++j) a[i][j] = _mm512_setzero_ps();
@@ -112,8 +106,9 @@ static inline void weighted_values_shared(const float* const* p, const int64_t* 
     for (int c = 0; c < P; ++c) a[i][c] = _mm512_setzero_ps();
   const int64_t far = far_rows<T>(D);
   for (int64_t t = 0; t < lo; ++t) {
-    if (t + kPrefetchTokens < hi) prefetch_rows(values, t + kPrefetchTokens, t + kPrefetchTokens + 1, D);
-    if (t + far < hi) prefetch_rows_l2(values, t + far, t + far + 1, D);
+    if (t + kPrefetchTokens < hi)
+      prefetch_rows<_MM_HINT_T0>(values, t + kPrefetchTokens, t + kPrefetchTokens + 1, D);
+    if (t + far < hi) prefetch_rows<_MM_HINT_T1>(values, t + far, t + far + 1, D);
     __m512 pi[HN];
     for (int i = 0; i < HN; ++i) pi[i] = _mm512_set1_ps(p[i][t]);
     for (int c = 0; c < P; ++c) {
