@@ -22,6 +22,7 @@ from ladle.models.llama import (
     LlamaForCausalLM,
     ShardLayout,
     shard_layout,
+    stack_final_norm,
     stack_kernels,
     stack_linear,
     stack_row_limit,
@@ -294,6 +295,7 @@ class GemmaForCausalLM(nn.Module):
                             *(scales[4:] or (None, None)), False, 1 if sliding else 0,
                             attn.window or 0, attn.softcap or 0.0, activation[mlp.activation],
                             *linears, None)
+        stack_final_norm(self, stack, GemmaRMSNorm, self.norm.scale())
         tables = [t for r in rotaries for t in (r.cos, r.sin)]
         return stack, tables, dtype, stack_row_limit(specs, dtype)
 

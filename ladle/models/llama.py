@@ -35,11 +35,12 @@ def decoder_forward(model, input_ids, positions, meta: AttentionMetadata,
         stack = decode_stack(model, x, meta, kv_caches)
         if stack is not None:  # the same kernels in the same order, without Python between
             d = meta.decode
-            x, residual = stack[0].run(x, positions, stack[1], d.block_table, d.ctx_lens,
-                                       meta.slot_blocks, meta.slot_offsets,
-                                       [c[0] for c in kv_caches], [c[1] for c in kv_caches],
-                                       cpu_kernels.batch_invariant())
-            return model.final_norm(x, residual)
+            out = stack[0].run(x, positions, stack[1], d.block_table, d.ctx_lens,
+                               meta.slot_blocks, meta.slot_offsets,
+                               [c[0] for c in kv_caches], [c[1] for c in kv_caches],
+                               cpu_kernels.batch_invariant())
+            # The stack ran the final norm too where it mirrors the model's (stack_final_norm).
+            return out[0] if len(out) == 1 else model.final_norm(*out)
         for i, kv_cache in enumerate(kv_caches):
             x, residual = model.run_layer(i, x, residual, positions, meta, kv_cache)
         return model.final_norm(x, residual)
@@ -92,6 +93,16 @@ def stack_kernels(model, dtype: torch.dtype, rotaries: list):
         return None
     kernels = cpu_kernels.load_cpu_kernels()
     return kernels if kernels is not None and hasattr(kernels, "DecodeStack") else None
+
+
+def stack_final_norm(model, stack, norm_type: type, weight: torch.Tensor) -> None:
+    """Give the DecodeStack the model's final norm when `model.final_norm` is
+    LlamaForCausalLM's (self.norm(x, residual)) and the norm is a `norm_type` it mirrors;
+    `weight`: the norm's kernel weight (Gemma: its float32 scale)."""
+    norm = model.norm
+    if (type(model).final_norm is LlamaForCausalLM.final_norm and type(norm) is norm_type
+            and norm.eps == model.config.rms_norm_eps and norm.weight.device.type == "cpu"):
+        stack.set_final_norm(weight)
 
 
 def stack_linear(module: nn.Linear, dtype: torch.dtype) -> tuple | None:
@@ -415,6 +426,8 @@ class LlamaForCausalLM(nn.Module):
             w = [n.weight.detach() for n in norms]
             stack.add_layer(w[0], w[1], None, None, *(w[2:] or (None, None)), True, 0,
                             attn.window or 0, 0.0, 0, qkv, o, gate_up, down, moe)
+        if self.norm.weight.dtype == dtype:
+            stack_final_norm(self, stack, RMSNorm, self.norm.weight.detach())
         return stack, [self.rotary.cos, self.rotary.sin], dtype, stack_row_limit(specs, dtype)
 
     def compute_logits(self, hidden: torch.Tensor,

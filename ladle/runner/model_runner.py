@@ -187,7 +187,10 @@ class ModelRunner:
         mask_job = structured.submit_bitmask(reqs, samples_output) if structured else None
         hidden = self._forward(input_ids, pos, attn, num_sched, num_computed, num_drafts)
         last = ends - 1 - num_drafts  # each row's last known token: it samples the next one
-        logits = self.model.compute_logits(hidden, torch.from_numpy(last).to(self.device))
+        # (Rising within [0, T): T of them are every position, so no gather.)
+        every = len(last) == ends[-1]
+        logits = self.model.compute_logits(
+            hidden, None if every else torch.from_numpy(last).to(self.device))
         self._keep_verify_logits(hidden, last, num_drafts)
         kept = logits.float().clone() if self.keep_logits else None
         if meta.beam_rows is not None:

@@ -114,6 +114,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("mlp_out_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qk_fused"),
            py::arg("rope"), py::arg("window"), py::arg("softcap"), py::arg("activation"),
            py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("moe"))
+      .def("set_final_norm", &DecodeStack::set_final_norm, py::arg("weight"))
       .def("num_layers", &DecodeStack::num_layers)
       // No Python object is touched inside: the grammar-bitmask thread runs meanwhile.
       .def("run", &DecodeStack::run, py::call_guard<py::gil_scoped_release>());

@@ -84,5 +84,6 @@ std::vector<at::Tensor> DecodeStack::run(at::Tensor x, const at::Tensor& positio
     }
     if (L.mlp_out_norm) x = rms_norm(x, c10::nullopt, *L.mlp_out_norm, eps_);
   }
+  if (final_norm_) return {rms_norm(x, residual, *final_norm_, eps_)};  // final_norm(x, residual)
   return {x, residual};
 }

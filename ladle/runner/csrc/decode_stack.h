@@ -62,10 +62,13 @@ class DecodeStack {
   DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {}
   void add_layer(StackLayer layer) { layers_.push_back(std::move(layer)); }
+  // The model's final norm (a norm weight as StackLayer's), applied to the last layer's output
+  // and the residual stream; without one, run() leaves that to the caller.
+  void set_final_norm(at::Tensor weight) { final_norm_ = std::move(weight); }
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-  // x (T, hidden): the embedded tokens, every row a decode row. Returns (x, residual) after the
-  // last layer, as decoder_forward's loop leaves them for the final norm. `tables`: (cos, sin)
-  // of each rope the layers use.
+  // x (T, hidden): the embedded tokens, every row a decode row. Returns (final_norm(x +
+  // residual)) after the last layer when the stack has the final norm, else (x, residual) as
+  // decoder_forward's loop leaves them for it. `tables`: (cos, sin) of each rope the layers use.
   std::vector<at::Tensor> run(at::Tensor x, const at::Tensor& positions,
                               const std::vector<at::Tensor>& tables,
                               const at::Tensor& block_table, const at::Tensor& ctx_lens,
@@ -77,4 +80,5 @@ class DecodeStack {
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;
   std::vector<StackLayer> layers_;
+  c10::optional<at::Tensor> final_norm_;
 };
