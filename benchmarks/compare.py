@@ -36,7 +36,9 @@ from the first token to the last), and the decode ratios are the medians of the 
 turn). A repetition's systems are minutes apart, and this machine's read bandwidth moved by half
 between minutes (29-47 GB/s on one Zen 4), which moved those ratios by 20-40% from run to run;
 within a turn they still moved 10-40% on that machine (two runs of 6 turns: Q8_0 decode medians
-1.33x and 1.18x), so one run's decode ratio is good to about a tenth.
+1.33x and 1.18x), so one run's decode ratio is good to about a tenth. Each turn also times
+every system's first token of a new 128-token prompt, and the TTFT ratios within one model
+(ladle against llama.cpp, int8 against bf16) are the medians of those per-turn ratios too.
 
 Physical limits, measured in the same run: the read bandwidth (sum of a 1 GiB tensor) and the
 matmul peaks in bf16, f32 and int8. The bf16 and f32 peaks are the faster of torch's matmul and
@@ -282,7 +284,7 @@ def worker_ladle(path, dtype, cases, quantization=None):
             got = len(run([q], n)[0].outputs[0].token_ids)
             return got, ends[-1] - ends[-got]
 
-        return decode_turns(timed)
+        return decode_turns(timed, lambda q: run([q], 1))
     out = {}
     if "single" in cases:
         ttft = _median_over(lambda q: run([q], 1), single.ttft)
@@ -372,7 +374,7 @@ def worker_llama(path, outtype, cases):
                     break
             return len(times), times[-1] - times[0]
 
-        return decode_turns(timed)
+        return decode_turns(timed, lambda q: run(q, 1))
     out = {}
     if "single" in cases:
         ttft = _median_over(lambda q: run(q, 1), single.ttft)
@@ -387,10 +389,13 @@ def worker_llama(path, outtype, cases):
     return out
 
 
-def decode_turns(timed) -> None:
+def decode_turns(timed, first_token) -> None:
     """Paired mode (paired_decode): the model loaded and warmed up, answer each `turn N` line on
-    stdin with one decode measurement as a JSON line, until stdin ends. A turn's prompt
-    (DECODE_CONTEXT tokens, seed 100 + N) is new to every system. timed(prompt, n) -> (tokens,
+    stdin with one TTFT and one decode measurement as a JSON line, until stdin ends. A turn's
+    prompts (PROMPT_LEN tokens, seed 1000 + N, for first_token(prompt), which runs the prefill
+    and samples one token; DECODE_CONTEXT tokens, seed 100 + N, for the decode) are new to every
+    system. The TTFT of separate repetitions moved as much as the decode between minutes (int8
+    against bf16 prefill: 1.97x and 1.53x in two runs of one day). timed(prompt, n) -> (tokens,
     seconds from the first token to the last), timed inside the worker (ladle: its engine
     steps; llama.cpp: the tokens its generate() yields), so no prefill is in the rate: taking a TTFT off the
     total left the rate at the mercy of the prefill's own variation, which at 2048 tokens of
@@ -401,7 +406,11 @@ def decode_turns(timed) -> None:
         cmd = line.split()
         if len(cmd) != 2 or cmd[0] != "turn":
             break
-        prompt = prompts(1, length=DECODE_CONTEXT, seed=100 + int(cmd[1]))[0]
+        turn = int(cmd[1])
+        prompt = prompts(1, length=DECODE_CONTEXT, seed=100 + turn)[0]
+        t = time.perf_counter()
+        first_token(prompts(1, seed=1000 + turn)[0])
+        ttft_ms = (time.perf_counter() - t) * 1e3
 
         def decode(prompt=prompt):
             n, seconds = timed(prompt, DECODE_TOKENS + 1)
@@ -409,7 +418,7 @@ def decode_turns(timed) -> None:
                 return {"note": f"decode left out: {n} tokens"}
             return {"decode_tps": (n - 1) / seconds}
 
-        print(json.dumps(decode_beside_bandwidth(decode)), flush=True)
+        print(json.dumps({"ttft_ms": ttft_ms, **decode_beside_bandwidth(decode)}), flush=True)
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -1104,6 +1113,11 @@ def report_paired(paired: dict[str, list[dict]], weights: dict[str, Weights]) ->
             out[f"{s} share"] = statistics.median(shares)
             print(f"  {'':12} median {out[f'{s} share']:6.0%}   turns: "
                   + " ".join(f"{x:.0%}" for x in shares))
+    for s, v in turns.items():
+        ttft = [r["ttft_ms"] for r in v if "ttft_ms" in r]
+        if ttft:
+            print(f"  {s:12} TTFT of a {PROMPT_LEN}-token prompt, ms: median "
+                  f"{statistics.median(ttft):.0f}   turns: " + " ".join(f"{x:.0f}" for x in ttft))
     for label, num, den in RATIOS:
         a, b = turns.get(num), turns.get(den)
         if a and b:
@@ -1113,6 +1127,15 @@ def report_paired(paired: dict[str, list[dict]], weights: dict[str, Weights]) ->
                 out[f"{num}/{den}"] = statistics.median(per_turn)
                 print(f"  {label}: median of per-turn ratios {out[f'{num}/{den}']:.2f}x "
                       f"(turns {min(per_turn):.2f}-{max(per_turn):.2f}x)")
+            # TTFT both ways round: the targets put either system on top.
+            pairs = [(x["ttft_ms"], y["ttft_ms"]) for x, y in zip(a, b, strict=False)
+                     if "ttft_ms" in x and "ttft_ms" in y]
+            if pairs:
+                out[f"ttft {num}/{den}"] = statistics.median(x / y for x, y in pairs)
+                out[f"ttft {den}/{num}"] = statistics.median(y / x for x, y in pairs)
+                print(f"  {label} TTFT: median of per-turn ratios "
+                      f"{out[f'ttft {num}/{den}']:.2f}x (turns "
+                      f"{min(x / y for x, y in pairs):.2f}-{max(x / y for x, y in pairs):.2f}x)")
     idle = paired.get("_idle", [{}])[0].get("cores", 0.0)
     print(f"  the waiting workers used at most {idle:.0%} of a core during another's turn")
     return out
@@ -1154,7 +1177,9 @@ def print_targets(summary: dict[str, dict[str, dict[str, float]]]) -> None:
             v = None if not d else v / d
         pairs = summary.get(model, {}).get("paired ratio", {})
         paired = pairs.get(f"{num} share" if den is None else f"{num}/{den[1]}")
-        if key in ("decode_tps", "decode_bw") and (den is None or den[0] == model) \
+        if key == "ttft_ms" and den is not None:
+            paired = pairs.get(f"ttft {num}/{den[1]}")
+        if key in ("decode_tps", "decode_bw", "ttft_ms") and (den is None or den[0] == model) \
                 and paired is not None:
             v, how = paired, " (alternating turns)"  # rather than one run minutes apart
         if v is None:
