@@ -21,7 +21,7 @@ import zmq
 
 from ladle.distributed.group import TPGroup
 from ladle.lifetime import die_with_parent
-from ladle.native_memory import bound_native_memory, trim_heap
+from ladle.native_memory import bound_native_memory, freeze_startup_heap, trim_heap
 
 logger = logging.getLogger("ladle.distributed.worker")
 
@@ -141,6 +141,7 @@ def run_worker(spec: WorkerSpec) -> None:
     if stage is not None:
         stage.connect(store, tp_rank, device, spec.hostname)
     logger.info("worker rank %d of %d ready (pid %d)", spec.rank, spec.world_size, os.getpid())
+    freeze_startup_heap()
     try:
         _serve(model, sock, spec, device)
     finally:

@@ -33,7 +33,7 @@ from ladle.config import EngineConfig
 from ladle.engine.request import FinishReason
 from ladle.lifetime import die_with_parent
 from ladle.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
-from ladle.native_memory import bound_native_memory, trim_heap
+from ladle.native_memory import bound_native_memory, freeze_startup_heap, trim_heap
 
 logger = logging.getLogger("ladle.engine.core_proc")
 
@@ -102,6 +102,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
         out_sock.close()
         ctx.term()
         sys.exit(1)
+    freeze_startup_heap()  # the model and its modules: never garbage, never walked again
     _send(out_sock, encoder.encode(EngineReady(
         vocab_size=engine.vocab_size, max_model_len=engine.max_model_len,
         model_path=str(engine.model_path), num_kv_blocks=engine.kv_cache.num_blocks,

@@ -48,6 +48,7 @@ from ladle.entrypoints.serving_responses import (
 from ladle.frontend.async_llm import AsyncLLM, OverloadedError
 from ladle.frontend.detokenizer import token_to_str
 from ladle.frontend.engine_client import EngineDeadError
+from ladle.native_memory import freeze_startup_heap
 from ladle.protocol.anthropic import anthropic_error_body
 from ladle.protocol.chat import ChatCompletionRequest
 from ladle.protocol.common import (
@@ -539,6 +540,7 @@ async def _serve(args: argparse.Namespace, names: list[str], chat_template, gene
                 "allow_headers": args.allowed_headers,
                 "allow_credentials": args.allow_credentials}
     app = build_app(server, root_path=args.root_path or "", cors=cors)
+    freeze_startup_heap()  # the tokenizer, templates and the app: walked by no collection
     uv = _DrainingServer(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
         access_log=not args.disable_access_log,
