@@ -11,7 +11,7 @@
 // (a group of rows x a KV head) run in parallel; a step with fewer jobs than threads (one
 // sequence of a model with one KV head) splits each job's key scores and value sums between
 // the threads instead, every score and sum computed by the same instructions (Attend). With
-// AVX512-BF16, bfloat16 scores come from vdpbf16ps on the unscaled query (key_scores_bh).
+// AVX512-BF16, bfloat16 keys are scored by vdpbf16ps against the unscaled query (key_step).
 #include "kernels.h"
 #include "vec.h"
 
@@ -40,43 +40,37 @@ static inline int64_t far_rows(int64_t D) {
   return std::max<int64_t>(2 * kPrefetchTokens, kFarBytes / (D * static_cast<int64_t>(sizeof(T))));
 }
 
-// scores[t] = q . keys[t] for n keys (row pointers), four keys per shuffle-tree reduction.
-template <typename T>
-static inline void key_scores(const float* q, const T* const* keys, int64_t n, int64_t D,
-                              float* scores) {
-  const int64_t far = far_rows<T>(D);
-  int64_t t = 0;
-  for (; t + 4 <= n; t += 4) {
-    prefetch_rows<_MM_HINT_T0>(keys, t + kPrefetchTokens, std::min(n, t + kPrefetchTokens + 4), D);
-    prefetch_rows<_MM_HINT_T1>(keys, t + far, std::min(n, t + far + 4), D);
-    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                   _mm512_setzero_ps()};
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m512 qv = _mm512_loadu_ps(q + d);
-      for (int j = 0; j < 4; ++j) a[j] = _mm512_fmadd_ps(qv, load16(keys[t + j] + d), a[j]);
-    }
-    _mm_storeu_ps(scores + t, hsum4(a));
-  }
-  for (; t < n; ++t) {
-    __m512 a = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(keys[t] + d), a);
-    scores[t] = _mm512_reduce_add_ps(a);
-  }
+// The score of a key: q . key over d in vector steps, times `scale` after the sum. Q is float
+// (the query scaled already, scale 1; the keys converted to float32, 16 values a step) or, with
+// AVX512-BF16 and bfloat16 keys, at::BFloat16 (the model's unscaled query; vdpbf16ps, 32 exact
+// products a step summed pairwise into float32 lanes: the float32 steps were FMA-bound at half
+// rate on a Zen 4, half of the kernel's time).
+static inline __m512 key_step(__m512 a, const float* q, __m512 k) {
+  return _mm512_fmadd_ps(_mm512_loadu_ps(q), k, a);
 }
-
+template <typename Q, typename T>
+static inline auto key_vec(const T* k) {
 #if defined(__AVX512BF16__)
-// bfloat16 queries and keys (the model's own values, the query unscaled) scored with vdpbf16ps:
-// 32 products per instruction, exact, summed pairwise into float32 lanes, where the float32
-// path converts every key to float32 first and multiplies 16 at a time (the scores, FMA-bound
-// at half rate on a Zen 4, were half of the kernel's time). The sum is then times `scale`.
-// key_scores' structure otherwise: four keys per hsum4, the last n % 4 alone.
-static inline __m512bh load_bh(const at::BFloat16* p) {
-  return (__m512bh)_mm512_loadu_si512(p);
+  if constexpr (std::is_same_v<Q, at::BFloat16>)
+    return (__m512bh)_mm512_loadu_si512(k);
+  else
+#endif
+    return load16(k);
 }
+#if defined(__AVX512BF16__)
+static inline __m512 key_step(__m512 a, const at::BFloat16* q, __m512bh k) {
+  return _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(q), k);
+}
+#endif
+template <typename Q>
+constexpr int64_t kKeyStep = std::is_same_v<Q, float> ? 16 : 32;
 
-static inline void key_scores_bh(const at::BFloat16* q, const at::BFloat16* const* keys,
-                                 int64_t n, int64_t D, float scale, float* scores) {
-  const int64_t far = far_rows<at::BFloat16>(D);
+// scores[t] = scale * (q . keys[t]) for n keys (row pointers), four keys per shuffle-tree
+// reduction, the last n % 4 alone.
+template <typename Q, typename T>
+static inline void key_scores(const Q* q, const T* const* keys, int64_t n, int64_t D,
+                              float scale, float* scores) {
+  const int64_t far = far_rows<T>(D);
   const __m128 s4 = _mm_set1_ps(scale);
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) {
@@ -84,25 +78,24 @@ static inline void key_scores_bh(const at::BFloat16* q, const at::BFloat16* cons
     prefetch_rows<_MM_HINT_T1>(keys, t + far, std::min(n, t + far + 4), D);
     __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                    _mm512_setzero_ps()};
-    for (int64_t d = 0; d < D; d += 32) {
-      const __m512bh qv = load_bh(q + d);
-      for (int j = 0; j < 4; ++j) a[j] = _mm512_dpbf16_ps(a[j], qv, load_bh(keys[t + j] + d));
-    }
+    for (int64_t d = 0; d < D; d += kKeyStep<Q>)
+      for (int j = 0; j < 4; ++j) a[j] = key_step(a[j], q + d, key_vec<Q>(keys[t + j] + d));
     _mm_storeu_ps(scores + t, _mm_mul_ps(hsum4(a), s4));
   }
   for (; t < n; ++t) {
     __m512 a = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 32) a = _mm512_dpbf16_ps(a, load_bh(q + d), load_bh(keys[t] + d));
+    for (int64_t d = 0; d < D; d += kKeyStep<Q>) a = key_step(a, q + d, key_vec<Q>(keys[t] + d));
     scores[t] = _mm512_reduce_add_ps(a) * scale;
   }
 }
 
-// key_scores_shared for bfloat16 queries: key_scores_bh's instructions for each (head, key).
-template <int HN>
-static inline void key_scores_shared_bh(const at::BFloat16* const* q,
-                                        const at::BFloat16* const* keys, int64_t n, int64_t D,
-                                        float scale, float* const* scores) {
-  const int64_t far = far_rows<at::BFloat16>(D);
+// Keys [0, n) (n a multiple of 4) scored for HN query heads: each group of four keys is loaded
+// once for the HN heads, and each (head, key) gets key_scores' own chain over d and hsum4
+// tree, so the scores are bit-equal to key_scores' for each head alone.
+template <int HN, typename Q, typename T>
+static inline void key_scores_shared(const Q* const* q, const T* const* keys, int64_t n,
+                                     int64_t D, float scale, float* const* scores) {
+  const int64_t far = far_rows<T>(D);
   const __m128 s4 = _mm_set1_ps(scale);
   for (int64_t t = 0; t < n; t += 4) {
     prefetch_rows<_MM_HINT_T0>(keys, t + kPrefetchTokens, std::min(n, t + kPrefetchTokens + 4), D);
@@ -110,41 +103,13 @@ static inline void key_scores_shared_bh(const at::BFloat16* const* q,
     __m512 a[HN][4];
     for (int i = 0; i < HN; ++i)
       for (int j = 0; j < 4; ++j) a[i][j] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 32) {
-      __m512bh kv[4];
-      for (int j = 0; j < 4; ++j) kv[j] = load_bh(keys[t + j] + d);
-      for (int i = 0; i < HN; ++i) {
-        const __m512bh qv = load_bh(q[i] + d);
-        for (int j = 0; j < 4; ++j) a[i][j] = _mm512_dpbf16_ps(a[i][j], qv, kv[j]);
-      }
+    for (int64_t d = 0; d < D; d += kKeyStep<Q>) {
+      decltype(key_vec<Q>(keys[t])) kv[4];
+      for (int j = 0; j < 4; ++j) kv[j] = key_vec<Q>(keys[t + j] + d);
+      for (int i = 0; i < HN; ++i)
+        for (int j = 0; j < 4; ++j) a[i][j] = key_step(a[i][j], q[i] + d, kv[j]);
     }
     for (int i = 0; i < HN; ++i) _mm_storeu_ps(scores[i] + t, _mm_mul_ps(hsum4(a[i]), s4));
-  }
-}
-#endif
-
-// Keys [0, n) (n a multiple of 4) scored for HN query heads: each group of four keys is loaded
-// once for the HN heads, and each (head, key) gets key_scores' own fma chain over d and hsum4
-// tree, so the scores are bit-equal to key_scores' for each head alone.
-template <int HN, typename T>
-static inline void key_scores_shared(const float* const* q, const T* const* keys, int64_t n,
-                                     int64_t D, float* const* scores) {
-  const int64_t far = far_rows<T>(D);
-  for (int64_t t = 0; t < n; t += 4) {
-    prefetch_rows<_MM_HINT_T0>(keys, t + kPrefetchTokens, std::min(n, t + kPrefetchTokens + 4), D);
-    prefetch_rows<_MM_HINT_T1>(keys, t + far, std::min(n, t + far + 4), D);
-    __m512 a[HN][4];
-    for (int i = 0; i < HN; ++i)
-      for (int j = 0; j < 4; ++j) a[i][j] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) {
-      __m512 kv[4];
-      for (int j = 0; j < 4; ++j) kv[j] = load16(keys[t + j] + d);
-      for (int i = 0; i < HN; ++i) {
-        const __m512 qv = _mm512_loadu_ps(q[i] + d);
-        for (int j = 0; j < 4; ++j) a[i][j] = _mm512_fmadd_ps(qv, kv[j], a[i][j]);
-      }
-    }
-    for (int i = 0; i < HN; ++i) _mm_storeu_ps(scores[i] + t, hsum4(a[i]));
   }
 }
 
@@ -304,8 +269,8 @@ struct Attend {
   float* acc;     // (QN, D)
   float softcap;
   const float* sinks;
-  // The queries unscaled in the model's bfloat16 (QN, D) and the scale, for key_scores_bh; or
-  // null: the scaled float32 qf scores.
+  // The queries unscaled in the model's bfloat16 (QN, D) and the scale, for key_scores' bf16
+  // steps; or null: the scaled float32 qf scores.
   const at::BFloat16* qb;
   float scale;
   int64_t lo, hi;
@@ -326,38 +291,26 @@ struct Attend {
   int64_t shared_groups() const { return lo / 4; }  // groups of four keys every head scores
   // Scores of the shared keys [4 g0, 4 g1).
   void shared_scores(int64_t g0, int64_t g1) const {
-    const int64_t t0 = 4 * g0, len = 4 * (g1 - g0);
 #if defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<T, at::BFloat16>) {
-      if (qb != nullptr) {
-        for (int64_t i0 = 0; i0 < QN; i0 += 4) {
-          const at::BFloat16* q[4];
-          float* s[4];
-          const int64_t hn = std::min<int64_t>(4, QN - i0);
-          for (int64_t i = 0; i < hn; ++i) {
-            q[i] = qb + (i0 + i) * D;
-            s[i] = scores + (i0 + i) * hi + t0;
-          }
-          with_heads(hn, [&](auto c) {
-            constexpr int HN = decltype(c)::value;
-            if constexpr (HN <= 4) key_scores_shared_bh<HN>(q, keys + t0, len, D, scale, s);
-          });
-        }
-        return;
-      }
-    }
+    if constexpr (std::is_same_v<T, at::BFloat16>)
+      if (qb != nullptr) return shared_scores_of(qb, scale, g0, g1);
 #endif
+    shared_scores_of(qf, 1.f, g0, g1);
+  }
+  template <typename Q>
+  void shared_scores_of(const Q* qs, float sc, int64_t g0, int64_t g1) const {
+    const int64_t t0 = 4 * g0, len = 4 * (g1 - g0);
     for (int64_t i0 = 0; i0 < QN; i0 += 4) {
-      const float* q[4];
+      const Q* q[4];
       float* s[4];
       const int64_t hn = std::min<int64_t>(4, QN - i0);
       for (int64_t i = 0; i < hn; ++i) {
-        q[i] = qf + (i0 + i) * D;
+        q[i] = qs + (i0 + i) * D;
         s[i] = scores + (i0 + i) * hi + t0;
       }
       with_heads(hn, [&](auto c) {
         constexpr int HN = decltype(c)::value;
-        if constexpr (HN <= 4) key_scores_shared<HN>(q, keys + t0, len, D, s);
+        if constexpr (HN <= 4) key_scores_shared<HN>(q, keys + t0, len, D, sc, s);
       });
     }
   }
@@ -365,18 +318,15 @@ struct Attend {
     const int64_t shared = 4 * shared_groups();
     for (int64_t i = 0; i < QN; ++i) {
       float* si = scores + i * hi;
+      bool done = false;
 #if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, at::BFloat16>) {
-        if (qb != nullptr)
-          key_scores_bh(qb + i * D, keys + shared, n[i] - shared, D, scale, si + shared);
-        else
-          key_scores(qf + i * D, keys + shared, n[i] - shared, D, si + shared);
-      } else {
-        key_scores(qf + i * D, keys + shared, n[i] - shared, D, si + shared);
-      }
-#else
-      key_scores(qf + i * D, keys + shared, n[i] - shared, D, si + shared);
+      if constexpr (std::is_same_v<T, at::BFloat16>)
+        if (qb != nullptr) {
+          key_scores(qb + i * D, keys + shared, n[i] - shared, D, scale, si + shared);
+          done = true;
+        }
 #endif
+      if (!done) key_scores(qf + i * D, keys + shared, n[i] - shared, D, 1.f, si + shared);
       if (softcap > 0.f) softcap_in_place(si, n[i], softcap);
       softmax_in_place(si, n[i], sinks != nullptr ? sinks[i] : -INFINITY);
     }
@@ -567,7 +517,7 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* b
     const at::BFloat16* qb = nullptr;
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, at::BFloat16>) {
-      if (D % 32 == 0) {  // (key_scores_bh's vectors: 32 values)
+      if (D % 32 == 0) {  // (key_scores' bf16 steps: 32 values)
         w.qb.resize(max_rows * G * D);
         for (int64_t r = 0; r < rows; ++r)
           std::memcpy(w.qb.data() + r * G * D, q + ((b0 + r) * H + h * G) * D,
