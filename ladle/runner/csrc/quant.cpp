@@ -1067,20 +1067,22 @@ inline void q6k_r16_values(const uint8_t* b, int half, int t, __m512i* v) {
 }
 
 // out (MR x 16) = MR activation rows from m0 times the 16 repacked rows at g.
-// kOnce: the call has one activation row (single-stream decode); the prefetches are then
-// non-temporal, else into L2. Measured on a Zen 4 (2 cores, in process, the hint toggled every
-// 3-8 steps, medians of 20-80 alternations), the step with the non-temporal hint against L2:
-// one row of the 0.6B Q8_0 0.98-1.064x over six runs (mean ~1.025x; each linear 1.04-1.05x in
-// the run timed per linear), Q4_K_M 1.013-1.041x, Gemma 3 270M Q4_K_M 1.006-1.059x; but 2 rows
-// 0.96x, 4 rows 0.92x and 8 rows 0.84x, so those keep the L2 hint. (Why is not settled: the
-// Python between a step's kernels runs as slowly either way - a dtype check of 2.4 us warm
-// takes ~40 us there - so it is not the shared L3 kept clean for it.)
+// kOnce: the call has one activation row (single-stream decode), and issues no software
+// prefetch: the hardware's stream prefetchers alone read a thread's groups (contiguous, in
+// order) fastest there. Measured on a Zen 4 (2 cores, in process, the choice toggled every 4
+// steps, medians of 30 alternations), the one-row step without prefetches against the group-ahead
+// non-temporal ones it had: 0.6B Q8_0 1.08-1.10x (three runs; at 2000 tokens of context 1.03x),
+// Q4_K_M 1.01-1.05x (four runs), Gemma 3 270M Q4_K_M 1.13x, the bf16 0.6B at
+// --quantization int8 1.10x; short distances into L2 (512 B to 2 KB ahead) ran like none on Q8_0
+// and 0.87-1.01x on Q4_K_M, the non-temporal hint 1 KB ahead 1.02x. (A group ahead is 9-52 KB,
+// and Zen 4 puts non-temporal prefetches in L1, 32 KB: the lines may be evicted before use and
+// read twice.) From two rows the prefetches into L2 stay: without them Q8_0 ran 1.11x at 2 rows
+// but 0.91x at 3 and 0.76x at 8, and Q4_K_M 0.94x at 2.
 template <int TYPE, int MR, bool kOnce>
 inline void r16_rows(const uint8_t* g, const Act& a, int64_t m0, float (*out)[16]) {
   const int64_t nsub = a.K / 32;
-  constexpr auto kHint = kOnce ? _MM_HINT_NTA : _MM_HINT_T1;
-  // Each block prefetches the same block of the next group (the group this thread takes next)
-  // into L2: a group ahead, where 4 KB ahead (the tiles' distance) left a group's compute and
+  // From two rows, each block prefetches the same block of the next group (the group this
+  // thread takes next) into L2: a group ahead, where 4 KB ahead (the tiles' distance) left a group's compute and
   // its memory reads in turn (0.6B Q8_0 decode step, 1 row 31.1 -> 29.3 ms, 8 rows 59.4 -> 54.0;
   // Q4_K_M 25.1 -> 24.3, 59.5 -> 57.1). The prefetches are spread over the block's steps, a few
   // lines each (Q4_K 37 lines over its 8 sub-blocks, Q6_K 53 over its 16 steps): issued all at
@@ -1102,8 +1104,9 @@ inline void r16_rows(const uint8_t* g, const Act& a, int64_t m0, float (*out)[16
 #pragma GCC unroll 8
         for (int t = 0; t < 8; t++) {
           const int s = half * 8 + t;  // (the next group's lines, spread over the 16 steps)
-          for (int64_t l = s * kLines / 16; l < (s + 1) * kLines / 16; l++)
-            _mm_prefetch(reinterpret_cast<const char*>(b) + ahead + l * 64, kHint);
+          if constexpr (!kOnce)
+            for (int64_t l = s * kLines / 16; l < (s + 1) * kLines / 16; l++)
+              _mm_prefetch(reinterpret_cast<const char*>(b) + ahead + l * 64, _MM_HINT_T1);
           __m512i v[4];
           q6k_r16_values(b, half, t, v);
           for (int j = 0; j < 4; j++) r16_dot<MR, 2>(a, m0, sb0 + 4 * half + j, t, v[j], i[j]);
@@ -1118,8 +1121,9 @@ inline void r16_rows(const uint8_t* g, const Act& a, int64_t m0, float (*out)[16
       const uint8_t* b = g + sb0 / subs * kR16Block<TYPE>;
 #pragma GCC unroll 8  // every j's offsets and shifts fixed at compile time
       for (int j = 0; j < subs; j++) {
-        for (int64_t l = j * kLines / subs; l < (j + 1) * kLines / subs; l++)  // (the next group's)
-          _mm_prefetch(reinterpret_cast<const char*>(b) + ahead + l * 64, kHint);
+        if constexpr (!kOnce)
+          for (int64_t l = j * kLines / subs; l < (j + 1) * kLines / subs; l++)  // (next group's)
+            _mm_prefetch(reinterpret_cast<const char*>(b) + ahead + l * 64, _MM_HINT_T1);
         const int64_t sb = sb0 + j;
         __m512i i[MR][1];
         r16_start<TYPE, MR, 1>(a, m0, sb, i);
