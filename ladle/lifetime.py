@@ -12,11 +12,15 @@ child notices by itself, busy or not, by two means:
   the prctl.
 
 `python -I ladle/lifetime.py PARENT_PID COMMAND ARGS...` runs a command (ninja, for the kernel
-build) with the same guarantee: see `run_guarded`."""
+build) with the same guarantee: see `run_guarded`.
+
+`end_process` ends the server's two processes once they stopped cleanly, without the
+interpreter's teardown."""
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import subprocess
@@ -26,6 +30,27 @@ import time
 
 WATCH_INTERVAL_S = 0.2
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def end_process(run) -> None:
+    """Runs run(); once it returned or called sys.exit (the SIGTERM handlers do), ends the
+    process at once with that code, skipping the interpreter's teardown: the process's own
+    cleanup has run in its finally blocks and lifespan hooks by then, and the teardown's only
+    visible effect was third-party bindings' leak reports (triton's nanobind module, which
+    torch._dynamo imports when transformers' model code is loaded for a GGUF file's tensor
+    names: ~70 lines of "nanobind: leaked" on every stop). An exception other than SystemExit
+    ends the process as usual, with its traceback."""
+    try:
+        run()
+        code = 0
+    except SystemExit as e:  # sys.exit's rules: None is 0; a message goes to stderr, code 1
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def forks_from_main_thread() -> bool:

@@ -14,12 +14,14 @@ reference's prefill chunk is the same number.
 
 from __future__ import annotations
 
+import atexit
 import json
 import re
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -41,6 +43,7 @@ def kv_config(connector: str, role: str, path: str, timeout_s: float = 120) -> s
 class Proxy:
     def __init__(self, prefill: str, decode: str):
         self.log_file = tempfile.NamedTemporaryFile("w+", prefix="ladle-proxy-", delete=False)
+        atexit.register(Path(self.log_file.name).unlink, missing_ok=True)  # at the session's end
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ladle.entrypoints.cli", "proxy", "--port", "0",
              "--prefill", prefill, "--decode", decode],
@@ -253,7 +256,7 @@ def test_prefill_frees_on_abort_and_expires_unread_handovers(cluster):
     assert params["transfer_id"] + ".safetensors" not in list_handovers(cluster)
     assert metric(prefill, "ladle:kv_transfer_expired") >= 1
     for name in list_handovers(cluster):  # the last one, for the tests after this
-        (__import__("pathlib").Path(cluster["storage"]) / name).unlink()
+        (Path(cluster["storage"]) / name).unlink()
 
 
 @pytest.mark.parametrize("params,message", [

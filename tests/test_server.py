@@ -5,6 +5,7 @@ by the module; it runs with --api-key, so every client here sends the key."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import os
 import re
@@ -65,6 +66,8 @@ class RemoteServer:
         self.url = ""  # when it binds, so no other process can take it in between
         self.log_file = tempfile.NamedTemporaryFile("w+", prefix="ladle-serve-", suffix=".log",
                                                     delete=False)
+        # Kept past stop() for the tests that read it then; gone when the session ends.
+        atexit.register(Path(self.log_file.name).unlink, missing_ok=True)
         # LADLE_TEST_SERVE_ARGS (e.g. "-tp 2") runs every server test module against another
         # engine layout: the same matrix, another configuration.
         extra = shlex.split(os.environ.get("LADLE_TEST_SERVE_ARGS", ""))

@@ -31,7 +31,7 @@ import zmq
 
 from ladle.config import EngineConfig
 from ladle.engine.request import FinishReason
-from ladle.lifetime import die_with_parent
+from ladle.lifetime import die_with_parent, end_process
 from ladle.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from ladle.native_memory import bound_native_memory, freeze_startup_heap, trim_heap
 
@@ -225,4 +225,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    end_process(main)

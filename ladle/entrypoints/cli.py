@@ -422,12 +422,16 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=os.environ.get("LADLE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s [api] %(name)s: %(message)s")
     from ladle.entrypoints.api_server import run_server
+    from ladle.lifetime import end_process
 
-    try:
-        code = asyncio.run(run_server(args))
-    except KeyboardInterrupt:
-        code = 130
-    sys.exit(code)
+    def serve() -> None:
+        try:
+            code = asyncio.run(run_server(args))
+        except KeyboardInterrupt:
+            code = 130
+        sys.exit(code)
+
+    end_process(serve)  # (the engines are stopped by run_server's lifespan)
 
 
 if __name__ == "__main__":

@@ -122,7 +122,15 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.max_positions, self.theta, self.scaling = \
             head_dim, max_positions, theta, scaling
-        self.rebuild()
+        if torch.get_default_device().type == "meta":  # the loader's build: rebuilt after it
+            # (The tables' arithmetic on meta runs torch._refs kernels, which import
+            # torch._dynamo: 1.1 s of the engine's start; see llama.vocab_layers.)
+            self.register_buffer("cos", torch.empty(max_positions, head_dim // 2),
+                                 persistent=False)
+            self.register_buffer("sin", torch.empty(max_positions, head_dim // 2),
+                                 persistent=False)
+        else:
+            self.rebuild()
 
     def rebuild(self, device: torch.device | None = None) -> None:
         """(Re)compute the float32 cos/sin tables on the default device, then move them to

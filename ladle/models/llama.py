@@ -241,7 +241,11 @@ def vocab_layers(cfg, lay: ShardLayout | None, tp: TPGroup | None):
     tie_word_embeddings (DecoderConfig and GemmaConfig both have them)."""
     num_vocab = cfg.vocab_size if lay is None else lay.vocab_per_rank
     if lay is None:
-        embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Built without nn.Embedding's random init, which the checkpoint overwrites anyway: on
+        # the meta device its normal_() runs a torch._refs kernel that imports torch._dynamo
+        # (1.1 s of the engine's start) and with it triton.
+        embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                             _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
     else:
         embed = VocabParallelEmbedding(num_vocab, cfg.hidden_size, lay.rank * num_vocab, tp)
     # Tied: the embedding matrix doubles as the output projection.
