@@ -330,7 +330,10 @@ class _RayLauncher:
             raise ValueError("distributed_executor_backend: 'ray' needs the ray package "
                              "(pip install 'ladle[ray]'); or use 'mp' on one host") from e
         self.ray = ray
-        if not ray.is_initialized():
+        # Ours to end when it is ours: stop() shuts down what this init started (a local
+        # instance, or the connection to RAY_ADDRESS's cluster), not the caller's own ray.init.
+        self.owns_ray = not ray.is_initialized()
+        if self.owns_ray:
             ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
                      log_to_driver=True)
         self.actors, self.refs, self.group = [], [], None
@@ -375,6 +378,9 @@ class _RayLauncher:
 
             remove_placement_group(self.group)
         self.actors, self.refs, self.group = [], [], None
+        if self.owns_ray:  # (not left to ray's atexit hook: the engine core ends without one)
+            self.ray.shutdown()
+            self.owns_ray = False
 
 
 def _worker_env() -> dict[str, str]:
