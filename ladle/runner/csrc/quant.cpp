@@ -1074,10 +1074,13 @@ inline void q6k_r16_values(const uint8_t* b, int half, int t, __m512i* v) {
 // non-temporal ones it had: 0.6B Q8_0 1.08-1.10x (three runs; at 2000 tokens of context 1.03x),
 // Q4_K_M 1.01-1.05x (four runs), Gemma 3 270M Q4_K_M 1.13x, the bf16 0.6B at
 // --quantization int8 1.10x; short distances into L2 (512 B to 2 KB ahead) ran like none on Q8_0
-// and 0.87-1.01x on Q4_K_M, the non-temporal hint 1 KB ahead 1.02x. (A group ahead is 9-52 KB,
-// and Zen 4 puts non-temporal prefetches in L1, 32 KB: the lines may be evicted before use and
-// read twice.) From two rows the prefetches into L2 stay: without them Q8_0 ran 1.11x at 2 rows
-// but 0.91x at 3 and 0.76x at 8, and Q4_K_M 0.94x at 2.
+// and 0.87-1.01x on Q4_K_M, the non-temporal hint 1 KB ahead 1.02x. (A group ahead is 9-52 KB;
+// AMD's optimization guides put a non-temporal prefetch in L1 only, 32 KB here, so the lines
+// may be evicted before use and read twice: a likely cause, not measured.) From two rows the
+// prefetches into L2 stay: without them Q8_0 ran 1.11x at 2 rows but 0.91x at 3 and 0.76x at 8,
+// and Q4_K_M 0.94x at 2. The Q8_0 numbers come from one process per run, so also (as the
+// machine's phases go) from one bandwidth level each: 1.18x in a process of 14.7 ms steps,
+// 1.02-1.06x in three of 20-21 ms.
 template <int TYPE, int MR, bool kOnce>
 inline void r16_rows(const uint8_t* g, const Act& a, int64_t m0, float (*out)[16]) {
   const int64_t nsub = a.K / 32;
