@@ -1072,7 +1072,7 @@ inline void q6k_r16_values(const uint8_t* b, int half, int t, __m512i* v) {
 // order) fastest there. Measured on a Zen 4 (2 cores, in process, the choice toggled every 4
 // steps, medians of 30 alternations), the one-row step without prefetches against the group-ahead
 // non-temporal ones it had: 0.6B Q8_0 1.08-1.10x (three runs; at 2000 tokens of context 1.03x),
-// Q4_K_M 1.01-1.05x (four runs), Gemma 3 270M Q4_K_M 1.13x, the bf16 0.6B at
+// Q4_K_M 1.01-1.05x (three runs), Gemma 3 270M Q4_K_M 1.13x, the bf16 0.6B at
 // --quantization int8 1.10x; short distances into L2 (512 B to 2 KB ahead) ran like none on Q8_0
 // and 0.87-1.01x on Q4_K_M, the non-temporal hint 1 KB ahead 1.02x. (A group ahead is 9-52 KB;
 // AMD's optimization guides put a non-temporal prefetch in L1 only, 32 KB here, so the lines
