@@ -166,6 +166,25 @@ def test_mixed_batch_tokens_identical_to_tp1(tp1_outputs):
     assert_same_outputs(ours, tp1_outputs)
 
 
+def test_ray_backend_shuts_down_the_ray_it_started():
+    """With no Ray of the caller's, the engine starts a local instance and shuts it down when it
+    stops: `ladle serve`'s engine ends without the interpreter's teardown
+    (lifetime.end_process), so ray's atexit hook never runs there. (Before local_ray below,
+    whose ray.init is the caller's and is left alone.)"""
+    ray = pytest.importorskip("ray")
+    assert not ray.is_initialized(), "runs before the module's local_ray fixture"
+    llm = LLM(MODEL, dtype="float32", max_model_len=512, tensor_parallel_size=2,
+              distributed_executor_backend="ray")
+    try:
+        assert ray.is_initialized()
+        out = llm.generate(["The capital of France is"],
+                           SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.close()
+    assert not ray.is_initialized()
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     ray = pytest.importorskip("ray")
