@@ -313,10 +313,12 @@ def test_quantized_experts_kernel_equals_the_per_expert_loop(tmp_path, case, dty
     model = load_model(path, read_hf_config(path), dtype, torch.device("cpu"))
     (block,) = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
     assert block.quant_stacked is not None
-    # AVX-512 VNNI builds stack Q4_K, Q6_K and Q8_0 experts repacked by 16 rows (quant.py).
+    # AVX-512 VNNI builds stack Q4_K, Q6_K and Q8_0 experts repacked by 16 rows, and Q5_0 where
+    # AMX-BF16 does not take its blocks as they are (quant.py's _repacks).
     r16 = Q._r16_kernels()
-    assert list(block.quant_stacked[1::2]) == [Q.R16_OF.get(int(t), int(t)) if r16 else int(t)
-                                               for t in (gate, up, down)]
+    assert list(block.quant_stacked[1::2]) == [
+        Q.R16_OF[int(t)] if r16 and int(t) in Q.R16_OF and Q._repacks(int(t)) else int(t)
+        for t in (gate, up, down)]
     stacked_gate = block.quant_stacked[0]
     for e, expert in enumerate(block.experts):
         part = expert.gate_up_proj.weight.parts[0].data

@@ -323,6 +323,11 @@ def tile_repacked(p: Q.QuantPart) -> Q.QuantPart:
     return p if p.kind == Q.Q5_0 else repacked(p)
 
 
+def tile_kind(kind: int) -> int:
+    """The kind tile_repacked gives a part of `kind`."""
+    return kind if kind == Q.Q5_0 else Q.R16_OF.get(kind, kind)
+
+
 @contextlib.contextmanager
 def batch_invariant_mode():
     """`--batch-invariant` for the block: quantized parts keep the integer path at every row
@@ -375,9 +380,9 @@ def test_repacked_blocks_give_the_blocks_bits(kind, dtype):
         blocks = Q.QuantWeight([part], k, dtype)
         packed = Q.QuantWeight([repacked(part)], k, dtype)
         x = torch.randn(m, k, generator=g).to(dtype)
-        with batch_invariant_mode():  # (40 bfloat16 rows: AMX-BF16 otherwise)
+        with batch_invariant_mode():  # (both: AMX-BF16 takes 8-20+ bfloat16 rows otherwise)
             y = Q.quant_linear(x, packed)
-        assert torch.equal(y, Q.quant_linear(x, blocks)), (m, n, k)
+            assert torch.equal(y, Q.quant_linear(x, blocks)), (m, n, k)
         assert relative_error(y.float(), x, packed) < (1e-5 if dtype == torch.float32 else 4e-3)
     # q|k|v-like: a repacked part, a Q4_0 and a part of 8 rows (not repackable) in one call.
     k = 512
@@ -532,7 +537,7 @@ def test_bf16_tiles_run_where_the_cpu_has_them():
     that are not repacked never take it."""
     want = kernels.quant_r16() and cpu_has("amx_bf16") and cpu_has("amx_int8")
     for kind in BF16_KINDS:
-        rows = kernels.quant_bf16_min_rows(Q.R16_OF.get(kind, kind))
+        rows = kernels.quant_bf16_min_rows(tile_kind(kind))
         assert (8 <= rows <= 20) if want else rows == 0, (kind, rows)
     for kind in (Q.Q8_0, Q.Q4_K, Q.MXFP4):  # as stored, not repacked
         assert kernels.quant_bf16_min_rows(kind) == 0
@@ -553,7 +558,7 @@ def test_bf16_tiles_compute_the_bf16_weights_product(kind):
     columns. One row fewer, in batch-invariant mode, and beside a part that cannot take it, the
     call keeps the integer path's bits."""
     g = torch.Generator().manual_seed(31 + kind)
-    min_rows = kernels.quant_bf16_min_rows(Q.R16_OF.get(kind, kind))
+    min_rows = kernels.quant_bf16_min_rows(tile_kind(kind))
     # (from the fewest rows, a partial sixteen; 200 rows at K 3072: two chunks, 160 and 40)
     for m, ns, k in [(min_rows, [16], 256), (32, [16], 256), (37, [48], 1024),
                      (64, [32, 16], 768), (200, [80], 3072)]:

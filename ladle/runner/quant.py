@@ -361,12 +361,12 @@ def token_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     int8 rows repacked by 16 (`--quantization int8`), from quant_token_min_rows() rows outside
     batch-invariant mode: the activations rotated in float32 (not rounded to their dtype
     first), quantized per row (token), times the int8 rows, each product's integer sum times
-    the row's and the weight row's scales."""
+    the product of the row's and the weight row's scales."""
     q, d = quantize_rows_torch(rotate_rows(x.float().contiguous(), w.rotation))
     outs = []
     for p in w.parts:
         wq = unpack_r16(p.data, p.kind) if p.kind in R16_BASE else p.data
-        outs.append((q.double() @ wq.double().T) * d.double()[:, None] * p.scale.double())
+        outs.append((q.double() @ wq.double().T) * (d.double()[:, None] * p.scale.double()))
     return torch.cat(outs, dim=1)
 
 # --- rows (the embedding) --------------------------------------------------------------------

@@ -2216,18 +2216,22 @@ void rotate_row_blocks(const T* x, O* out, int64_t K, int64_t B, float scale) {
 // unsigned w + 128, the 128 x sum(q) of each row taken off after. On AMX-INT8 the C tiles
 // accumulate all of K (TDPBSUD, 64 values per product; token_groups); on AVX-512 VNNI alone
 // (Zen 4, Ice Lake) vpdpbusd does (token_groups_512). Both reach the same integers, then
-// y = float(I) * d_row * scale[n], in that order (quant.py's token_reference): the two paths
-// give the same bits.
+// y = float(I) * (d_row * scale[n]) (token_out; quant.py's token_reference): the two
+// paths give the same bits.
 constexpr int64_t kTokenMinRows = 4;
 // The int32 sums hold K x 255 x 127 at most: past this K the per-block paths run.
 constexpr int64_t kTokenMaxK = 65536;
 
-// Row `row`'s 16 outputs at out from their integer sums I (before the bias): the one float step.
+// Row `row`'s 16 outputs at out from their integer sums I (before the bias): the one float step,
+// float(I) x (d_row x scale[n]). The build's -fassociative-math may reorder a product of three
+// as it likes in each caller (the vector path had become I x (d x s), the tile path (I x d) x s:
+// one float32 rounding apart), so the scales' product is made opaque to the optimizer first.
 template <typename T>
 inline void token_out(__m512i I, int32_t sum, float d, __m512 sw, T* out) {
   const __m512i v = _mm512_sub_epi32(I, _mm512_set1_epi32(128 * sum));
-  const __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(d)), sw);
-  store16(out, round_to(f, out));
+  __m512 ds = _mm512_mul_ps(_mm512_set1_ps(d), sw);
+  asm("" : "+v"(ds));
+  store16(out, round_to(_mm512_mul_ps(_mm512_cvtepi32_ps(v), ds), out));
 }
 
 #if defined(LADLE_QUANT_AMX)
