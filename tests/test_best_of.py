@@ -14,10 +14,7 @@ from ladle import LLM, SamplingParams
 
 C, CH = "/v1/completions", "/v1/chat/completions"
 PROMPT = "The sky is"
-# Seeds whose best candidates are not simply the first ones (checked below), so a ranking that
-# returned candidates in seed order would fail.
-SEED_BEST_IS_1 = 1234
-SEED_TOP2_ARE_0_3 = 7
+SEED = 7  # where any seed does: the test compares with n = best_of of the same seed
 SAMPLE = dict(temperature=0.8, max_tokens=8)
 
 
@@ -37,32 +34,41 @@ def candidates(llm, seed: int, **kw):
     return llm.generate(PROMPT, SamplingParams(n=4, seed=seed, logprobs=0, **SAMPLE, **kw))[0]
 
 
+def seed_where(llm, want) -> tuple[int, object]:
+    """The first seed (and its n = 4 outputs) whose candidates' ranking satisfies `want`: one
+    whose best candidates are not simply the first ones, so a ranking that returned candidates
+    in seed order would fail. Searched, not fixed: the sampled text depends on the machine's
+    arithmetic (AMX, AVX-512, AVX2 give different low bits)."""
+    for seed in range(64):
+        four = candidates(llm, seed)
+        if want(ranked([o.cumulative_logprob for o in four.outputs])):
+            return seed, four
+    raise AssertionError("no seed in 0..63 ranks the candidates out of seed order")
+
+
 def test_best_of_returns_the_best_of_the_n_candidates(llm):
     # Acceptance 4: best_of=4, n=1 is the best of the 4 that n=4 returns for the same seed.
-    four = candidates(llm, SEED_BEST_IS_1)
-    plain = llm.generate(PROMPT, SamplingParams(n=4, seed=SEED_BEST_IS_1, **SAMPLE))[0]
+    seed, four = seed_where(llm, lambda order: order[0] != 0)
+    plain = llm.generate(PROMPT, SamplingParams(n=4, seed=seed, **SAMPLE))[0]
     assert [o.text for o in plain.outputs] == [o.text for o in four.outputs]  # logprobs: no effect
     order = ranked([o.cumulative_logprob for o in four.outputs])
-    assert order[0] == 1
-    best = llm.generate(PROMPT, SamplingParams(n=1, best_of=4, seed=SEED_BEST_IS_1, **SAMPLE))[0]
+    best = llm.generate(PROMPT, SamplingParams(n=1, best_of=4, seed=seed, **SAMPLE))[0]
     (out,) = best.outputs
     want = four.outputs[order[0]]
     assert (out.index, out.text, out.token_ids) == (0, want.text, want.token_ids)
     assert out.cumulative_logprob == pytest.approx(want.cumulative_logprob)
     assert out.logprobs is None  # asked of the engine for the ranking only
 
-    # best_of=4, n=2: the top two, best first.
-    four = candidates(llm, SEED_TOP2_ARE_0_3)
+    # best_of=4, n=2: the top two, best first (a seed whose top two are neither 0, 1 nor 1, 0).
+    seed, four = seed_where(llm, lambda order: sorted(order[:2]) != [0, 1])
     order = ranked([o.cumulative_logprob for o in four.outputs])
-    assert order[:2] == [0, 3]
-    two = llm.generate(PROMPT, SamplingParams(n=2, best_of=4, seed=SEED_TOP2_ARE_0_3,
-                                              **SAMPLE))[0]
+    two = llm.generate(PROMPT, SamplingParams(n=2, best_of=4, seed=seed, **SAMPLE))[0]
     assert [o.index for o in two.outputs] == [0, 1]
     assert [o.token_ids for o in two.outputs] == [four.outputs[i].token_ids for i in order[:2]]
 
 
 def test_best_of_logprobs_when_asked(llm):
-    out = llm.generate(PROMPT, SamplingParams(n=2, best_of=4, seed=SEED_TOP2_ARE_0_3, logprobs=1,
+    out = llm.generate(PROMPT, SamplingParams(n=2, best_of=4, seed=SEED, logprobs=1,
                                               prompt_logprobs=1, **SAMPLE))[0]
     cums = []
     for o in out.outputs:
@@ -89,7 +95,7 @@ def post(http, path: str, **body) -> dict:
 
 
 def test_completions_best_of(http):
-    body = dict(prompt=[PROMPT, "Once upon"], seed=SEED_TOP2_ARE_0_3, temperature=0.8,
+    body = dict(prompt=[PROMPT, "Once upon"], seed=SEED, temperature=0.8,
                 max_tokens=6, return_token_ids=True)
     ref = post(http, C, n=4, logprobs=0, **body)
     got = post(http, C, n=2, best_of=4, **body)
@@ -117,7 +123,7 @@ def test_completions_best_of(http):
 
 
 def test_chat_best_of(http):
-    body = dict(messages=[{"role": "user", "content": "hi"}], seed=SEED_BEST_IS_1,
+    body = dict(messages=[{"role": "user", "content": "hi"}], seed=SEED,
                 temperature=0.8, max_tokens=6)
     ref = post(http, CH, n=3, logprobs=True, **body)
     got = post(http, CH, best_of=3, **body)
