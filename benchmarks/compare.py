@@ -40,7 +40,7 @@ within a turn they still moved 10-40% on that machine (two runs of 6 turns: Q8_0
 every system's first token of a new 128-token prompt, and the TTFT ratios within one model
 (ladle against llama.cpp, int8 against bf16) are the medians of those per-turn ratios too.
 
-Physical limits, measured in the same run: the read bandwidth (sum of a 1 GiB tensor) and the
+Physical limits, measured in the same run: the read bandwidth (max of a 1 GiB array) and the
 matmul peaks in bf16, f32 and int8. The bf16 and f32 peaks are the faster of torch's matmul and
 ladle's own linear kernel (torch's bf16 GEMM has no fast path on an AVX2-only CPU, 1 GFLOP/s
 measured there). The int8 peak is the faster of torch._int_mm (int8 x int8 ->
@@ -511,9 +511,11 @@ def _median_over(fn, inputs) -> float:
 
 
 def read_bandwidth() -> float:
-    """The read bandwidth now, bytes/s: the sum of 1 GiB of float32, split over every core's
-    thread (numpy, which releases the GIL in the sum: the same method in ladle's, transformers'
-    and llama-cpp-python's environments), median of 3."""
+    """The read bandwidth now, bytes/s: the max of 1 GiB of float32, split over every core's
+    thread (numpy, which releases the GIL in the reduction: the same method in ladle's,
+    transformers' and llama-cpp-python's environments), median of 3. The max, not the sum:
+    numpy's float32 sum (pairwise) was compute-bound on a 2-core Intel Xeon, 17.5 GB/s where the
+    max read 32.7, and single-stream decodes there read "173%" of it."""
     from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np
@@ -522,7 +524,7 @@ def read_bandwidth() -> float:
     parts = np.array_split(x, os.cpu_count() or 1)
     with ThreadPoolExecutor(len(parts)) as pool:
         def read():
-            return sum(pool.map(np.sum, parts))
+            return max(pool.map(np.max, parts))
 
         read()
         return x.nbytes / _median_time(read)
@@ -539,7 +541,7 @@ def decode_beside_bandwidth(decode) -> dict:
 
 
 def worker_limits():
-    """This machine's read bandwidth (sum of a 1 GiB tensor) and matmul peaks: bf16 and f32
+    """This machine's read bandwidth (max of a 1 GiB array) and matmul peaks: bf16 and f32
     (the faster of torch's matmul and ladle's linear, which is what the engine runs at that
     shape: on an AVX2 CPU torch's bf16 GEMM has no fast path and ladle's kernel takes every row
     count), int8 (see int8_peak)."""
