@@ -339,21 +339,30 @@ def worker_hf(path, dtype, cases):
 NO_REPACK_ENV = "LADLE_BENCH_LLAMA_NO_REPACK"
 
 
+def llama_extra_buffers_as_asked() -> None:
+    """In a llama-cpp-python process: with NO_REPACK_ENV set (--llama-no-repack), the models
+    Llama() loads from now on get no extra weight buffers (repacking, AMX), as llama-server's
+    --no-repack. Also used by gguf_accuracy.py's llama.cpp worker."""
+    if not os.environ.get(NO_REPACK_ENV):
+        return
+    import llama_cpp
+
+    defaults = llama_cpp.llama_cpp.llama_model_default_params
+
+    def no_extra_buffers():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    llama_cpp.llama_cpp.llama_model_default_params = no_extra_buffers
+
+
 def worker_llama(path, outtype, cases):
     """llama-cpp-python in process: one sequence; its `eval` reuses a matching prefix, so every
     measurement starts from reset()."""
-    import llama_cpp
     from llama_cpp import Llama
 
-    if os.environ.get(NO_REPACK_ENV):  # --llama-no-repack: as llama-server's --no-repack
-        defaults = llama_cpp.llama_cpp.llama_model_default_params
-
-        def no_extra_buffers():
-            params = defaults()
-            params.use_extra_bufts = False
-            return params
-
-        llama_cpp.llama_cpp.llama_model_default_params = no_extra_buffers
+    llama_extra_buffers_as_asked()
     llm = Llama(model_path=str(path), n_ctx=max_context(), n_batch=512, n_threads=os.cpu_count(),
                 verbose=False)
     single = single_prompts()

@@ -29,6 +29,7 @@ positions (target >= 95%), and mean KL(bf16 || int8).
 
     python benchmarks/gguf_accuracy.py [--model gemma-3-270m | path/to/file.gguf]
         [--positions 256] [--dtype auto] [--skip-llama] [--skip-hf] [--skip-int8]
+        [--llama-no-repack]
 """
 
 from __future__ import annotations
@@ -112,6 +113,10 @@ def worker_llama(path: str, ids_file: str, out: str) -> None:
     import numpy as np
     from llama_cpp import Llama
 
+    sys.path.insert(0, str(HERE))
+    from compare import llama_extra_buffers_as_asked
+
+    llama_extra_buffers_as_asked()
     ids = json.loads(Path(ids_file).read_text())
     n_ctx = max(512, -(-len(ids) // 256) * 256)
     llm = Llama(model_path=path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
@@ -182,6 +187,9 @@ def main():
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-int8", action="store_true")
+    ap.add_argument("--llama-no-repack", action="store_true",
+                    help="llama.cpp without its extra weight buffers (repacking, AMX), as "
+                         "compare.py's flag: on a KVM Xeon its AMX buffers crash")
     ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -190,6 +198,11 @@ def main():
 
     import torch
 
+    if args.llama_no_repack:
+        sys.path.insert(0, str(HERE))
+        from compare import NO_REPACK_ENV
+
+        os.environ[NO_REPACK_ENV] = "1"  # read by the llama.cpp worker
     path, n = model_file(args.model), args.positions
     print(f"model: {path}; text: {TEXT.name}, BOS + {n} tokens", flush=True)
     llm = ladle_engine(path, dtype=args.dtype)
