@@ -252,8 +252,8 @@ def test_decode_attention_with_sinks_matches_torch(kernels, dtype, H, KVH, D, wi
                                      (6, 2, 40)])
 @pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (7, None, False),
                                                   (50, 30.0, True), (None, 20.0, True)])
-def test_decode_attention_rows_of_one_sequence_equal_rows_alone(kernels, dtype, H, KVH, D,
-                                                                window, softcap, sinks,
+def test_decode_attention_rows_of_one_sequence_equal_rows_alone(kernels, invariant, dtype, H,
+                                                                KVH, D, window, softcap, sinks,
                                                                 monkeypatch):
     """Batch-invariant mode sends each token of a prefill chunk as a decode row (the query at
     position p over positions 0..p); the kernel groups consecutive rows of one sequence to load
@@ -291,6 +291,65 @@ def assert_rows_alone_equal_batch(q, k_cache, v_cache, batch, rows, dtype, monke
     monkeypatch.setitem(cpu_kernels._loaded, "module", None)  # the torch path
     want = decode_attention(q, k_cache, v_cache, batch, *args)
     torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+# Heads of Qwen3-0.6B (query groups of 2, D 128), Gemma 3 270M (one KV head, 4 query heads, D
+# 256), D 64 with groups of 4, and no grouping at D 32.
+@pytest.mark.parametrize("H,KVH,D", [(16, 8, 128), (4, 1, 256), (8, 2, 64), (4, 4, 32)])
+@pytest.mark.parametrize("bs", [16, 32])
+def test_prefill_runs_on_tiles_match_torch(kernels, H, KVH, D, bs, monkeypatch):
+    """Outside batch-invariant mode, on AMX-BF16 CPUs, a prefill chunk's run of 16 or more rows
+    attends on the tile unit: within bfloat16 rounding of the twin, for fresh prompts and chunks
+    with cached context, beside a decode row, a run of 15 (rows) and a window that cuts a run
+    (rows); the rows that stay on the row kernel keep its bits (batch-invariant mode's), and
+    the runs' do differ from them (the tiles ran)."""
+    if not kernels.attention_tiles_available():
+        pytest.skip("no AMX-BF16 tiles in this build or CPU")
+    torch.manual_seed(17)
+    nblocks = 4096 // bs + 8
+    dtype = torch.bfloat16
+    k_cache = torch.randn(nblocks, KVH, bs, D).to(dtype)
+    v_cache = torch.randn(nblocks, KVH, bs, D).to(dtype)
+    perm = torch.randperm(nblocks)
+    ctx, table, runs = [], [], []
+    # (first position, rows): a 37-row fresh prompt, a decode row, 16 rows after 20 cached, a
+    # run of 15, 130 rows after 95 cached (several query blocks, a partial last one)
+    for seq, (start, rows) in enumerate([(0, 37), (63, 1), (20, 16), (5, 15), (95, 130)]):
+        blocks = perm[seq * 24:(seq + 1) * 24]
+        if rows >= 16:
+            runs.extend(range(len(ctx), len(ctx) + rows))
+        for r in range(rows):
+            ctx.append(start + r + 1)
+            table.append(blocks)
+    q = (torch.randn(len(ctx), H, D) * 2).to(dtype)
+    batch = DecodeBatch(rows=torch.arange(len(ctx)), block_table=torch.stack(table),
+                        ctx_lens=torch.tensor(ctx))
+    for window in (None, 100):  # 100 cuts the last run's contexts: it stays on the rows
+        got = decode_attention(q, k_cache, v_cache, batch, D**-0.5, window)
+        was = cpu_kernels.batch_invariant()
+        cpu_kernels.set_batch_invariant(True)
+        try:
+            rows = decode_attention(q, k_cache, v_cache, batch, D**-0.5, window)
+        finally:
+            cpu_kernels.set_batch_invariant(was)
+        tiled = runs if window is None else runs[:53]
+        kept = [b for b in range(len(ctx)) if b not in tiled]
+        assert torch.equal(got[kept], rows[kept])
+        assert not torch.equal(got[tiled], rows[tiled])
+        with monkeypatch.context() as m:
+            m.setitem(cpu_kernels._loaded, "module", None)  # the torch path
+            want = decode_attention(q, k_cache, v_cache, batch, D**-0.5, window)
+        torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.fixture
+def invariant():
+    """Batch-invariant mode for the test (where a prefill chunk's rows each attend alone), as
+    before after."""
+    was = cpu_kernels.batch_invariant()
+    cpu_kernels.set_batch_invariant(True)
+    yield
+    cpu_kernels.set_batch_invariant(was)
 
 
 @pytest.fixture

@@ -131,12 +131,14 @@ def decode_attention(q, k_cache, v_cache, d: DecodeBatch, scale: float,
                      window: int | None = None, softcap: float | None = None,
                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: (B, H, D), one query per sequence, attending to its cached tokens: all ctx_lens[i],
-    or the last `window` of them."""
+    or the last `window` of them. Outside batch-invariant mode the kernel may attend a prefill
+    chunk's rows (16 or more) on AMX-BF16 tiles: within rounding of the rows attended alone."""
     kernels = cpu_kernels.load_cpu_kernels() if cpu_kernels.supports(q) else None
     if kernels is not None:
         return kernels.paged_decode_attention(
             q.contiguous(), k_cache, v_cache, d.block_table, d.ctx_lens, scale, window or 0,
-            softcap or 0.0, None if sinks is None else sinks.float().contiguous())
+            softcap or 0.0, None if sinks is None else sinks.float().contiguous(),
+            not cpu_kernels.batch_invariant())
     # The kernel's twin: every block gathered, the window and the context length as a mask.
     kk, vv = _gather(k_cache, d.block_table), _gather(v_cache, d.block_table)
     pos = torch.arange(kk.shape[2], device=q.device)[None, :]  # (1, L)

@@ -91,8 +91,10 @@ def max_linear_rows(dtype: torch.dtype) -> int:
 # threads), Qwen3-0.6B heads (16 query, 8 KV, D 128), one fresh causal prompt, ms, SDPA /
 # kernel: bfloat16 32 tokens 0.14 / 0.07, 128 1.16 / 0.74, 512 15.7 / 7.3, 1024 41.3 / 30.2,
 # 1536 76 / 78, 2048 129 / 134; float32 128 1.13 / 0.58, 1024 40.3 / 37.3, 2048 129 / 135. The
-# 0.6B Q8_0's 128-token TTFT: 265 -> 230 ms. Longer chunks keep SDPA (on AMX-BF16 CPUs its
-# bfloat16 GEMMs run on the tile unit; not measured against the kernel there).
+# 0.6B Q8_0's 128-token TTFT: 265 -> 230 ms. Longer chunks keep SDPA. On AMX-BF16 CPUs,
+# outside batch-invariant mode, the kernel takes a bfloat16 chunk's rows on the tile unit
+# (csrc/attention.cpp: tile_run), which there beats the row kernel 4-5x and SDPA up to ~1024
+# tokens and loses to SDPA past ~1500 (2048: 43 against 22 ms per layer).
 PREFILL_KERNEL_MAX_CTX = 1024
 # The builds whose decode kernel is vectorised (elsewhere its loops are scalar: SDPA prefills).
 _VECTOR_ATTENTION_ISAS = ("avx512", "avx512-bf16")

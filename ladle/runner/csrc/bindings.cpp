@@ -122,7 +122,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged decode attention, optionally windowed, soft-capped and with sink logits",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
         py::arg("ctx_lens"), py::arg("scale"), py::arg("window"), py::arg("softcap"),
-        py::arg("sinks") = py::none());
+        py::arg("sinks") = py::none(), py::arg("tiles") = false);
+  m.def("attention_tiles_available", &attention_tiles_available,
+        "whether prefill runs of paged_decode_attention can take the AMX-BF16 tiles");
   m.def("linear", &linear, "small-M linear (any M when invariant)", py::arg("x"), py::arg("w"),
         py::arg("b"), py::arg("invariant") = false);
   m.def("rms_norm", &rms_norm, "RMSNorm with optional residual add", py::arg("x"),

@@ -70,7 +70,8 @@ std::vector<at::Tensor> DecodeStack::run(at::Tensor x, const at::Tensor& positio
     }
     write_kv_cache(k, v, k_caches[i], v_caches[i], slot_blocks, slot_offsets);
     auto attn = paged_decode_attention(q.contiguous(), k_caches[i], v_caches[i], block_table,
-                                       ctx_lens, scale_, L.window, L.softcap, c10::nullopt);
+                                       ctx_lens, scale_, L.window, L.softcap, c10::nullopt,
+                                       !invariant);
     auto o = L.o(attn.reshape({T, q_size}), invariant);
     if (L.attn_out_norm) o = rms_norm(o, c10::nullopt, *L.attn_out_norm, eps_);
     h = rms_norm(o, residual, L.post_norm, eps_);

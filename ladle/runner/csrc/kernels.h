@@ -25,7 +25,9 @@ std::vector<at::Tensor> gated_delta_step(at::Tensor q, at::Tensor k, at::Tensor 
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_table, at::Tensor ctx_lens,
                                   double scale, int64_t window, double softcap,
-                                  c10::optional<at::Tensor> sinks);
+                                  c10::optional<at::Tensor> sinks, bool tiles);
+// Whether this build and CPU run prefill runs of paged_decode_attention on AMX-BF16 tiles.
+bool attention_tiles_available();
 
 // linear.cpp
 // Output columns [n_begin, n_end) of y (M, N) = x (M, K) @ w (N, K)^T + b on the calling thread
