@@ -37,7 +37,7 @@ static inline void scale_row(const T* x, const T* w, float inv, int64_t D, O* ou
   const __m512 vinv = _mm512_set1_ps(inv);
   for (; d + 16 <= D; d += 16) {
     const __m512 n = round_to(_mm512_mul_ps(load16(x + d), vinv), x);
-    store16(out + d, round_to(_mm512_mul_ps(load16(w + d), n), x));
+    store_round(out + d, _mm512_mul_ps(load16(w + d), n));
   }
 #endif
   for (; d < D; ++d)
@@ -52,7 +52,7 @@ static inline void scale_row_f32(const T* x, const float* w, float inv, int64_t 
 #if defined(__AVX512F__)
   const __m512 vinv = _mm512_set1_ps(inv);
   for (; d + 16 <= D; d += 16)
-    store16(out + d, round_to(_mm512_mul_ps(_mm512_mul_ps(load16(x + d), vinv), load16(w + d)), x));
+    store_round(out + d, _mm512_mul_ps(_mm512_mul_ps(load16(x + d), vinv), load16(w + d)));
 #endif
   for (; d < D; ++d) out[d] = static_cast<T>(to_f(x[d]) * inv * w[d]);
 }
@@ -70,7 +70,7 @@ static void rms_norm_kernel(const T* x, T* residual, const W* w, T* out, int64_t
         int64_t d = 0;
 #if defined(__AVX512F__)
         for (; d + 16 <= D; d += 16)
-          store16(rr + d, round_to(_mm512_add_ps(load16(rr + d), load16(src + d)), rr));
+          store_round(rr + d, _mm512_add_ps(load16(rr + d), load16(src + d)));
 #endif
         for (; d < D; ++d) rr[d] = static_cast<T>(to_f(rr[d]) + to_f(src[d]));
         src = rr;
@@ -189,9 +189,8 @@ static void qk_norm_rotary_kernel(const T* q, const T* k, T* q_out, T* k_out, co
           const __m512 x1 = _mm512_loadu_ps(row.data() + i);
           const __m512 x2 = _mm512_loadu_ps(row.data() + i + half);
           const __m512 ci = _mm512_loadu_ps(c + i), si = _mm512_loadu_ps(s + i);
-          store16(o + i, round_to(_mm512_sub_ps(_mm512_mul_ps(x1, ci), _mm512_mul_ps(x2, si)), o));
-          store16(o + i + half,
-                  round_to(_mm512_add_ps(_mm512_mul_ps(x2, ci), _mm512_mul_ps(x1, si)), o));
+          store_round(o + i, _mm512_sub_ps(_mm512_mul_ps(x1, ci), _mm512_mul_ps(x2, si)));
+          store_round(o + i + half, _mm512_add_ps(_mm512_mul_ps(x2, ci), _mm512_mul_ps(x1, si)));
         }
 #endif
         for (; i < half; ++i) {
@@ -273,7 +272,7 @@ void silu_mul_kernel(const T* x, T* out, int64_t R, int64_t I, int64_t ldx) {
         const __m512 g = load16(gate + i);
         const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
         const __m512 sg = round_to(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), o);
-        store16(o + i, round_to(_mm512_mul_ps(sg, load16(up + i)), o));
+        store_round(o + i, _mm512_mul_ps(sg, load16(up + i)));
       }
 #endif
       for (; i < I; ++i) {
@@ -335,7 +334,7 @@ static void gelu_mul_kernel(const T* x, T* out, int64_t R, int64_t I, int64_t ld
               _mm512_set1_ps(-kBeta2));
           const __m512 ge = round_to(
               _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(u))), o);
-          store16(o + i, round_to(_mm512_mul_ps(ge, load16(up + i)), o));
+          store_round(o + i, _mm512_mul_ps(ge, load16(up + i)));
         }
       }
 #endif

@@ -456,7 +456,7 @@ inline void store_tile(const float* cb, const at::BFloat16* b, at::BFloat16* y, 
   const __m512 bias = b != nullptr ? load16(b + n0) : _mm512_setzero_ps();
   for (int64_t m = 0; m < rows; ++m) {
     const __m512 v = b != nullptr ? _mm512_add_ps(r[m], bias) : r[m];  // one rounding, as above
-    store16(y + (m0 + m) * N + n0, round_to(v, y));
+    store_round(y + (m0 + m) * N + n0, v);
   }
 }
 

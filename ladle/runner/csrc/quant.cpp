@@ -1162,7 +1162,7 @@ inline void store_rows16(const Part& p, int64_t g, int64_t m0, int64_t mr, const
     if (p.scale) v = _mm512_mul_ps(v, _mm512_loadu_ps(p.scale + n0));
     T* dst = y + (m0 + m) * ldy + p.col + n0;
     if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
-      store16(dst, round_to(v, dst));
+      store_round(dst, v);
     } else {  // (instantiated by the dispatch, refused by quant_matmul's checks)
       alignas(64) float f[16];
       _mm512_store_ps(f, v);
@@ -2121,12 +2121,16 @@ __attribute__((always_inline)) inline void rotate_in_registers(__m512* r) {
       _mm512_setr_epi32(2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13),
       _mm512_setr_epi32(4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11),
       _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)};
-  constexpr __mmask16 upper[4] = {0xAAAA, 0xCCCC, 0xF0F0, 0xFF00};
+  // r +- p as one fused r * (+-1) + p: the product is exact, so the sum rounds once, as r + p
+  // and p - r do (two operations a vector and stage where add, sub and blend took four).
+  const __m512 sign[4] = {
+      _mm512_setr_ps(1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1),
+      _mm512_setr_ps(1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1),
+      _mm512_setr_ps(1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1),
+      _mm512_setr_ps(1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1)};
   for (int s = 0; s < 4; s++)
-    for (int i = 0; i < N; i++) {
-      const __m512 p = _mm512_permutexvar_ps(partner[s], r[i]);
-      r[i] = _mm512_mask_blend_ps(upper[s], _mm512_add_ps(r[i], p), _mm512_sub_ps(p, r[i]));
-    }
+    for (int i = 0; i < N; i++)
+      r[i] = _mm512_fmadd_ps(r[i], sign[s], _mm512_permutexvar_ps(partner[s], r[i]));
   for (int h = 1; h < N; h *= 2)
     for (int i = 0; i < N; i += 2 * h)
       for (int j = i; j < i + h; j++) {
@@ -2136,18 +2140,10 @@ __attribute__((always_inline)) inline void rotate_in_registers(__m512* r) {
       }
 }
 
-// 16 floats times `sc`, rounded to T and stored (bfloat16: to nearest even, as T(float) rounds;
-// one vcvtneps2bf16 where the CPU has it).
+// 16 floats times `sc`, rounded to T (to nearest even, as T(float) rounds) and stored.
 template <typename T>
 __attribute__((always_inline)) inline void store_scaled(T* out, __m512 r, __m512 sc) {
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
-                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(r, sc))));
-    return;
-  }
-#endif
-  store16(out, round_to(_mm512_mul_ps(r, sc), out));
+  store_round(out, _mm512_mul_ps(r, sc));
 }
 
 // One block of B values of float32 or bfloat16: chunks of up to 256 in registers, the stages
@@ -2231,7 +2227,7 @@ inline void token_out(__m512i I, int32_t sum, float d, __m512 sw, T* out) {
   const __m512i v = _mm512_sub_epi32(I, _mm512_set1_epi32(128 * sum));
   __m512 ds = _mm512_mul_ps(_mm512_set1_ps(d), sw);
   asm("" : "+v"(ds));
-  store16(out, round_to(_mm512_mul_ps(_mm512_cvtepi32_ps(v), ds), out));
+  store_round(out, _mm512_mul_ps(_mm512_cvtepi32_ps(v), ds));
 }
 
 #if defined(LADLE_QUANT_AMX)
@@ -2244,11 +2240,45 @@ struct alignas(64) AmxTokenConfig {
 };
 #endif
 
+// Row x (K values) rotated in blocks of B (K a multiple of B) into v, without the rotation's
+// scale (a power of two, which the caller applies to the max): rotate_block_512's stages in its
+// order, the stages past the registers' (B of 512, 1024) in place in v.
+template <typename T>
+void rotate_row_unscaled(const T* x, float* v, int64_t K, int64_t B) {
+  for (int64_t b0 = 0; b0 < K; b0 += B) {
+    float* w = v + b0;
+    auto chunks = [&](auto n) {
+      constexpr int N = decltype(n)::value;
+      for (int64_t c = 0; c < B; c += 16 * N) {
+        __m512 r[N];
+        for (int i = 0; i < N; i++) r[i] = load16(x + b0 + c + 16 * i);
+        rotate_in_registers<N>(r);
+        for (int i = 0; i < N; i++) _mm512_storeu_ps(w + c + 16 * i, r[i]);
+      }
+    };
+    switch (B) {
+      case 32: chunks(std::integral_constant<int, 2>{}); break;
+      case 64: chunks(std::integral_constant<int, 4>{}); break;
+      case 128: chunks(std::integral_constant<int, 8>{}); break;
+      default: chunks(std::integral_constant<int, 16>{}); break;
+    }
+    for (int64_t h = 256; h < B; h *= 2)
+      for (int64_t i = 0; i < B; i += 2 * h)
+        for (int64_t j = i; j < i + h; j += 16) {
+          const __m512 a = _mm512_loadu_ps(w + j), b = _mm512_loadu_ps(w + j + h);
+          _mm512_storeu_ps(w + j, _mm512_add_ps(a, b));
+          _mm512_storeu_ps(w + j + h, _mm512_sub_ps(a, b));
+        }
+  }
+}
+
 // Per row of x (M, K) rotated in float32 (rotate_row_blocks, blocks of `block`: x'), the rule
 // of quantize_into over the whole row: d = max|x'| / 127, q = round-half-even(x' * (127 /
 // max|x'|)) (0 for an all-zero row; NaN counts as 0 in the max), sum = sum(q); q written
 // straight into the A tiles' layout (sixteen r, chunk c of 64 values at (r * K / 64 + c) * 1024,
-// 64 bytes a row), the rows past M up to a whole sixteen zero.
+// 64 bytes a row), the rows past M up to a whole sixteen zero. The rotation's power-of-two scale
+// s is not applied to each value: with v the unscaled rotation (x' = s v exactly), max|x'| = s
+// max|v| and x' * c = v * (s c) exactly, so q, d and sum are those of x'.
 template <typename T>
 void token_activations(const T* x, int64_t M, int64_t K, int64_t block, int8_t* qt, float* d,
                        int32_t* sum) {
@@ -2265,19 +2295,16 @@ void token_activations(const T* x, int64_t M, int64_t K, int64_t block, int8_t* 
         for (int64_t c = 0; c < chunks; c++) std::memset(dst + c * 1024, 0, 64);
         continue;
       }
-      rotate_row_blocks(x + m * K, v, K, block, scale);
+      rotate_row_unscaled(x + m * K, v, K, block);
+      // max_ps(a, mx) returns mx where a is NaN (vmaxps gives its second operand then)
       __m512 mx = _mm512_setzero_ps();
-      for (int64_t k = 0; k < K; k += 16) {
-        const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(v + k));
-        mx = _mm512_max_ps(mx, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, a, _CMP_ORD_Q), a));
-      }
-      const float amax = _mm512_reduce_max_ps(mx);
-      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      for (int64_t k = 0; k < K; k += 16) mx = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(v + k)), mx);
+      const float amax = _mm512_reduce_max_ps(mx) * scale;
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax * scale : 0.f);
       constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
       __m512i total = _mm512_setzero_si512();
       for (int64_t k = 0; k < K; k += 16) {
-        const __m512i r = _mm512_cvtps_epi32(
-            _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(v + k), inv), kRound));
+        const __m512i r = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + k), inv), kRound);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k / 64 * 1024 + k % 64),
                          _mm512_cvtepi32_epi8(r));
         total = _mm512_add_epi32(total, r);
