@@ -434,9 +434,11 @@ constexpr int64_t kSplitJobWork = int64_t(1) << 21;
 // past cpu_kernels.PREFILL_KERNEL_MAX_CTX keep SDPA). The 0.6B's 128-token TTFT in process:
 // bf16 123 -> 111 ms, int8 92 -> 81 (one run, alternating).
 constexpr int64_t kTileRunRows = 16;
-// Longer contexts keep the row kernel (the packed keys and values of one run: 4 bytes per key
-// and dimension per KV head).
-constexpr int64_t kTileMaxContext = 16384;
+// Runs past this context keep the row kernel: the packed keys and values of a run take 4 bytes
+// per key, dimension and KV head (8 MiB for the 0.6B's 8 heads of 128 at 2048), and SDPA,
+// which takes prefill chunks past cpu_kernels.PREFILL_KERNEL_MAX_CTX, is faster there anyway
+// (what still arrives: speculative verification rows of 16 or more drafts).
+constexpr int64_t kTileMaxContext = 2048;
 
 // 16 x 16 dwords transposed in registers: r[i] (row i) becomes column i.
 static inline void transpose16_epi32(__m512i* r) {
