@@ -93,8 +93,8 @@ def max_linear_rows(dtype: torch.dtype) -> int:
 # 1536 76 / 78, 2048 129 / 134; float32 128 1.13 / 0.58, 1024 40.3 / 37.3, 2048 129 / 135. The
 # 0.6B Q8_0's 128-token TTFT: 265 -> 230 ms. Longer chunks keep SDPA. On AMX-BF16 CPUs,
 # outside batch-invariant mode, the kernel takes a bfloat16 chunk's rows on the tile unit
-# (csrc/attention.cpp: tile_run), which there beats the row kernel 4-5x and SDPA up to ~1024
-# tokens and loses to SDPA past ~1500 (2048: 43 against 22 ms per layer).
+# (csrc/attention.cpp: tile_run), which there beats the row kernel 3-5x and SDPA up to ~1024
+# tokens and loses to SDPA past ~1500 (2048: 31 against 22 ms per layer).
 PREFILL_KERNEL_MAX_CTX = 1024
 # The builds whose decode kernel is vectorised (elsewhere its loops are scalar: SDPA prefills).
 _VECTOR_ATTENTION_ISAS = ("avx512", "avx512-bf16")

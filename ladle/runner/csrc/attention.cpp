@@ -422,17 +422,19 @@ constexpr int64_t kSplitJobWork = int64_t(1) << 21;
 // the next position) attends as blocks of 16 queries. Per KV head its keys become B tiles of
 // 16 keys (pack_keys) and its values B tiles of 16 dimensions (pack_values), once for all its
 // query heads; per (query head, 16 queries) the scores S = Q K^T come from the tiles in float32,
-// each query's softmax over its own context is taken in float32 and rounded once to bfloat16
-// (P), and O = P V comes from the tiles again, divided by the sum of P's rounded values. The
-// row kernel above sums each query's keys in its own fixed order; here the products are the
-// tile unit's and P is bfloat16, so a query's value depends on the run it came in: the decode
-// rows and batch-invariant mode keep the row kernel. Measured on a 2-core Sapphire Rapids-class
-// Xeon (KVM), Qwen3-0.6B heads (16 query, 8 KV, D 128), one fresh causal prompt, ms per layer,
-// row kernel / tiles / torch's SDPA: 128 tokens 0.63 / 0.16 / -, 512 8.9 / 1.9 / -, 1024 35 /
-// 7.0 / 7.6, 2048 177 / 43 / 22, 4096 633 / 118 / 79 (past ~1500 tokens each query block's
-// pass over the packed keys and values runs from L3, where SDPA's blocks stay in L2: chunks
-// past cpu_kernels.PREFILL_KERNEL_MAX_CTX keep SDPA). The 0.6B's 128-token TTFT in process:
-// bf16 123 -> 111 ms, int8 92 -> 81 (one run, alternating).
+// each query's softmax over its own context is taken in float32 and split into two bfloat16
+// parts (P), and O = P V comes from the tiles again, divided by the softmax's sum. The row
+// kernel above sums each query's keys in its own fixed order; here the products are the tile
+// unit's, so a query's value depends on the run it came in: the decode rows and batch-invariant
+// mode keep the row kernel. Measured on a 2-core Sapphire Rapids-class Xeon (KVM), Qwen3-0.6B
+// heads (16 query, 8 KV, D 128), one fresh causal prompt, ms per layer, row kernel / tiles:
+// 128 tokens 0.85-1.07 / 0.30-0.35, 512 8.9 / 2.1, 1024 33 / 7.0, 2048 147 / 31 (torch's SDPA:
+// 1024 7.6, 2048 22, 4096 79: past ~1500 tokens each query block's pass over the packed keys and
+// values runs from L3, where SDPA's blocks stay in L2, so chunks past
+// cpu_kernels.PREFILL_KERNEL_MAX_CTX keep SDPA). P as one bfloat16 part ran 128 tokens in 0.16
+// against the rows' 0.63 but moved Gemma 3 270M's int8 top-1 agreement with bf16 (gguf_accuracy)
+// from 95.3% to 94.9%; with two parts it is 96.1%. The 0.6B's TTFT in process, tiles off / on
+// (alternating): bf16 128 tokens 128 / 115 ms, int8 88 / 77, bf16 1000 tokens 1447 / 715.
 constexpr int64_t kTileRunRows = 16;
 // Runs past this context keep the row kernel: the packed keys and values of a run take 4 bytes
 // per key, dimension and KV head (8 MiB for the 0.6B's 8 heads of 128 at 2048), and SDPA,
@@ -521,8 +523,8 @@ static void pack_values(const at::BFloat16* vc, const int64_t* blocks, int64_t n
 // One block of up to 16 queries of query head hq: rows b0 .. b0 + nr - 1, row i attending keys
 // 0 .. ctx[b0 + i] - 1 of the packed keys and values kp, vp (the tile configuration loaded).
 struct TileScratch {
-  std::vector<float> s;       // 16 x L scores
-  std::vector<at::BFloat16> p, qb;  // 16 x L probabilities; 16 x D queries
+  std::vector<float> s;                 // 16 x L scores
+  std::vector<at::BFloat16> p, lo, qb;  // 16 x L probabilities, high and low parts; 16 x D queries
 };
 
 static void tile_query_block(const at::BFloat16* q, at::BFloat16* out, const int64_t* ctx,
@@ -533,6 +535,7 @@ static void tile_query_block(const at::BFloat16* q, at::BFloat16* out, const int
   const int64_t L = (n + 31) / 32 * 32, kbs = (n + 15) / 16, chunks = D / 32, groups = D / 16;
   w.s.resize(16 * L);
   w.p.resize(16 * L);
+  w.lo.resize(16 * L);
   w.qb.resize(16 * D);
   at::BFloat16* qb = w.qb.data();
   for (int64_t i = 0; i < 16; i++) {
@@ -573,15 +576,20 @@ static void tile_query_block(const at::BFloat16* q, at::BFloat16* out, const int
       _tile_stored(4, s + 16 * kb, L * 4);
     }
   }
-  // P: each row's softmax over its own keys, rounded to bfloat16 (zero past them); the sums of
-  // the rounded values divide O.
+  // P: each row's softmax over its own keys (zero past them) as two bfloat16 parts, hi = bf16(e)
+  // and lo = bf16(e - hi), whose products with V the C tiles add: P to ~16 bits (bfloat16 alone,
+  // 8, cost Gemma 3 270M one of 256 int8 top-1 agreements with bf16). O is divided by the
+  // float32 sum of e.
   float inv[16];
   at::BFloat16* p = w.p.data();
+  at::BFloat16* lo = w.lo.data();
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t i = 0; i < 16; i++) {
     uint16_t* pi = reinterpret_cast<uint16_t*>(p + i * L);
+    uint16_t* li = reinterpret_cast<uint16_t*>(lo + i * L);
     if (i >= nr) {
       std::memset(pi, 0, sizeof(uint16_t) * L);
+      std::memset(li, 0, sizeof(uint16_t) * L);
       inv[i] = 0.f;
       continue;
     }
@@ -594,10 +602,13 @@ static void tile_query_block(const at::BFloat16* q, at::BFloat16* out, const int
     if (t < len) vm = _mm512_mask_max_ps(vm, tail, vm, _mm512_maskz_loadu_ps(tail, si + t));
     const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
     __m512 sum = _mm512_setzero_ps();
-    auto put = [&](int64_t at, __m512 e) {  // P's bfloat16 values, summed as rounded
-      const __m256i eb = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pi + at), eb);
-      sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(eb), 16)));
+    auto put = [&](int64_t at, __m512 e) {
+      const __m256i hi = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e));
+      const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pi + at), hi);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(li + at),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_sub_ps(e, back))));
+      sum = _mm512_add_ps(sum, e);
     };
     for (t = 0; t + 16 <= len; t += 16)
       put(t, exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(si + t), mx), vscale)));
@@ -606,10 +617,14 @@ static void tile_query_block(const at::BFloat16* q, at::BFloat16* out, const int
                                            _mm512_sub_ps(_mm512_loadu_ps(si + t), mx), vscale))));
       t += 16;
     }
-    for (; t < L; t += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pi + t), _mm256_setzero_si256());
+    for (; t < L; t += 16) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pi + t), _mm256_setzero_si256());
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(li + t), _mm256_setzero_si256());
+    }
     inv[i] = 1.f / _mm512_reduce_add_ps(sum);
   }
-  // O, four groups of 16 dimensions at a time in C tiles 4 .. 7; A (P) in 0, B in 2 / 3.
+  // O, four groups of 16 dimensions at a time in C tiles 4 .. 7; A (P's parts) in 0 and 1, B in
+  // 2 / 3, each V tile used by both parts.
   alignas(64) float o[4][16][16];
   for (int64_t g0 = 0; g0 < groups; g0 += 4) {
     const int64_t ng = std::min<int64_t>(4, groups - g0);
@@ -620,19 +635,24 @@ static void tile_query_block(const at::BFloat16* q, at::BFloat16* out, const int
     for (int64_t kc = 0; kc < L / 32; kc++) {
       const uint32_t* vt = vp + (kc * groups + g0) * 256;
       _tile_loadd(0, p + 32 * kc, L * 2);
+      _tile_loadd(1, lo + 32 * kc, L * 2);
       _tile_loadd(2, vt, 64);
       _tile_dpbf16ps(4, 0, 2);
+      _tile_dpbf16ps(4, 1, 2);
       if (ng > 1) {
         _tile_loadd(3, vt + 256, 64);
         _tile_dpbf16ps(5, 0, 3);
+        _tile_dpbf16ps(5, 1, 3);
       }
       if (ng > 2) {
         _tile_loadd(2, vt + 512, 64);
         _tile_dpbf16ps(6, 0, 2);
+        _tile_dpbf16ps(6, 1, 2);
       }
       if (ng > 3) {
         _tile_loadd(3, vt + 768, 64);
         _tile_dpbf16ps(7, 0, 3);
+        _tile_dpbf16ps(7, 1, 3);
       }
     }
     _tile_stored(4, o[0], 64);  // (a vector load waits behind a pending tile store: all first)
@@ -691,7 +711,7 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* b
   // `tiles`: runs of kTileRunRows or more rows attend on the tile unit (tile_run), the other
   // rows below, gathered into a call of their own.
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (tiles && !getenv("TILES_OFF") && softcap == 0.f && sinks == nullptr && D % 32 == 0 && D <= 256 &&
+    if (tiles && softcap == 0.f && sinks == nullptr && D % 32 == 0 && D <= 256 &&
         amx_permitted()) {
       std::vector<std::pair<int64_t, int64_t>> runs;  // (first row, rows)
       std::vector<int64_t> rest;
