@@ -520,6 +520,26 @@ static void pack_values(const at::BFloat16* vc, const int64_t* blocks, int64_t n
     }
 }
 
+// Scores of 16 queries (qb: 16 x D) against one block of 16 packed keys kt into C tile 4, or 5
+// when `odd` (consecutive blocks alternate, so one's store overlaps the next one's products),
+// then to out (row stride ld floats); A tiles 0 / 1 and B tiles 2 / 3 by chunk of 32 dimensions.
+// (The tile intrinsics take their tile numbers as literals.)
+static inline void tile_scores(const at::BFloat16* qb, const uint32_t* kt, int64_t chunks,
+                               int64_t D, float* out, int64_t ld, bool odd) {
+  if (odd) _tile_zero(5); else _tile_zero(4);
+  for (int64_t c = 0; c < chunks; c += 2) {
+    _tile_loadd(0, qb + 32 * c, D * 2);
+    _tile_loadd(2, kt + c * 256, 64);
+    if (odd) _tile_dpbf16ps(5, 0, 2); else _tile_dpbf16ps(4, 0, 2);
+    if (c + 1 < chunks) {
+      _tile_loadd(1, qb + 32 * (c + 1), D * 2);
+      _tile_loadd(3, kt + (c + 1) * 256, 64);
+      if (odd) _tile_dpbf16ps(5, 1, 3); else _tile_dpbf16ps(4, 1, 3);
+    }
+  }
+  if (odd) _tile_stored(5, out, ld * 4); else _tile_stored(4, out, ld * 4);
+}
+
 // One block of up to 16 queries of query head hq: rows b0 .. b0 + nr - 1, row i attending keys
 // 0 .. ctx[b0 + i] - 1 of the packed keys and values kp, vp (the tile configuration loaded).
 struct TileScratch {
@@ -544,38 +564,10 @@ static void tile_query_block(const at::BFloat16* q, at::BFloat16* out, const int
     else
       std::memset(qb + i * D, 0, sizeof(at::BFloat16) * D);
   }
-  // S, 16 keys at a time: C tiles 4 / 5 by key block parity, A 0 / 1 and B 2 / 3 by chunk.
+  // S, 16 keys at a time: C tiles 4 / 5 by key block parity.
   float* s = w.s.data();
-  for (int64_t kb = 0; kb < kbs; kb++) {
-    const uint32_t* kt = kp + kb * chunks * 256;
-    if (kb & 1) {
-      _tile_zero(5);
-      for (int64_t c = 0; c < chunks; c += 2) {
-        _tile_loadd(0, qb + 32 * c, D * 2);
-        _tile_loadd(2, kt + c * 256, 64);
-        _tile_dpbf16ps(5, 0, 2);
-        if (c + 1 < chunks) {
-          _tile_loadd(1, qb + 32 * (c + 1), D * 2);
-          _tile_loadd(3, kt + (c + 1) * 256, 64);
-          _tile_dpbf16ps(5, 1, 3);
-        }
-      }
-      _tile_stored(5, s + 16 * kb, L * 4);
-    } else {
-      _tile_zero(4);
-      for (int64_t c = 0; c < chunks; c += 2) {
-        _tile_loadd(0, qb + 32 * c, D * 2);
-        _tile_loadd(2, kt + c * 256, 64);
-        _tile_dpbf16ps(4, 0, 2);
-        if (c + 1 < chunks) {
-          _tile_loadd(1, qb + 32 * (c + 1), D * 2);
-          _tile_loadd(3, kt + (c + 1) * 256, 64);
-          _tile_dpbf16ps(4, 1, 3);
-        }
-      }
-      _tile_stored(4, s + 16 * kb, L * 4);
-    }
-  }
+  for (int64_t kb = 0; kb < kbs; kb++)
+    tile_scores(qb, kp + kb * chunks * 256, chunks, D, s + 16 * kb, L, kb & 1);
   // P: each row's softmax over its own keys (zero past them) as two bfloat16 parts, hi = bf16(e)
   // and lo = bf16(e - hi), whose products with V the C tiles add: P to ~16 bits (bfloat16 alone,
   // 8, cost Gemma 3 270M one of 256 int8 top-1 agreements with bf16). O is divided by the
@@ -636,24 +628,19 @@ static void tile_query_block(const at::BFloat16* q, at::BFloat16* out, const int
       const uint32_t* vt = vp + (kc * groups + g0) * 256;
       _tile_loadd(0, p + 32 * kc, L * 2);
       _tile_loadd(1, lo + 32 * kc, L * 2);
-      _tile_loadd(2, vt, 64);
-      _tile_dpbf16ps(4, 0, 2);
-      _tile_dpbf16ps(4, 1, 2);
-      if (ng > 1) {
-        _tile_loadd(3, vt + 256, 64);
-        _tile_dpbf16ps(5, 0, 3);
-        _tile_dpbf16ps(5, 1, 3);
-      }
-      if (ng > 2) {
-        _tile_loadd(2, vt + 512, 64);
-        _tile_dpbf16ps(6, 0, 2);
-        _tile_dpbf16ps(6, 1, 2);
-      }
-      if (ng > 3) {
-        _tile_loadd(3, vt + 768, 64);
-        _tile_dpbf16ps(7, 0, 3);
-        _tile_dpbf16ps(7, 1, 3);
-      }
+// Group j's V tile (at vt + 256 j) into B tile TB, times both parts of P into C tile TC. (A
+// macro: the tile intrinsics take their tile numbers as literals.)
+#define LADLE_PV_GROUP(TC, TB, j)           \
+  do {                                      \
+    _tile_loadd(TB, vt + 256 * (j), 64);    \
+    _tile_dpbf16ps(TC, 0, TB);              \
+    _tile_dpbf16ps(TC, 1, TB);              \
+  } while (0)
+      LADLE_PV_GROUP(4, 2, 0);
+      if (ng > 1) LADLE_PV_GROUP(5, 3, 1);
+      if (ng > 2) LADLE_PV_GROUP(6, 2, 2);
+      if (ng > 3) LADLE_PV_GROUP(7, 3, 3);
+#undef LADLE_PV_GROUP
     }
     _tile_stored(4, o[0], 64);  // (a vector load waits behind a pending tile store: all first)
     if (ng > 1) _tile_stored(5, o[1], 64);
