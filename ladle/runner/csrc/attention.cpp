@@ -442,32 +442,6 @@ constexpr int64_t kTileRunRows = 16;
 // (what still arrives: speculative verification rows of 16 or more drafts).
 constexpr int64_t kTileMaxContext = 2048;
 
-// 16 x 16 dwords transposed in registers: r[i] (row i) becomes column i.
-static inline void transpose16_epi32(__m512i* r) {
-  __m512i a[16], b[16];
-  for (int i = 0; i < 16; i += 2) {
-    a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    b[i] = _mm512_unpacklo_epi64(a[i], a[i + 2]);
-    b[i + 1] = _mm512_unpackhi_epi64(a[i], a[i + 2]);
-    b[i + 2] = _mm512_unpacklo_epi64(a[i + 1], a[i + 3]);
-    b[i + 3] = _mm512_unpackhi_epi64(a[i + 1], a[i + 3]);
-  }
-  // b[4i + j], 128-bit lane L: rows 4i .. 4i + 3 of column 4L + j
-  for (int j = 0; j < 4; j++) {
-    const __m512i u0 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0x44);
-    const __m512i u1 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0xEE);
-    const __m512i u2 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0x44);
-    const __m512i u3 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0xEE);
-    r[j] = _mm512_shuffle_i32x4(u0, u2, 0x88);
-    r[4 + j] = _mm512_shuffle_i32x4(u0, u2, 0xDD);
-    r[8 + j] = _mm512_shuffle_i32x4(u1, u3, 0x88);
-    r[12 + j] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
-  }
-}
-
 // Token t's row of KV head h in a cache (num_blocks, KVH, bs, D) through a sequence's blocks.
 static inline const at::BFloat16* cache_row(const at::BFloat16* cache, const int64_t* blocks,
                                             int64_t t, int64_t bs, int64_t KVH, int64_t D,
@@ -486,12 +460,13 @@ static void pack_keys(const at::BFloat16* kc, const int64_t* blocks, int64_t n, 
     for (int i = 0; i < 16; i++)
       rows[i] = 16 * kb + i < n ? cache_row(kc, blocks, 16 * kb + i, bs, KVH, D, h) : nullptr;
     for (int64_t c = 0; c < chunks; c++) {
-      __m512i r[16];
+      __m512 r[16];  // (16 dwords of a key: pairs of bfloat16, moved as floats' bits)
       for (int i = 0; i < 16; i++)
-        r[i] = rows[i] ? _mm512_loadu_si512(rows[i] + 32 * c) : _mm512_setzero_si512();
-      transpose16_epi32(r);
+        r[i] = rows[i] ? _mm512_loadu_ps(reinterpret_cast<const float*>(rows[i] + 32 * c))
+                       : _mm512_setzero_ps();
+      transpose16(r);
       uint32_t* tile = out + (kb * chunks + c) * 256;
-      for (int p = 0; p < 16; p++) _mm512_store_si512(tile + 16 * p, r[p]);
+      for (int p = 0; p < 16; p++) _mm512_store_ps(reinterpret_cast<float*>(tile + 16 * p), r[p]);
     }
   }
 }
