@@ -2298,13 +2298,15 @@ void token_activations(const T* x, int64_t M, int64_t K, int64_t block, int8_t* 
       rotate_row_unscaled(x + m * K, v, K, block);
       // max_ps(a, mx) returns mx where a is NaN (vmaxps gives its second operand then)
       __m512 mx = _mm512_setzero_ps();
-      for (int64_t k = 0; k < K; k += 16) mx = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(v + k)), mx);
+      for (int64_t k = 0; k < K; k += 16)
+        mx = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(v + k)), mx);
       const float amax = _mm512_reduce_max_ps(mx) * scale;
       const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax * scale : 0.f);
       constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
       __m512i total = _mm512_setzero_si512();
       for (int64_t k = 0; k < K; k += 16) {
-        const __m512i r = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + k), inv), kRound);
+        const __m512i r =
+            _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + k), inv), kRound);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k / 64 * 1024 + k % 64),
                          _mm512_cvtepi32_epi8(r));
         total = _mm512_add_epi32(total, r);
