@@ -171,6 +171,36 @@ def test_rows_dequantize_exactly(kind):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("repack", [False, True], ids=["rows", "r16"])
+@pytest.mark.parametrize("rotation", [0, 256])
+def test_int8_rows_look_up_like_the_twin(dtype, repack, rotation):
+    """The embedding's lookup of `--quantization int8` rows (repacked by 16 or not, rotated or
+    not): the kernel gives the twin's bits (float32 q x scale, rotated back, rounded once), the
+    rows of the dequantized weight; a missing scale or a rotation that does not divide the row is
+    refused by name."""
+    g = torch.Generator().manual_seed(12)
+    part = Q.quantize_weight_rows(torch.randn(48, 768, generator=g), rotation)
+    part.scale[5] = 0.0  # an all-zero row
+    if repack:
+        part = repacked(part)
+    w = Q.QuantWeight([part], 768, dtype, rotation)
+    ids = torch.tensor([47, 0, 5, 17, 17, 31, 16])
+    got = Q.quant_rows(w, ids)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Q, "_kernels", lambda x: None)
+        want = Q.quant_rows(w, ids)
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert torch.equal(got, w.dequantize()[ids].to(dtype))
+    assert not got[2].any()
+    out = torch.empty(len(ids), 768, dtype=dtype)
+    with pytest.raises(RuntimeError, match="int8 rows need their float32 scale"):
+        kernels.dequantize_rows(part.data, part.kind, ids, out)
+    with pytest.raises(RuntimeError, match="rotation must be 0"):
+        kernels.dequantize_rows(part.data, part.kind, ids, out, part.scale, 512)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_rows_linear(dtype):
     """int8 rows with a scale each, activations per block of 32: the reference's product."""
     g = torch.Generator().manual_seed(3)

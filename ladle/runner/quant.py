@@ -388,15 +388,17 @@ def quant_rows(w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
 def _part_rows(p: QuantPart, local: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     if p.kind == DENSE:
         return p.data[local].to(w.dtype)
-    if p.kind in (INT8_ROW, INT8_ROW_R16):
+    out = torch.empty(local.shape[0], w.in_features, dtype=w.dtype, device=w.device)
+    k = _kernels(out)
+    int8 = p.kind in (INT8_ROW, INT8_ROW_R16)
+    if k is not None:
+        k.dequantize_rows(p.data, p.kind, local.to(torch.int64).contiguous(), out,
+                          p.scale if int8 else None, w.rotation if int8 else 0)
+        return out
+    if int8:  # the kernel's twin: float32 rows, rotated back, rounded to the dtype once
         q = p.data[local] if p.kind == INT8_ROW else _r16_rows(p, local)
         rows = q.float() * p.scale[local, None]
         return (rotate_rows(rows, w.rotation) if w.rotation else rows).to(w.dtype)
-    out = torch.empty(local.shape[0], w.in_features, dtype=w.dtype, device=w.device)
-    k = _kernels(out)
-    if k is not None:
-        k.dequantize_rows(p.data, p.kind, local.to(torch.int64).contiguous(), out)
-        return out
     from ladle.models.gguf.quants import dequantize
 
     if p.kind in R16_BASE:

@@ -165,7 +165,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotate_rows", &rotate_rows,
         "each block of `block` values of x's rows times the Hadamard matrix, scaled by "
         "2^-(log2(block) // 2): --quantization int8's rotation", py::arg("x"), py::arg("block"));
-  m.def("dequantize_rows", &dequantize_rows, "rows of GGUF-block weights, dequantized");
+  m.def("dequantize_rows", &dequantize_rows,
+        "rows of GGUF-block weights or int8 rows (their scale, rotated back), dequantized",
+        py::arg("w"), py::arg("type"), py::arg("ids"), py::arg("out"),
+        py::arg("scale") = py::none(), py::arg("rotation") = 0);
   m.def("quant_isa", &quant_isa, "instruction set of the quantized kernels");
   m.def("quant_r16", &quant_r16, "whether quant_matmul takes types repacked by 16 rows");
   m.def("quant_bf16_min_rows", &quant_bf16_min_rows,

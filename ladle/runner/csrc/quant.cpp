@@ -2174,6 +2174,14 @@ void rotate_block_512(const T* x, O* out, int64_t B, float scale, float* v) {
 }
 #endif
 
+// The rotation's scale for blocks of B (a power of two): 2^-(log2(B) / 2) rounded down, a power
+// of two, so exact (quant.py's rotate_rows).
+inline float rotation_scale(int64_t B) {
+  int log2b = 0;
+  while ((int64_t(1) << log2b) < B) log2b++;
+  return std::ldexp(1.f, -(log2b / 2));
+}
+
 template <typename T, typename O>
 void rotate_row_blocks(const T* x, O* out, int64_t K, int64_t B, float scale) {
   alignas(64) float v[1024];
@@ -2283,9 +2291,7 @@ template <typename T>
 void token_activations(const T* x, int64_t M, int64_t K, int64_t block, int8_t* qt, float* d,
                        int32_t* sum) {
   const int64_t chunks = K / 64, Mp = (M + 15) / 16 * 16;
-  int log2b = 0;
-  while ((int64_t(1) << log2b) < block) log2b++;
-  const float scale = std::ldexp(1.f, -(log2b / 2));
+  const float scale = rotation_scale(block);
   at::parallel_for(0, Mp, grain_for(K * kElementWork), [&](int64_t m0, int64_t m1) {
     std::vector<float> buf(static_cast<size_t>(K));
     float* v = buf.data();
@@ -3016,9 +3022,7 @@ at::Tensor rotate_rows(const at::Tensor& x, int64_t block) {
                   x.scalar_type() == at::kHalf, "rotate_rows: x must be float32, bfloat16 or float16");
   auto out = at::empty_like(x);
   const int64_t M = x.size(0), K = x.size(1);
-  int log2b = 0;
-  while ((int64_t(1) << log2b) < block) log2b++;
-  const float scale = std::ldexp(1.f, -(log2b / 2));
+  const float scale = rotation_scale(block);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotate_rows", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
@@ -3030,22 +3034,58 @@ at::Tensor rotate_rows(const at::Tensor& x, int64_t block) {
 }
 
 // out (T, K) = rows ids (T,) of w (N, row bytes) of `type`, dequantized: the embedding lookup.
-void dequantize_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, at::Tensor out) {
-  TORCH_CHECK(is_kernel_type(type) && type != kI8 && type != kI8R,
-              "dequantize_rows: unsupported ggml type ", type);
+// int8 rows (kI8, kI8R) take their float32 scale per row and the weight's Hadamard block (0: none):
+// float(q) x scale in float32, rotated back (rotate_row_blocks), rounded to out's dtype once, as
+// quant.py's _part_rows does with torch ops (128 rows of the 0.6B there: 2.1 ms, most of it fresh
+// float32 buffers).
+void dequantize_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, at::Tensor out,
+                     const c10::optional<at::Tensor>& scale, int64_t rotation) {
+  const bool int8 = type == kI8 || type == kI8R;
+  TORCH_CHECK(is_kernel_type(type), "dequantize_rows: unsupported ggml type ", type);
   TORCH_CHECK(!is_r16(int(type)) || w.size(0) % 16 == 0, "dequantize_rows: repacked rows");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kByte, "w");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() &&
+                  (w.scalar_type() == at::kByte || (type == kI8 && w.scalar_type() == at::kChar)),
+              "w");
   TORCH_CHECK(ids.dim() == 1 && ids.is_contiguous() && ids.scalar_type() == at::kLong, "ids");
   const int64_t T = ids.size(0), K = out.size(1), N = w.size(0);
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == T &&
                   w.size(1) == K / block_values(int(type)) * block_bytes(int(type)), "out");
+  TORCH_CHECK(!int8 || (scale && scale->scalar_type() == at::kFloat && scale->is_contiguous() &&
+                        scale->numel() == N),
+              "dequantize_rows: int8 rows need their float32 scale per row (", N, " values)");
+  TORCH_CHECK(rotation == 0 || (int8 && rotation >= 32 && rotation <= 1024 &&
+                                (rotation & (rotation - 1)) == 0 && K % rotation == 0),
+              "dequantize_rows: rotation must be 0, or for int8 rows a power of two in [32, 1024] "
+              "dividing ", K, ", got ", rotation);
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; t++)
     TORCH_CHECK(id[t] >= 0 && id[t] < N, "row id ", id[t], " out of range [0, ", N, ")");
-  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
   const int64_t row_bytes = w.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out.scalar_type(), "dequantize_rows", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
+    if (int8) {
+      const float* sp = scale->data_ptr<float>();
+      const float rs = rotation ? rotation_scale(rotation) : 1.f;
+      at::parallel_for(0, T, grain_for(K * kElementWork), [&](int64_t t0, int64_t t1) {
+        std::vector<float> v(static_cast<size_t>(K));
+        for (int64_t t = t0; t < t1; t++) {
+          const float s = sp[id[t]];
+          if (type == kI8) {
+            const int8_t* q = reinterpret_cast<const int8_t*>(wp + id[t] * row_bytes);
+            for (int64_t k = 0; k < K; k++) v[k] = float(q[k]) * s;
+          } else {  // value 4j + i of block b at b x 512 + j x 64 + 4r + i of the group, + 128
+            const uint8_t* g = wp + id[t] / 16 * 16 * row_bytes + id[t] % 16 * 4;
+            for (int64_t k = 0; k < K; k++)
+              v[k] = float(int8_t(g[k / 32 * 512 + k % 32 / 4 * 64 + k % 4] ^ 0x80)) * s;
+          }
+          scalar_t* o = op + t * K;
+          if (rotation) rotate_row_blocks(v.data(), o, K, rotation, rs);
+          else for (int64_t k = 0; k < K; k++) o[k] = scalar_t(v[k]);
+        }
+      });
+      return;
+    }
     const bool packed = is_r16(int(type));
     const int base = packed ? r16_base(int(type)) : int(type);
     std::vector<uint8_t> blocks(packed ? K / block_values(base) * block_bytes(base) : 0);

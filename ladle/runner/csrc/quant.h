@@ -12,7 +12,8 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
                   const std::vector<int64_t>& cols, at::Tensor y, bool invariant,
                   int64_t rotation);  // rotation: the parts' Hadamard block (rotate_rows) or 0
 at::Tensor rotate_rows(const at::Tensor& x, int64_t block);  // models/int8.py's rotation
-void dequantize_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, at::Tensor out);
+void dequantize_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, at::Tensor out,
+                     const c10::optional<at::Tensor>& scale, int64_t rotation);
 at::Tensor moe_quant_swiglu(const at::Tensor& x, const at::Tensor& ids,
                             const at::Tensor& weights, const at::Tensor& gate, int64_t gate_type,
                             const at::Tensor& up, int64_t up_type, const at::Tensor& down,
