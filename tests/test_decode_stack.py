@@ -71,10 +71,11 @@ def _checkpoint(case: str, root) -> str:
         from ladle.models.packaged import ensure_packaged_model
 
         return str(ensure_packaged_model("gemma-3-270m"))
-    if case in ("gemma2", "gemma3"):  # Gemma 2's soft-caps, Gemma 3's per-head norms and ropes
-        from checkpoints import make_gemma_checkpoint
+    if case.split("-")[0] in ("gemma2", "gemma3"):  # Gemma 2's soft-caps, Gemma 3's per-head
+        from checkpoints import make_gemma_checkpoint  # norms and ropes (-d32: head dim 32)
 
-        make_gemma_checkpoint(case, path)
+        make_gemma_checkpoint(case.split("-")[0], path, **({"head_dim": 32} if
+                                                           case.endswith("-d32") else {}))
     elif case in ("qwen3_moe-top4", "mixtral-top2-window"):  # stacked dense experts: moe.cpp
         from test_moe import make_moe_checkpoint
 
@@ -150,3 +151,35 @@ def test_families_it_does_not_mirror_keep_the_python_loop(tmp_path):
     run(engine, PROMPTS[:2], max_tokens=4)
     assert engine.runner.model._decode_stack is False
     engine.close()
+
+
+@pytest.mark.parametrize("case,fit,window", [
+    ("qwen3", True, 0), ("gemma3-d32", True, 16), ("gemma2-d32", False, 16),
+    ("mistral", False, 12),  # head dim 16: not a tile shape
+])
+def test_prefill_rows_stop_where_the_tiles_do(case, fit, window, tmp_path, monkeypatch):
+    """Where the tile path runs (AMX-BF16), a prefill chunk attends as rows of the paged kernel
+    up to PREFILL_KERNEL_MAX_CTX tokens of context only when its rows can take the tiles: a
+    bfloat16 model without soft-caps or sinks and with a tile head dim, up to its smallest
+    sliding window; any other (float32, Gemma 2, a window shorter than the context) up to
+    PREFILL_ROWS_MAX_CTX_TILES, past which SDPA (on the tile unit too) is faster. Without the
+    tiles every model keeps PREFILL_KERNEL_MAX_CTX."""
+    from ladle.runner import cpu_kernels
+
+    path = _checkpoint(case, tmp_path)
+    kernels = load_cpu_kernels()
+    vector = kernels.isa() in ("avx512", "avx512-bf16")
+    for tiles in (True, False):
+        monkeypatch.setattr(kernels, "attention_tiles_available", lambda tiles=tiles: tiles)
+        for dtype in ("bfloat16", "float32"):
+            engine = EngineCore(EngineConfig(model=path, dtype=dtype, max_model_len=256,
+                                             kv_cache_memory="16MB"))
+            assert cpu_kernels.tile_attention_fit(engine.runner.model) == (fit, window)
+            want = cpu_kernels.PREFILL_KERNEL_MAX_CTX
+            if tiles:
+                if dtype == "float32" or not fit:
+                    want = cpu_kernels.PREFILL_ROWS_MAX_CTX_TILES
+                elif window:
+                    want = window
+            assert engine.runner.prefill_rows_ctx == (want if vector else 0), (tiles, dtype)
+            engine.close()

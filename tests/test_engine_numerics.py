@@ -92,16 +92,17 @@ def engine(path, dtype, **kw):
 @pytest.mark.parametrize("prefill", ["kernel", "sdpa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_logits_match_transformers(checkpoint, dtype, prefill, monkeypatch):
-    """Both prefill attention paths: short chunks as rows of the decode kernel (where it is
-    vectorised), long ones (here: all) through SDPA."""
+    """Both prefill attention paths: chunks as rows of the decode kernel (where it is
+    vectorised; here all, also where the tile path would keep only short ones), or all through
+    SDPA."""
     path, ref = checkpoint
-    if prefill == "sdpa":
-        monkeypatch.setattr(cpu_kernels, "PREFILL_KERNEL_MAX_CTX", 0)
+    limit = cpu_kernels.PREFILL_KERNEL_MAX_CTX if prefill == "kernel" else 0
+    monkeypatch.setattr(cpu_kernels, "PREFILL_KERNEL_MAX_CTX", limit)
+    monkeypatch.setattr(cpu_kernels, "PREFILL_ROWS_MAX_CTX_TILES", limit)
     eng = engine(path, dtype)
     kernels = cpu_kernels.load_cpu_kernels()
     vector = kernels is not None and kernels.isa().startswith("avx512")
-    assert eng.runner.prefill_rows_ctx == (
-        cpu_kernels.PREFILL_KERNEL_MAX_CTX if prefill == "kernel" and vector else 0)
+    assert eng.runner.prefill_rows_ctx == (limit if vector else 0)
     toks, logs = run(eng, PROMPTS)
     assert_close(ref, PROMPTS, toks, logs, dtype)
     # A prefill longer than the budget is split into chunks; the result must not change.

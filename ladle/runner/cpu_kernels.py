@@ -96,18 +96,54 @@ def max_linear_rows(dtype: torch.dtype) -> int:
 # (csrc/attention.cpp: tile_run), which there beats the row kernel 3-5x and SDPA up to ~1024
 # tokens and loses to SDPA past ~1500 (2048: 31 against 22 ms per layer).
 PREFILL_KERNEL_MAX_CTX = 1024
+# Where the tile path runs (AMX-BF16), SDPA's oneDNN kernels run on the tile unit too, and the
+# row kernel loses to them past a few dozen tokens wherever the tiles do not take a chunk's rows:
+# float32, Gemma 2's soft-cap, gpt-oss's sinks, a sliding window shorter than the context. The
+# row limit of those chunks there. Measured on a 2-core Xeon (AMX), Qwen3-0.6B heads, one fresh
+# causal prompt, ms, row kernel / SDPA (/ tiles): bfloat16 32 tokens 0.06 / 0.05 / 0.02, 64
+# 0.17 / 0.11 / 0.06, 128 0.53 / 0.24 / 0.16, 512 8.75 / 2.43 / 1.85, 1024 34.3 / 6.84 / 7.10;
+# float32 64 0.19 / 0.18, 128 0.64 / 0.56, 512 10.8 / 7.8, 1024 39.4 / 22.2. Gemma 3 270M
+# (window 512) there, TTFT of 600 / 1000 tokens: 185 / 198 -> 121 / 129 ms (SDPA past 512).
+PREFILL_ROWS_MAX_CTX_TILES = 64
 # The builds whose decode kernel is vectorised (elsewhere its loops are scalar: SDPA prefills).
 _VECTOR_ATTENTION_ISAS = ("avx512", "avx512-bf16")
 
 
-def prefill_kernel_max_ctx(dtype: torch.dtype, device: torch.device) -> int:
+def tile_attention_fit(model: torch.nn.Module) -> tuple[bool, int]:
+    """(whether every attention layer of `model` is one the tile path takes: no soft-cap, no
+    sink logits, a head dim that is a multiple of 32 up to 256; the smallest sliding window, 0
+    for none): what prefill_kernel_max_ctx asks of a model. A tensor-parallel model
+    (distributed/executor.py) is asked through this process's part, whose layers the ranks
+    share."""
+    if not isinstance(model, torch.nn.Module):
+        model = model.model
+    fit, window = True, 0
+    for m in model.modules():
+        if not (hasattr(m, "num_kv_heads") and hasattr(m, "head_dim") and hasattr(m, "scale")):
+            continue  # not an attention layer
+        fit = fit and getattr(m, "softcap", None) is None and getattr(m, "sinks", None) is None \
+            and m.head_dim % 32 == 0 and m.head_dim <= 256
+        w = getattr(m, "window", None) or 0
+        window = w if w and (not window or w < window) else window
+    return fit, window
+
+
+def prefill_kernel_max_ctx(dtype: torch.dtype, device: torch.device, tiles_fit: bool = True,
+                           window: int = 0) -> int:
     """Prefill chunks whose context (cached tokens plus the chunk) is at most this attend as
-    rows of the paged decode kernel; 0 where that kernel does not run or is not vectorised."""
+    rows of the paged decode kernel; 0 where that kernel does not run or is not vectorised.
+    Where the tile path runs, a bfloat16 model whose layers it takes (`tiles_fit`) keeps
+    PREFILL_KERNEL_MAX_CTX up to its smallest sliding `window` (past it the window cuts the
+    rows out of the tiles), any other PREFILL_ROWS_MAX_CTX_TILES."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return 0
     module = load_cpu_kernels()
     if module is None or module.isa() not in _VECTOR_ATTENTION_ISAS:
         return 0
+    if getattr(module, "attention_tiles_available", lambda: False)():
+        if dtype != torch.bfloat16 or not tiles_fit:
+            return PREFILL_ROWS_MAX_CTX_TILES
+        return min(PREFILL_KERNEL_MAX_CTX, window) if window else PREFILL_KERNEL_MAX_CTX
     return PREFILL_KERNEL_MAX_CTX
 
 

@@ -82,7 +82,8 @@ class ModelRunner:
         cpu_kernels.set_batch_invariant(batch_invariant)
         self.batch_invariant = batch_invariant
         # Prefill chunks up to this context attend as decode-kernel rows (_attention_layout).
-        self.prefill_rows_ctx = cpu_kernels.prefill_kernel_max_ctx(dtype, device)
+        self.prefill_rows_ctx = cpu_kernels.prefill_kernel_max_ctx(
+            dtype, device, *cpu_kernels.tile_attention_fit(model))
         self.block_size = block_size
         self.max_model_len = max_model_len
         cfg = model.config
