@@ -2325,7 +2325,8 @@ float rotate_row_unscaled(const T* x, float* v, int64_t K, int64_t B) {
         m = _mm512_max_ps(_mm512_abs_ps(o1), m);
       }
     } else {  // every stage was in the registers
-      for (int64_t j = 0; j < B; j += 16) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(w + j)), m);
+      for (int64_t j = 0; j < B; j += 16)
+        m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(w + j)), m);
     }
     mx = m;
   }
