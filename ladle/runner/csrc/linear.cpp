@@ -59,8 +59,9 @@ static inline void dot4_f32(const float* x, const float* w, int64_t K, int64_t l
 }
 
 // out[m * 4 + j] = x[m] . w[j] for MB rows of x (up to 6: 24 accumulators + 4 weight vectors +
-// one x vector fit the 32 registers) and 4 rows of w.
-template <int MB>
+// one x vector fit the 32 registers) and 4 rows of w; the weights PF blocks ahead are prefetched
+// with HINT (dot4 below chooses).
+template <int MB, int PF = kPrefetchBlocks, int HINT = _MM_HINT_T1>
 static inline void dot4_bf16(const at::BFloat16* x, const at::BFloat16* w, int64_t K,
                              int64_t ldx, float* out) {
   __m512 acc[MB][4];
@@ -72,8 +73,8 @@ static inline void dot4_bf16(const at::BFloat16* x, const at::BFloat16* w, int64
   for (; k + 32 <= K; k += 32) {
     __m512i wv[4];
     for (int j = 0; j < 4; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (j + 4 * kPrefetchBlocks) * K + k),
-                   _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (j + 4 * PF) * K + k),
+                   static_cast<_mm_hint>(HINT));
       wv[j] = _mm512_loadu_si512(reinterpret_cast<const void*>(w + j * K + k));
     }
     for (int m = 0; m < MB; ++m) {
@@ -104,10 +105,18 @@ template <int MB>
 static inline void dot4(const float* x, const float* w, int64_t K, int64_t ldx, float* out) {
   dot4_f32<MB>(x, w, K, ldx, out);
 }
+static bool intel_cpu();
+// One row of x (single-stream decode, where the weights are streamed once per token) on Intel's
+// cores prefetches the next block into L1 rather than two blocks ahead into L2. On a 2-core
+// Xeon with AMX (KVM, 2026-12-06), the 0.6B's 112 bf16 linears (0.88 GB, two threads, a
+// standalone loop alternating the variants, two runs): 2 blocks into L2 25.8-26.8 ms, 1 into
+// L1 25.5-25.7, 2 into L1 25.8-26.3, 3 into L1 26.6-26.8, none 31.9-32.6; plain reads of the
+// same bytes 25.0-25.6. Zen 4 measured the L1 prefetch no better than none (above).
 template <int MB>
 static inline void dot4(const at::BFloat16* x, const at::BFloat16* w, int64_t K, int64_t ldx,
                         float* out) {
-  dot4_bf16<MB>(x, w, K, ldx, out);
+  if (MB == 1 && intel_cpu()) dot4_bf16<MB, 1, _MM_HINT_T0>(x, w, K, ldx, out);
+  else dot4_bf16<MB>(x, w, K, ldx, out);
 }
 #endif
 
@@ -134,10 +143,17 @@ constexpr int64_t kSequentialRows = 2;
 // rows in flight at most 25.1, and the four-row blocks 25.0-26.8 (end to end, single-stream
 // decode of the 0.6B 18.6 against 21.9 tok/s). Decided once per process from the CPU's vendor,
 // so a machine always takes the same path (and the same bits).
+[[maybe_unused]] static bool intel_cpu() {
+#if defined(__GNUC__) || defined(__clang__)
+  static const bool intel = __builtin_cpu_is("intel");
+  return intel;
+#else
+  return false;
+#endif
+}
 static bool sequential_rows_preferred() {
-#if defined(__AVX512F__) && (defined(__GNUC__) || defined(__clang__))
-  static const bool preferred = !__builtin_cpu_is("intel");
-  return preferred;
+#if defined(__AVX512F__)
+  return !intel_cpu();
 #else
   return true;
 #endif
