@@ -124,6 +124,57 @@ def test_weights_move_into_huge_pages_in_place():
     assert m["rss_mib"] < 8, m  # the old storages freed and trimmed, not kept beside the copy
 
 
+KV_CHILD = r"""
+import json, types
+import torch
+from ladle.runner.cpu_kernels import load_cpu_kernels
+from ladle.runner.model_runner import allocate_kv_caches
+
+def smaps(key):
+    for line in open("/proc/self/smaps_rollup"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+
+k = load_cpu_kernels()
+cfg = types.SimpleNamespace(head_dim=64, num_layers=3, layer_types=None)
+huge, rss = smaps("AnonHugePages"), smaps("Rss")
+caches = allocate_kv_caches(cfg, 4, 1024, 16, torch.bfloat16, torch.device("cpu"))  # 48 MiB
+after_huge, after_rss = smaps("AnonHugePages"), smaps("Rss")
+tensors = [t for pair in caches for t in pair]
+zeros = all(bool((t == 0).all()) for t in tensors)
+ptrs = sorted(t.data_ptr() for t in tensors)
+# a token's keys and values written to slot (block 7, offset 3) of layer 1 and read back
+kv = torch.randn(2, 1, 4, 64).bfloat16()
+k.write_kv_cache(kv[0], kv[1], caches[1][0], caches[1][1], torch.tensor([7]), torch.tensor([3]))
+print(json.dumps({
+    "zeros": zeros, "shape": list(caches[0][0].shape),
+    "distinct": len(set(ptrs)) == len(ptrs) and all(b - a >= 8 * 2**20 for a, b in zip(ptrs, ptrs[1:])),
+    "written": bool(torch.equal(caches[1][0][7, :, 3], kv[0, 0]))
+               and bool(torch.equal(caches[1][1][7, :, 3], kv[1, 0])),
+    "others_zero": bool((caches[0][0] == 0).all()) and bool((caches[2][1] == 0).all()),
+    "huge_mib": after_huge - huge, "rss_mib": after_rss - rss,
+    "thp": open("/sys/kernel/mm/transparent_hugepage/enabled").read(),
+}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages (Linux)")
+def test_kv_cache_lives_on_huge_pages():
+    """allocate_kv_caches on the CPU: zeroed caches of the asked shape, one storage per layer's
+    keys and values, on 2 MiB pages where the kernel allows them (attention reads each sequence's
+    blocks from anywhere in the cache), written once: resident memory grows by the caches' size,
+    not twice it; a slot written through the kernels reads back."""
+    out = subprocess.run([sys.executable, "-c", KV_CHILD], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    assert m["zeros"] and m["distinct"] and m["written"] and m["others_zero"], m
+    assert m["shape"] == [1024, 4, 16, 64], m
+    assert 44 <= m["rss_mib"] < 60, m  # 48 MiB of caches, resident once
+    if "[never]" not in m["thp"]:
+        assert m["huge_mib"] >= 44, m
+
+
 FREEZE_CHILD = r"""
 import gc, json
 import torch, transformers  # the libraries an engine or API process has loaded at start

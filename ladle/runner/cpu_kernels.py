@@ -338,23 +338,30 @@ def kernels_for(*tensors: torch.Tensor):
 _THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def weights_to_huge_pages(model: torch.nn.Module) -> int:
-    """Move the model's CPU weights (parameters, buffers, QuantWeight parts, stacked experts:
-    every tensor its modules hold, each storage once) into one mapping backed by 2 MiB pages
-    (csrc/memory.cpp), in place. A decode step streams all of them once; on 4 KiB pages the same
-    kernels read 10-25% slower (a Zen 4: the bf16 one-row linear 28-32 -> 33-36 GB/s). Returns
-    the bytes moved: 0 without the kernels, off Linux, or where transparent huge pages are
-    off ("never"), since the move would then buy nothing."""
+def tensors_to_huge_pages(tensors: list[torch.Tensor], zero: bool = False) -> int:
+    """Move these CPU tensors' storages (each once) into one mapping backed by 2 MiB pages
+    (csrc/memory.cpp), in place: every tensor and view keeps its object, shape and offset;
+    `zero`: the new memory is zeroed rather than copied (for tensors made with torch.empty).
+    Returns the bytes moved: 0 without the kernels, off Linux, or where transparent huge pages
+    are off ("never"), since the move would then buy nothing."""
     try:
         if "[never]" in _THP_ENABLED.read_text():
             return 0
     except OSError:
         return 0
-    tensors = [t for t in _held_tensors(model) if t.device.type == "cpu"]
+    tensors = [t for t in tensors if t.device.type == "cpu"]
     kernels = load_cpu_kernels() if tensors else None
     if kernels is None:
         return 0
-    return kernels.weights_to_huge_pages(tensors)
+    return kernels.to_huge_pages(tensors, zero)
+
+
+def weights_to_huge_pages(model: torch.nn.Module) -> int:
+    """The model's CPU weights (parameters, buffers, QuantWeight parts, stacked experts: every
+    tensor its modules hold) into 2 MiB pages (tensors_to_huge_pages). A decode step streams
+    all of them once; on 4 KiB pages the same kernels read 10-25% slower (a Zen 4: the bf16
+    one-row linear 28-32 -> 33-36 GB/s)."""
+    return tensors_to_huge_pages(_held_tensors(model))
 
 
 def _held_tensors(model: torch.nn.Module) -> list[torch.Tensor]:

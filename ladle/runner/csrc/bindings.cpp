@@ -151,8 +151,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_delta_step", &gated_delta_step,
         "Gated DeltaNet's recurrent step: each state read once, the new one written once");
   m.def("isa", &isa, "instruction set this build uses");
-  m.def("weights_to_huge_pages", &weights_to_huge_pages,
-        "storages moved in place into memory advised for 2 MiB pages");
+  m.def("to_huge_pages", &to_huge_pages,
+        "storages moved in place into memory advised for 2 MiB pages (zero: zeroed, not copied)",
+        py::arg("tensors"), py::arg("zero") = false);
   m.def("quantize_blocks", &quantize_blocks, "activations to int8 per block of 32");
   m.def("moe_quant_swiglu", &moe_quant_swiglu,
         "a mixture-of-experts block's SwiGLU experts in GGUF blocks and the weighted sum",

@@ -95,6 +95,7 @@ at::Tensor seeded_race(at::Tensor logits, at::Tensor token_key, at::Tensor k1,
 
 // memory.cpp
 // Moves the CPU storages of these tensors (each once) into one mapping advised for 2 MiB pages,
-// in place: every tensor and view keeps its object and offset. Returns the bytes moved (0 where
-// the mapping cannot be had).
-int64_t weights_to_huge_pages(const std::vector<at::Tensor>& tensors);
+// in place: every tensor and view keeps its object and offset. `zero`: the new memory is zeroed
+// instead of copied (a KV cache allocated empty). Returns the bytes moved (0 where the mapping
+// cannot be had).
+int64_t to_huge_pages(const std::vector<at::Tensor>& tensors, bool zero);
