@@ -297,14 +297,28 @@ def assert_rows_alone_equal_batch(q, k_cache, v_cache, batch, rows, dtype, monke
 # 256), D 64 with groups of 4, and no grouping at D 32.
 @pytest.mark.parametrize("H,KVH,D", [(16, 8, 128), (4, 1, 256), (8, 2, 64), (4, 4, 32)])
 @pytest.mark.parametrize("bs", [16, 32])
-def test_prefill_runs_on_tiles_match_torch(kernels, H, KVH, D, bs, monkeypatch):
-    """Outside batch-invariant mode, on AMX-BF16 CPUs, a prefill chunk's run of 16 or more rows
-    attends on the tile unit: within bfloat16 rounding of the twin, for fresh prompts and chunks
-    with cached context, beside a decode row, a run of 15 (rows) and a window that cuts a run
-    (rows); the rows that stay on the row kernel keep its bits (batch-invariant mode's), and
-    the runs' do differ from them (the tiles ran)."""
+@pytest.mark.parametrize("unit", ["amx", "avx512-bf16"])
+def test_prefill_runs_on_tiles_match_torch(kernels, H, KVH, D, bs, unit, monkeypatch):
+    """Outside batch-invariant mode, on AVX512-BF16 CPUs, a prefill chunk's run of 16 or more
+    rows attends in tiles, on the tile unit (AMX-BF16) or the vector unit (vdpbf16ps, what a
+    Zen 4 runs; here also an AMX CPU with set_attention_amx(False)): within bfloat16 rounding of
+    the twin, for fresh prompts and chunks with cached context, beside a decode row, a run of
+    15 (rows) and a window that cuts a run (rows); the rows that stay on the row kernel keep
+    its bits (batch-invariant mode's), and exactly the runs' rows took the tiles (the kernel's
+    count; on the vector unit at D 32 their bfloat16 results can equal the rows' bits: the
+    pairs' products sum exactly and the values are summed in the rows' order)."""
     if not kernels.attention_tiles_available():
-        pytest.skip("no AMX-BF16 tiles in this build or CPU")
+        pytest.skip("no AVX512-BF16 tiles in this build or CPU")
+    kernels.set_attention_amx(unit == "amx")
+    try:
+        if kernels.attention_tiles_unit() != unit:
+            pytest.skip(f"no {unit} unit on this CPU")
+        _prefill_runs_on_tiles_match_torch(kernels, H, KVH, D, bs, unit, monkeypatch)
+    finally:
+        kernels.set_attention_amx(True)
+
+
+def _prefill_runs_on_tiles_match_torch(kernels, H, KVH, D, bs, unit, monkeypatch):
     torch.manual_seed(17)
     nblocks = 4096 // bs + 8
     dtype = torch.bfloat16
@@ -325,7 +339,9 @@ def test_prefill_runs_on_tiles_match_torch(kernels, H, KVH, D, bs, monkeypatch):
     batch = DecodeBatch(rows=torch.arange(len(ctx)), block_table=torch.stack(table),
                         ctx_lens=torch.tensor(ctx))
     for window in (None, 100):  # 100 cuts the last run's contexts: it stays on the rows
+        before = kernels.attention_tile_rows()
         got = decode_attention(q, k_cache, v_cache, batch, D**-0.5, window)
+        tile_rows = kernels.attention_tile_rows() - before
         was = cpu_kernels.batch_invariant()
         cpu_kernels.set_batch_invariant(True)
         try:
@@ -335,7 +351,9 @@ def test_prefill_runs_on_tiles_match_torch(kernels, H, KVH, D, bs, monkeypatch):
         tiled = runs if window is None else runs[:53]
         kept = [b for b in range(len(ctx)) if b not in tiled]
         assert torch.equal(got[kept], rows[kept])
-        assert not torch.equal(got[tiled], rows[tiled])
+        assert tile_rows == len(tiled)
+        if unit == "amx" or D > 32:
+            assert not torch.equal(got[tiled], rows[tiled])
         with monkeypatch.context() as m:
             m.setitem(cpu_kernels._loaded, "module", None)  # the torch path
             want = decode_attention(q, k_cache, v_cache, batch, D**-0.5, window)

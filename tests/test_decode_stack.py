@@ -158,28 +158,29 @@ def test_families_it_does_not_mirror_keep_the_python_loop(tmp_path):
     ("mistral", False, 12),  # head dim 16: not a tile shape
 ])
 def test_prefill_rows_stop_where_the_tiles_do(case, fit, window, tmp_path, monkeypatch):
-    """Where the tile path runs (AMX-BF16), a prefill chunk attends as rows of the paged kernel
-    up to PREFILL_KERNEL_MAX_CTX tokens of context only when its rows can take the tiles: a
+    """Where the tiles run on AMX-BF16, a prefill chunk attends as rows of the paged kernel up
+    to PREFILL_KERNEL_MAX_CTX tokens of context only when its rows can take the tiles: a
     bfloat16 model without soft-caps or sinks and with a tile head dim, up to its smallest
     sliding window; any other (float32, Gemma 2, a window shorter than the context) up to
-    PREFILL_ROWS_MAX_CTX_TILES, past which SDPA (on the tile unit too) is faster. Without the
-    tiles every model keeps PREFILL_KERNEL_MAX_CTX."""
+    PREFILL_ROWS_MAX_CTX_TILES, past which SDPA (on the tile unit too) is faster. With the
+    tiles on the vector unit (a Zen 4, where SDPA has no tile unit either) or none, every model
+    keeps PREFILL_KERNEL_MAX_CTX."""
     from ladle.runner import cpu_kernels
 
     path = _checkpoint(case, tmp_path)
     kernels = load_cpu_kernels()
     vector = kernels.isa() in ("avx512", "avx512-bf16")
-    for tiles in (True, False):
-        monkeypatch.setattr(kernels, "attention_tiles_available", lambda tiles=tiles: tiles)
+    for unit in ("amx", "avx512-bf16", ""):
+        monkeypatch.setattr(kernels, "attention_tiles_unit", lambda unit=unit: unit)
         for dtype in ("bfloat16", "float32"):
             engine = EngineCore(EngineConfig(model=path, dtype=dtype, max_model_len=256,
                                              kv_cache_memory="16MB"))
             assert cpu_kernels.tile_attention_fit(engine.runner.model) == (fit, window)
             want = cpu_kernels.PREFILL_KERNEL_MAX_CTX
-            if tiles:
+            if unit == "amx":
                 if dtype == "float32" or not fit:
                     want = cpu_kernels.PREFILL_ROWS_MAX_CTX_TILES
                 elif window:
                     want = window
-            assert engine.runner.prefill_rows_ctx == (want if vector else 0), (tiles, dtype)
+            assert engine.runner.prefill_rows_ctx == (want if vector else 0), (unit, dtype)
             engine.close()

@@ -132,7 +132,8 @@ def decode_attention(q, k_cache, v_cache, d: DecodeBatch, scale: float,
                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: (B, H, D), one query per sequence, attending to its cached tokens: all ctx_lens[i],
     or the last `window` of them. Outside batch-invariant mode the kernel may attend a prefill
-    chunk's rows (16 or more) on AMX-BF16 tiles: within rounding of the rows attended alone."""
+    chunk's rows (16 or more) in tiles (AMX-BF16 or AVX512-BF16): within rounding of the rows
+    attended alone."""
     kernels = cpu_kernels.load_cpu_kernels() if cpu_kernels.supports(q) else None
     if kernels is not None:
         return kernels.paged_decode_attention(

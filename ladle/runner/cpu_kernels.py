@@ -91,12 +91,15 @@ def max_linear_rows(dtype: torch.dtype) -> int:
 # threads), Qwen3-0.6B heads (16 query, 8 KV, D 128), one fresh causal prompt, ms, SDPA /
 # kernel: bfloat16 32 tokens 0.14 / 0.07, 128 1.16 / 0.74, 512 15.7 / 7.3, 1024 41.3 / 30.2,
 # 1536 76 / 78, 2048 129 / 134; float32 128 1.13 / 0.58, 1024 40.3 / 37.3, 2048 129 / 135. The
-# 0.6B Q8_0's 128-token TTFT: 265 -> 230 ms. Longer chunks keep SDPA. On AMX-BF16 CPUs,
-# outside batch-invariant mode, the kernel takes a bfloat16 chunk's rows on the tile unit
-# (csrc/attention.cpp: tile_run), which there beats the row kernel 3-5x and SDPA up to ~1024
-# tokens and loses to SDPA past ~1500 (2048: 31 against 22 ms per layer).
+# 0.6B Q8_0's 128-token TTFT: 265 -> 230 ms. Longer chunks keep SDPA. On AVX512-BF16 CPUs,
+# outside batch-invariant mode, the kernel takes a bfloat16 chunk's rows in tiles
+# (csrc/attention.cpp: tile_run). On the tile unit (AMX-BF16) they beat the row kernel 3-5x and
+# SDPA up to ~1024 tokens and lose to SDPA past ~1500 (2048: 31 against 22 ms per layer); on the
+# vector unit (vdpbf16ps, a Zen 4) they beat the row kernel 1.3-2.6x (measured on the Xeon with
+# its tile unit off: benchmarks/attention_tiles.py), so the limit stays where the row kernel
+# set it.
 PREFILL_KERNEL_MAX_CTX = 1024
-# Where the tile path runs (AMX-BF16), SDPA's oneDNN kernels run on the tile unit too, and the
+# Where the tiles run on AMX-BF16, SDPA's oneDNN kernels run on the tile unit too, and the
 # row kernel loses to them past a few dozen tokens wherever the tiles do not take a chunk's rows:
 # float32, Gemma 2's soft-cap, gpt-oss's sinks, a sliding window shorter than the context. The
 # row limit of those chunks there. Measured on a 2-core Xeon (AMX), Qwen3-0.6B heads, one fresh
@@ -132,7 +135,7 @@ def prefill_kernel_max_ctx(dtype: torch.dtype, device: torch.device, tiles_fit: 
                            window: int = 0) -> int:
     """Prefill chunks whose context (cached tokens plus the chunk) is at most this attend as
     rows of the paged decode kernel; 0 where that kernel does not run or is not vectorised.
-    Where the tile path runs, a bfloat16 model whose layers it takes (`tiles_fit`) keeps
+    Where the tiles run on AMX, a bfloat16 model whose layers they take (`tiles_fit`) keeps
     PREFILL_KERNEL_MAX_CTX up to its smallest sliding `window` (past it the window cuts the
     rows out of the tiles), any other PREFILL_ROWS_MAX_CTX_TILES."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
@@ -140,7 +143,7 @@ def prefill_kernel_max_ctx(dtype: torch.dtype, device: torch.device, tiles_fit: 
     module = load_cpu_kernels()
     if module is None or module.isa() not in _VECTOR_ATTENTION_ISAS:
         return 0
-    if getattr(module, "attention_tiles_available", lambda: False)():
+    if getattr(module, "attention_tiles_unit", lambda: "")() == "amx":
         if dtype != torch.bfloat16 or not tiles_fit:
             return PREFILL_ROWS_MAX_CTX_TILES
         return min(PREFILL_KERNEL_MAX_CTX, window) if window else PREFILL_KERNEL_MAX_CTX

@@ -14,6 +14,8 @@
 // AVX512-BF16, bfloat16 keys are scored by vdpbf16ps against the unscaled query (key_step).
 // Outside batch-invariant mode (the caller's `tiles`), on AMX-BF16 CPUs, a prefill chunk's run
 // of 16 or more rows attends on the tile unit instead (tile_run), a product per 16 queries.
+#include <atomic>
+
 #include "kernels.h"
 #include "vec.h"
 
@@ -414,27 +416,38 @@ struct Attend {
 // 1024 195 -> 103, 4096 800 -> 391.
 constexpr int64_t kSplitJobWork = int64_t(1) << 21;
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && \
-    defined(__AMX_BF16__) && defined(__linux__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define LADLE_ATTENTION_TILES 1
-// Prefill on the tile unit (AMX-BF16), outside batch-invariant mode: a run of at least
-// kTileRunRows consecutive rows of one sequence (a prefill chunk sent here as rows, each row
-// the next position) attends as blocks of 16 queries. Per KV head its keys become B tiles of
-// 16 keys (pack_keys) and its values B tiles of 16 dimensions (pack_values), once for all its
-// query heads; per (query head, 16 queries) the scores S = Q K^T come from the tiles in float32,
-// each query's softmax over its own context is taken in float32 and split into two bfloat16
-// parts (P), and O = P V comes from the tiles again, divided by the softmax's sum. The row
-// kernel above sums each query's keys in its own fixed order; here the products are the tile
-// unit's, so a query's value depends on the run it came in: the decode rows and batch-invariant
-// mode keep the row kernel. Measured on a 2-core Sapphire Rapids-class Xeon (KVM), Qwen3-0.6B
-// heads (16 query, 8 KV, D 128), one fresh causal prompt, ms per layer, row kernel / tiles:
-// 128 tokens 0.85-1.07 / 0.30-0.35, 512 8.9 / 2.1, 1024 33 / 7.0, 2048 147 / 31 (torch's SDPA:
-// 1024 7.6, 2048 22, 4096 79: past ~1500 tokens each query block's pass over the packed keys and
-// values runs from L3, where SDPA's blocks stay in L2, so chunks past
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define LADLE_ATTENTION_AMX 1
+#endif
+// Prefill in tiles, outside batch-invariant mode: a run of at least kTileRunRows consecutive
+// rows of one sequence (a prefill chunk sent here as rows, each row the next position) attends
+// as blocks of 16 queries. Per KV head its keys become B tiles of 16 keys (pack_keys) and its
+// values B tiles of 16 dimensions (pack_values), once for all its query heads; per (query head,
+// 16 queries) the scores S = Q K^T come from the tiles in float32, each query's softmax over its
+// own context is taken in float32, and O = P V comes from the tiles again, divided by the
+// softmax's sum. Two units run the products:
+// - the tile unit (AMX-BF16), where the CPU has one and set_attention_amx allows it: P as two
+//   bfloat16 parts, both multiplied by the V tiles;
+// - else AVX512-BF16 (a Zen 4): S by vdpbf16ps over the same packed keys, a tile row at a time
+//   (vector_scores), and O by float32 fmas of P with each packed row of V widened
+//   (vector_values).
+// The row kernel above sums each query's keys in its own fixed order; here the products are a
+// unit's, so a query's value depends on the run it came in and the unit: the decode rows and
+// batch-invariant mode keep the row kernel. Measured on a 2-core Sapphire Rapids-class Xeon
+// (KVM), Qwen3-0.6B heads (16 query, 8 KV, D 128), one fresh causal prompt, ms per layer, row
+// kernel / tile unit: 128 tokens 0.85-1.07 / 0.30-0.35, 512 8.9 / 2.1, 1024 33 / 7.0, 2048 147 /
+// 31 (torch's SDPA: 1024 7.6, 2048 22, 4096 79: past ~1500 tokens each query block's pass over
+// the packed keys and values runs from L3, where SDPA's blocks stay in L2, so chunks past
 // cpu_kernels.PREFILL_KERNEL_MAX_CTX keep SDPA). P as one bfloat16 part ran 128 tokens in 0.16
 // against the rows' 0.63 but moved Gemma 3 270M's int8 top-1 agreement with bf16 (gguf_accuracy)
 // from 95.3% to 94.9%; with two parts it is 96.1%. The 0.6B's TTFT in process, tiles off / on
-// (alternating): bf16 128 tokens 128 / 115 ms, int8 88 / 77, bf16 1000 tokens 1447 / 715.
+// (alternating): bf16 128 tokens 128 / 115 ms, int8 88 / 77, bf16 1000 tokens 1447 / 715. The
+// vector unit on that Xeon (its tile unit off; benchmarks/attention_tiles.py, rows / vector /
+// tile unit, ms per layer): the 0.6B's heads 128 tokens 0.48 / 0.36 / 0.17, 1024 24.7 / 16.4 /
+// 5.5; Gemma 3's one KV head 128 0.37 / 0.17 / 0.07, 1024 21.9 / 9.4 / 3.4 (the two-part P by
+// vdpbf16ps there: 0.58 ms at the 0.6B's 128 tokens, slower than the rows' 0.46).
 constexpr int64_t kTileRunRows = 16;
 // Runs past this context keep the row kernel: the packed keys and values of a run take 4 bytes
 // per key, dimension and KV head (8 MiB for the 0.6B's 8 heads of 128 at 2048), and SDPA,
@@ -495,6 +508,93 @@ static void pack_values(const at::BFloat16* vc, const int64_t* blocks, int64_t n
     }
 }
 
+static std::atomic<bool> g_attention_amx{true};
+static std::atomic<int64_t> g_tile_rows{0};  // attention_tile_rows()
+
+// Whether tile_run takes the tile unit: the CPU has one, the process may use it, and
+// set_attention_amx did not turn it off.
+static bool attention_amx() {
+#if defined(LADLE_ATTENTION_AMX)
+  return g_attention_amx.load(std::memory_order_relaxed) && amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// The vector unit's scores: rows [0, nq) of qb (16 x D; nq a multiple of 4, rows past the
+// block's zero) against key blocks kb0 .. kb0 + NB - 1 of the packed keys kp into s (row
+// stride L floats), 4 queries x NB blocks of 16 keys per pass, one vdpbf16ps per (query, block,
+// pair of dimensions) with the query's pair broadcast.
+template <int NB>
+static inline void vector_scores(const at::BFloat16* qb, const uint32_t* kp, int64_t kb0,
+                                 int64_t nq, int64_t chunks, int64_t D, float* s, int64_t L) {
+  for (int64_t i0 = 0; i0 < nq; i0 += 4) {
+    __m512 acc[4][NB];
+    for (int j = 0; j < 4; j++)
+      for (int k = 0; k < NB; k++) acc[j][k] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; c++) {
+      const uint32_t* qd[4];
+      for (int j = 0; j < 4; j++)
+        qd[j] = reinterpret_cast<const uint32_t*>(qb + (i0 + j) * D + 32 * c);
+      const uint32_t* kt = kp + (kb0 * chunks + c) * 256;
+      for (int p = 0; p < 16; p++) {
+        __m512bh b[4];
+        for (int j = 0; j < 4; j++) b[j] = (__m512bh)_mm512_set1_epi32(qd[j][p]);
+        for (int k = 0; k < NB; k++) {
+          const __m512bh row = (__m512bh)_mm512_load_si512(kt + k * chunks * 256 + 16 * p);
+          for (int j = 0; j < 4; j++) acc[j][k] = _mm512_dpbf16_ps(acc[j][k], b[j], row);
+        }
+      }
+    }
+    for (int j = 0; j < 4; j++)
+      for (int k = 0; k < NB; k++) _mm512_storeu_ps(s + (i0 + j) * L + 16 * (kb0 + k), acc[j][k]);
+  }
+}
+
+// The vector unit's O for groups g0 .. g0 + NG - 1 of 16 dimensions: rows [0, nr) of the
+// softmax's float32 numerators e (16 x L, zero past each row's keys) times the packed values vp,
+// 4 queries x NG groups per pass: each packed row (two keys' values) widened to float32 and
+// summed by one fma per (query, group, key); each row scaled by inv and stored as bfloat16.
+template <int NG>
+static inline void vector_values(const float* e, const uint32_t* vp, int64_t g0, int64_t groups,
+                                 int64_t L, int64_t nr, const float* inv,
+                                 at::BFloat16* const* outs) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t i0 = 0; i0 < nr; i0 += 4) {
+    __m512 acc[4][NG];
+    for (int j = 0; j < 4; j++)
+      for (int g = 0; g < NG; g++) acc[j][g] = _mm512_setzero_ps();
+    for (int64_t kc = 0; kc < L / 32; kc++) {
+      const uint32_t* vt = vp + (kc * groups + g0) * 256;
+      for (int pp = 0; pp < 16; pp++) {
+        const int64_t t = 32 * kc + 2 * pp;  // keys t (low halves) and t + 1 (high halves)
+        __m512 a0[4], a1[4];
+        for (int j = 0; j < 4; j++) {
+          a0[j] = _mm512_set1_ps(e[(i0 + j) * L + t]);
+          a1[j] = _mm512_set1_ps(e[(i0 + j) * L + t + 1]);
+        }
+        for (int g = 0; g < NG; g++) {
+          const __m512i row = _mm512_load_si512(vt + 256 * g + 16 * pp);
+          const __m512 v0 = _mm512_castsi512_ps(_mm512_slli_epi32(row, 16));
+          const __m512 v1 = _mm512_castsi512_ps(_mm512_and_si512(row, high));
+          for (int j = 0; j < 4; j++) {
+            acc[j][g] = _mm512_fmadd_ps(a0[j], v0, acc[j][g]);
+            acc[j][g] = _mm512_fmadd_ps(a1[j], v1, acc[j][g]);
+          }
+        }
+      }
+    }
+    for (int j = 0; j < 4 && i0 + j < nr; j++) {
+      const __m512 sc = _mm512_set1_ps(inv[i0 + j]);
+      for (int g = 0; g < NG; g++)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(outs[i0 + j] + 16 * (g0 + g)),
+                            reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(
+                                _mm512_mul_ps(acc[j][g], sc))));
+    }
+  }
+}
+
+#if defined(LADLE_ATTENTION_AMX)
 // Scores of 16 queries (qb: 16 x D) against one block of 16 packed keys kt into C tile 4, or 5
 // when `odd` (consecutive blocks alternate, so one's store overlaps the next one's products),
 // then to out (row stride ld floats); A tiles 0 / 1 and B tiles 2 / 3 by chunk of 32 dimensions.
@@ -514,14 +614,17 @@ static inline void tile_scores(const at::BFloat16* qb, const uint32_t* kt, int64
   }
   if (odd) _tile_stored(5, out, ld * 4); else _tile_stored(4, out, ld * 4);
 }
+#endif
 
 // One block of up to 16 queries of query head hq: rows b0 .. b0 + nr - 1, row i attending keys
-// 0 .. ctx[b0 + i] - 1 of the packed keys and values kp, vp (the tile configuration loaded).
+// 0 .. ctx[b0 + i] - 1 of the packed keys and values kp, vp; on the tile unit (kAmx: the tile
+// configuration loaded) or the vector unit.
 struct TileScratch {
   std::vector<float> s;                 // 16 x L scores
   std::vector<at::BFloat16> p, lo, qb;  // 16 x L probabilities, high and low parts; 16 x D queries
 };
 
+template <bool kAmx>
 static void tile_query_block(const at::BFloat16* q, at::BFloat16* out, const int64_t* ctx,
                              int64_t b0, int64_t nr, int64_t H, int64_t hq, int64_t D,
                              const uint32_t* kp, const uint32_t* vp, float scale,
@@ -539,10 +642,19 @@ static void tile_query_block(const at::BFloat16* q, at::BFloat16* out, const int
     else
       std::memset(qb + i * D, 0, sizeof(at::BFloat16) * D);
   }
-  // S, 16 keys at a time: C tiles 4 / 5 by key block parity.
   float* s = w.s.data();
-  for (int64_t kb = 0; kb < kbs; kb++)
-    tile_scores(qb, kp + kb * chunks * 256, chunks, D, s + 16 * kb, L, kb & 1);
+  if constexpr (kAmx) {
+#if defined(LADLE_ATTENTION_AMX)
+    // S, 16 keys at a time: C tiles 4 / 5 by key block parity.
+    for (int64_t kb = 0; kb < kbs; kb++)
+      tile_scores(qb, kp + kb * chunks * 256, chunks, D, s + 16 * kb, L, kb & 1);
+#endif
+  } else {  // S, 4 blocks of 16 keys at a time, then the last 1-3
+    const int64_t nq = (nr + 3) / 4 * 4;
+    int64_t kb = 0;
+    for (; kb + 4 <= kbs; kb += 4) vector_scores<4>(qb, kp, kb, nq, chunks, D, s, L);
+    for (; kb < kbs; kb++) vector_scores<1>(qb, kp, kb, nq, chunks, D, s, L);
+  }
   // P: each row's softmax over its own keys (zero past them) as two bfloat16 parts, hi = bf16(e)
   // and lo = bf16(e - hi), whose products with V the C tiles add: P to ~16 bits (bfloat16 alone,
   // 8, cost Gemma 3 270M one of 256 int8 top-1 agreements with bf16). O is divided by the
@@ -555,6 +667,7 @@ static void tile_query_block(const at::BFloat16* q, at::BFloat16* out, const int
     uint16_t* pi = reinterpret_cast<uint16_t*>(p + i * L);
     uint16_t* li = reinterpret_cast<uint16_t*>(lo + i * L);
     if (i >= nr) {
+      if constexpr (!kAmx) std::memset(s + i * L, 0, sizeof(float) * L);
       std::memset(pi, 0, sizeof(uint16_t) * L);
       std::memset(li, 0, sizeof(uint16_t) * L);
       inv[i] = 0.f;
@@ -570,12 +683,16 @@ static void tile_query_block(const at::BFloat16* q, at::BFloat16* out, const int
     const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
     __m512 sum = _mm512_setzero_ps();
     auto put = [&](int64_t at, __m512 e) {
+      sum = _mm512_add_ps(sum, e);
+      if constexpr (!kAmx) {  // the vector unit sums float32 e
+        _mm512_storeu_ps(si + at, e);
+        return;
+      }
       const __m256i hi = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e));
       const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pi + at), hi);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(li + at),
                           reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_sub_ps(e, back))));
-      sum = _mm512_add_ps(sum, e);
     };
     for (t = 0; t + 16 <= len; t += 16)
       put(t, exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(si + t), mx), vscale)));
@@ -585,11 +702,24 @@ static void tile_query_block(const at::BFloat16* q, at::BFloat16* out, const int
       t += 16;
     }
     for (; t < L; t += 16) {
+      if constexpr (!kAmx) {
+        _mm512_storeu_ps(si + t, _mm512_setzero_ps());
+        continue;
+      }
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pi + t), _mm256_setzero_si256());
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(li + t), _mm256_setzero_si256());
     }
     inv[i] = 1.f / _mm512_reduce_add_ps(sum);
   }
+  if constexpr (!kAmx) {  // O, 4 groups of 16 dimensions at a time (D / 16 is even)
+    at::BFloat16* outs[16];
+    for (int64_t i = 0; i < nr; i++) outs[i] = out + ((b0 + i) * H + hq) * D;
+    int64_t g0 = 0;
+    for (; g0 + 4 <= groups; g0 += 4) vector_values<4>(s, vp, g0, groups, L, nr, inv, outs);
+    if (g0 < groups) vector_values<2>(s, vp, g0, groups, L, nr, inv, outs);
+    return;
+  }
+#if defined(LADLE_ATTENTION_AMX)
   // O, four groups of 16 dimensions at a time in C tiles 4 .. 7; A (P's parts) in 0 and 1, B in
   // 2 / 3, each V tile used by both parts.
   alignas(64) float o[4][16][16];
@@ -630,6 +760,7 @@ static void tile_query_block(const at::BFloat16* q, at::BFloat16* out, const int
                                 _mm512_mul_ps(_mm512_load_ps(o[j][i]), sc))));
     }
   }
+#endif
 }
 
 // Rows b0 .. b0 + rows - 1: one sequence's consecutive positions (ctx[b0 + i] = ctx[b0] + i, the
@@ -649,16 +780,26 @@ static void tile_run(const at::BFloat16* q, const at::BFloat16* kc, const at::BF
     }
   });
   const int64_t qblocks = (rows + 15) / 16;
+  const bool amx = attention_amx();
   at::parallel_for(0, H * qblocks, 1, [&](int64_t u0, int64_t u1) {
+#if defined(LADLE_ATTENTION_AMX)
     static const TileShapes shapes;
-    _tile_loadconfig(&shapes);
+    if (amx) _tile_loadconfig(&shapes);
+#endif
     TileScratch w;
     for (int64_t u = u0; u < u1; u++) {
       const int64_t hq = u / qblocks, qb = u % qblocks, h = hq / G;
-      tile_query_block(q, out, ctx, b0 + 16 * qb, std::min<int64_t>(16, rows - 16 * qb), H, hq, D,
-                       kp + h * kstride, vp + h * vstride, scale, w);
+      const int64_t nr = std::min<int64_t>(16, rows - 16 * qb);
+      if (amx)
+        tile_query_block<true>(q, out, ctx, b0 + 16 * qb, nr, H, hq, D, kp + h * kstride,
+                               vp + h * vstride, scale, w);
+      else
+        tile_query_block<false>(q, out, ctx, b0 + 16 * qb, nr, H, hq, D, kp + h * kstride,
+                                vp + h * vstride, scale, w);
     }
-    _tile_release();
+#if defined(LADLE_ATTENTION_AMX)
+    if (amx) _tile_release();
+#endif
   });
 }
 #endif
@@ -673,8 +814,7 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* b
   // `tiles`: runs of kTileRunRows or more rows attend on the tile unit (tile_run), the other
   // rows below, gathered into a call of their own.
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (tiles && softcap == 0.f && sinks == nullptr && D % 32 == 0 && D <= 256 &&
-        amx_permitted()) {
+    if (tiles && softcap == 0.f && sinks == nullptr && D % 32 == 0 && D <= 256) {
       std::vector<std::pair<int64_t, int64_t>> runs;  // (first row, rows)
       std::vector<int64_t> rest;
       for (int64_t b = 0; b < B;) {
@@ -691,9 +831,11 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* b
         b += r;
       }
       if (!runs.empty()) {
-        for (const auto& [b0, rows] : runs)
+        for (const auto& [b0, rows] : runs) {
+          g_tile_rows.fetch_add(rows, std::memory_order_relaxed);
           tile_run(q, kc, vc, bt + (b0 + rows - 1) * max_blocks, ctx, out, b0, rows, H, KVH, D,
                    bs, scale);
+        }
         const int64_t R = static_cast<int64_t>(rest.size()), row = H * D;
         if (R == 0) return;
         std::vector<T> q2(R * row), out2(R * row);
@@ -853,8 +995,34 @@ static void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* b
 
 bool attention_tiles_available() {
 #if defined(LADLE_ATTENTION_TILES)
-  return amx_permitted();
+  return true;
 #else
+  return false;
+#endif
+}
+
+std::string attention_tiles_unit() {
+#if defined(LADLE_ATTENTION_TILES)
+  return attention_amx() ? "amx" : "avx512-bf16";
+#else
+  return "";
+#endif
+}
+
+int64_t attention_tile_rows() {
+#if defined(LADLE_ATTENTION_TILES)
+  return g_tile_rows.load(std::memory_order_relaxed);
+#else
+  return 0;
+#endif
+}
+
+bool set_attention_amx(bool on) {
+#if defined(LADLE_ATTENTION_TILES)
+  g_attention_amx.store(on);
+  return attention_amx();
+#else
+  (void)on;
   return false;
 #endif
 }

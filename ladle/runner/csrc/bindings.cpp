@@ -124,7 +124,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("ctx_lens"), py::arg("scale"), py::arg("window"), py::arg("softcap"),
         py::arg("sinks") = py::none(), py::arg("tiles") = false);
   m.def("attention_tiles_available", &attention_tiles_available,
-        "whether prefill runs of paged_decode_attention can take the AMX-BF16 tiles");
+        "whether prefill runs of paged_decode_attention can attend in tiles (AMX or AVX512-BF16)");
+  m.def("attention_tiles_unit", &attention_tiles_unit,
+        "the unit prefill tiles run on: 'amx', 'avx512-bf16', or '' (none)");
+  m.def("attention_tile_rows", &attention_tile_rows,
+        "rows attended in tiles since the process started (for tests)");
+  m.def("set_attention_amx", &set_attention_amx,
+        "prefill tiles on AMX where the CPU allows (on) or on AVX512-BF16; returns whether they "
+        "now run on AMX", py::arg("on"));
   m.def("linear", &linear, "small-M linear (any M when invariant)", py::arg("x"), py::arg("w"),
         py::arg("b"), py::arg("invariant") = false);
   m.def("rms_norm", &rms_norm, "RMSNorm with optional residual add", py::arg("x"),

@@ -13,6 +13,7 @@
 // call. These are the functions bindings.cpp exposes.
 #pragma once
 #include "vec.h"  // ATen, lean
+#include <string>
 #include <vector>
 
 // deltanet.cpp: Gated DeltaNet's recurrent step, (output (D, H, dv), new states (D, H, dk, dv))
@@ -26,8 +27,15 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
                                   at::Tensor block_table, at::Tensor ctx_lens,
                                   double scale, int64_t window, double softcap,
                                   c10::optional<at::Tensor> sinks, bool tiles);
-// Whether this build and CPU run prefill runs of paged_decode_attention on AMX-BF16 tiles.
+// Whether this build and CPU attend prefill runs of paged_decode_attention in tiles (AMX-BF16
+// or AVX512-BF16), and on which unit ("amx", "avx512-bf16"; "" for none).
 bool attention_tiles_available();
+std::string attention_tiles_unit();
+// Prefill tiles on AMX where the CPU allows (on, the default) or on AVX512-BF16's vdpbf16ps;
+// returns whether they now run on AMX. For tests and benchmarks.
+bool set_attention_amx(bool on);
+// Rows attended in tiles since the process started (for tests: which rows took the tiles).
+int64_t attention_tile_rows();
 
 // linear.cpp
 // Output columns [n_begin, n_end) of y (M, N) = x (M, K) @ w (N, K)^T + b on the calling thread
