@@ -56,6 +56,10 @@ per token are
   - for a safetensors checkpoint, 2 (bf16) or 4 (f32) bytes x every matmul weight (the head once);
   - for `ladle int8`, 1 byte x every matmul weight, the head included, plus a float32 scale
     per output row.
+The alternating turns also print each share with the KV cache a step reads at its mean context
+(keys and values of every layer, a sliding layer's window at most; ladle's cache in --dtype,
+llama.cpp's f16): 18 MB a step for the 0.6B at the default 160 tokens, 1.5% of its weights,
+but a fifth of them at --decode-context 2048. The targets keep the weight bytes alone.
 TTFT (the prefill's matmuls: the head once), batched and server rows give ladle's share of the
 matmul peak of its arithmetic (int8 for a quantized GGUF file). The end of the run prints issue
 21's targets beside this run's numbers (ratios across tables come from separate, not
@@ -72,6 +76,7 @@ interleaved, runs).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -783,9 +788,37 @@ class Weights:
     flops_per_token: float  # 2 x every matmul weight, the head included
     head_flops: float  # the head's share of that (a prefill runs it for the last token only)
     how: str  # how the bytes were counted, for the report
+    # Per attention layer: (bytes of keys and values per cached token, sliding window or 0),
+    # what a decode step reads of its KV cache besides the weights (with_kv_cache).
+    kv_layers: tuple[tuple[int, int], ...] = ()
 
     def prefill_flops(self, tokens: int) -> float:
         return tokens * (self.flops_per_token - self.head_flops) + self.head_flops
+
+    def kv_bytes(self, context: float) -> float:
+        """Bytes of KV cache one decode step reads at `context` tokens."""
+        return sum(b * (min(context, w) if w else context) for b, w in self.kv_layers)
+
+
+def model_config(path: Path) -> dict:
+    """A checkpoint's config.json, or the one ladle derives from a GGUF file's metadata."""
+    if path.is_dir():
+        return json.loads((path / "config.json").read_text())
+    from ladle.models.gguf import open_gguf
+    from ladle.models.gguf.mapping import hf_config_from_gguf
+
+    return hf_config_from_gguf(open_gguf(path))
+
+
+def with_kv_cache(w: Weights, cfg: dict, elem: int) -> Weights:
+    """w with its KV cache's layers: `elem` bytes per cached value (2: a bfloat16 or float16
+    cache, llama.cpp's default f16 included; 4: float32), sliding layers read their window."""
+    L, H = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    kv, d = cfg.get("num_key_value_heads") or H, cfg.get("head_dim") or cfg["hidden_size"] // H
+    types = cfg.get("layer_types") or ["full_attention"] * L
+    window = cfg.get("sliding_window") or 0
+    return dataclasses.replace(w, kv_layers=tuple(
+        (2 * kv * d * elem, window if t == "sliding_attention" else 0) for t in types))
 
 
 def matmul_params(path: Path) -> tuple[int, int, int]:
@@ -952,6 +985,11 @@ def run_model(name: str, spec: Spec, args, has_llama: bool, llama_py: Path, limi
     if has_llama:
         systems.append("llama.cpp")
         weights["llama.cpp"] = gguf_weights_per_token(model_gguf)
+    # The KV cache a decode step reads: ladle's (and transformers') in --dtype, llama.cpp's f16.
+    cfg = model_config(ladle_path)
+    for s in weights:
+        elem = 2 if s == "llama.cpp" or spec.dtype != "float32" else 4
+        weights[s] = with_kv_cache(weights[s], cfg, elem)
     results: dict[str, list[dict]] = {s: [] for s in systems}
     batch = "batch" in spec.cases and not args.skip_batch
     server = "server" in spec.cases and not args.skip_server
@@ -1109,9 +1147,11 @@ def report_paired(paired: dict[str, list[dict]], weights: dict[str, Weights]) ->
     seconds apart). Returns {"num/den": ratio, "system share": median share}."""
     turns = {s: v for s, v in paired.items() if not s.startswith("_")}
     n = max(len(v) for v in turns.values())
+    context = DECODE_CONTEXT + (DECODE_TOKENS + 1) / 2  # a timed step's mean context
     print(f"single-stream decode in {n} alternating turns (each system once per turn, a new "
           f"{DECODE_CONTEXT}-token prompt per turn; tok/s, and share of the read bandwidth "
-          f"measured beside each turn, counting weight bytes only):")
+          f"measured beside each turn, counting weight bytes only, then also the KV cache a "
+          f"step reads at its mean context of {context:.0f} tokens):")
     out = {}
     for s, v in turns.items():
         tps = [r["decode_tps"] for r in v if "decode_tps" in r]
@@ -1124,6 +1164,13 @@ def report_paired(paired: dict[str, list[dict]], weights: dict[str, Weights]) ->
             out[f"{s} share"] = statistics.median(shares)
             print(f"  {'':12} median {out[f'{s} share']:6.0%}   turns: "
                   + " ".join(f"{x:.0%}" for x in shares))
+            kv = weights[s].kv_bytes(context)
+            if kv:
+                with_kv = [x * (1 + kv / weights[s].bytes_per_token) for x in shares]
+                out[f"{s} share with KV"] = statistics.median(with_kv)
+                print(f"  {'':12} median {out[f'{s} share with KV']:6.0%}   with the KV cache "
+                      f"({kv / 1e6:.1f} MB a step)   turns: "
+                      + " ".join(f"{x:.0%}" for x in with_kv))
     for s, v in turns.items():
         ttft = [r["ttft_ms"] for r in v if "ttft_ms" in r]
         if ttft:
