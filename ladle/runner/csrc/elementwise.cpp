@@ -10,20 +10,31 @@
 // row instead of eight torch ops. Numerics follow the HF reference: normalise in float32, round
 // to T, then multiply by the weight in T.
 
-// Sum of squares of D values in float32 (16 lanes, then the tail).
-template <typename T>
-static inline float sum_squares(const T* x, int64_t D) {
+// Sums of squares of N rows of D values in float32, each row's in one order (16 lanes, then the
+// tail): the rows' chains of dependent fmas interleave (one head of 128 values alone waits on 8
+// fmas, a reduction and a square root before the next head starts).
+template <int N, typename T>
+static inline void sum_squares_n(const T* const* x, int64_t D, float* ss) {
   int64_t d = 0;
-  float ss = 0.f;
+  for (int i = 0; i < N; ++i) ss[i] = 0.f;
 #if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  for (; d + 16 <= D; d += 16) {
-    const __m512 v = load16(x + d);
-    acc = _mm512_fmadd_ps(v, v, acc);
-  }
-  ss = _mm512_reduce_add_ps(acc);
+  __m512 acc[N];
+  for (int i = 0; i < N; ++i) acc[i] = _mm512_setzero_ps();
+  for (; d + 16 <= D; d += 16)
+    for (int i = 0; i < N; ++i) {
+      const __m512 v = load16(x[i] + d);
+      acc[i] = _mm512_fmadd_ps(v, v, acc[i]);
+    }
+  for (int i = 0; i < N; ++i) ss[i] = _mm512_reduce_add_ps(acc[i]);
 #endif
-  for (; d < D; ++d) ss += to_f(x[d]) * to_f(x[d]);
+  for (int i = 0; i < N; ++i)
+    for (int64_t e = d; e < D; ++e) ss[i] += to_f(x[i][e]) * to_f(x[i][e]);
+}
+
+template <typename T>
+static inline float sum_squares(const T* x, int64_t D) {  // one row
+  float ss;
+  sum_squares_n<1>(&x, D, &ss);
   return ss;
 }
 
@@ -37,7 +48,11 @@ static inline void scale_row(const T* x, const T* w, float inv, int64_t D, O* ou
   const __m512 vinv = _mm512_set1_ps(inv);
   for (; d + 16 <= D; d += 16) {
     const __m512 n = round_to(_mm512_mul_ps(load16(x + d), vinv), x);
-    store_round(out + d, _mm512_mul_ps(load16(w + d), n));
+    const __m512 y = _mm512_mul_ps(load16(w + d), n);
+    if constexpr (std::is_same_v<O, float>)
+      store_round(out + d, round_to(y, x));  // (store_round to float keeps every bit)
+    else
+      store_round(out + d, y);
   }
 #endif
   for (; d < D; ++d)
@@ -176,11 +191,20 @@ static void qk_norm_rotary_kernel(const T* q, const T* k, T* q_out, T* k_out, co
   const int64_t half = D / 2;
   at::parallel_for(0, Tn, grain_for(kElementWork * (H + KVH) * D), [&](int64_t begin, int64_t end) {
     std::vector<float> row(D);
+    std::vector<const T*> heads(H + KVH);
+    std::vector<float> ss(H + KVH + 3);
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cos + pos[t] * half;
       const float* s = sin + pos[t] * half;
+      // Every head's sum of squares first, four heads interleaved.
+      for (int64_t h = 0; h < H; ++h) heads[h] = q + t * ldq + h * D;
+      for (int64_t h = 0; h < KVH; ++h) heads[H + h] = k + t * ldk + h * D;
+      int64_t h4 = 0;
+      for (; h4 + 4 <= H + KVH; h4 += 4) sum_squares_n<4>(heads.data() + h4, D, ss.data() + h4);
+      for (; h4 < H + KVH; ++h4) ss[h4] = sum_squares(heads[h4], D);
+      int64_t head = 0;
       auto one = [&](const T* x, T* o, const T* w) {
-        const float inv = 1.f / std::sqrt(sum_squares(x, D) / D + eps);
+        const float inv = 1.f / std::sqrt(ss[head++] / D + eps);
         // The norm's output is rounded to T (as the unfused layers store it), then rotated.
         scale_row(x, w, inv, D, row.data());
         int64_t i = 0;
