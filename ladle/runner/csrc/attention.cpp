@@ -12,8 +12,9 @@
 // sequence of a model with one KV head) splits each job's key scores and value sums between
 // the threads instead, every score and sum computed by the same instructions (Attend). With
 // AVX512-BF16, bfloat16 keys are scored by vdpbf16ps against the unscaled query (key_step).
-// Outside batch-invariant mode (the caller's `tiles`), on AMX-BF16 CPUs, a prefill chunk's run
-// of 16 or more rows attends on the tile unit instead (tile_run), a product per 16 queries.
+// Outside batch-invariant mode (the caller's `tiles`), on AVX512-BF16 CPUs, a prefill chunk's
+// run of 16 or more rows attends in tiles instead (tile_run), a product per 16 queries, on the
+// tile unit where the CPU has AMX-BF16.
 #include <atomic>
 
 #include "kernels.h"
@@ -655,9 +656,10 @@ static void tile_query_block(const at::BFloat16* q, at::BFloat16* out, const int
     for (; kb + 4 <= kbs; kb += 4) vector_scores<4>(qb, kp, kb, nq, chunks, D, s, L);
     for (; kb < kbs; kb++) vector_scores<1>(qb, kp, kb, nq, chunks, D, s, L);
   }
-  // P: each row's softmax over its own keys (zero past them) as two bfloat16 parts, hi = bf16(e)
-  // and lo = bf16(e - hi), whose products with V the C tiles add: P to ~16 bits (bfloat16 alone,
-  // 8, cost Gemma 3 270M one of 256 int8 top-1 agreements with bf16). O is divided by the
+  // P: each row's softmax numerators e over its own keys (zero past them); for the tile unit as
+  // two bfloat16 parts, hi = bf16(e) and lo = bf16(e - hi), whose products with V the C tiles
+  // add: P to ~16 bits (bfloat16 alone, 8, cost Gemma 3 270M one of 256 int8 top-1 agreements
+  // with bf16); for the vector unit e in float32, in place of the scores. O is divided by the
   // float32 sum of e.
   float inv[16];
   at::BFloat16* p = w.p.data();
@@ -667,10 +669,13 @@ static void tile_query_block(const at::BFloat16* q, at::BFloat16* out, const int
     uint16_t* pi = reinterpret_cast<uint16_t*>(p + i * L);
     uint16_t* li = reinterpret_cast<uint16_t*>(lo + i * L);
     if (i >= nr) {
-      if constexpr (!kAmx) std::memset(s + i * L, 0, sizeof(float) * L);
+      inv[i] = 0.f;
+      if constexpr (!kAmx) {  // (vector_values reads rows in fours)
+        std::memset(s + i * L, 0, sizeof(float) * L);
+        continue;
+      }
       std::memset(pi, 0, sizeof(uint16_t) * L);
       std::memset(li, 0, sizeof(uint16_t) * L);
-      inv[i] = 0.f;
       continue;
     }
     float* si = s + i * L;
