@@ -4,10 +4,11 @@ one table of ratios per model.
 Models (--models, any subset, in this order by default):
   - gemma: the real Gemma 3 270M Q4_K_M file that ladle ships (`ladle serve gemma-3-270m`), run
     by ladle and llama.cpp from that same file;
-  - 0.6b-q8_0, 0.6b-q4_k_m: the random Qwen3-0.6B-shaped checkpoint converted to a bf16 GGUF by
-    llama.cpp's own converter, then quantized by llama.cpp's quantize API (llama-cpp-python's
-    `llama_model_quantize`, its default tensor-type mix for the type); ladle and llama.cpp both
-    load the quantized file (ladle's default for a .gguf: --quantization gguf, the blocks kept);
+  - 0.6b-q8_0, 0.6b-q4_k_m, 0.6b-q5_k_m: the random Qwen3-0.6B-shaped checkpoint converted to a
+    bf16 GGUF by llama.cpp's own converter, then quantized by llama.cpp's quantize API
+    (llama-cpp-python's `llama_model_quantize`, its default tensor-type mix for the type); ladle
+    and llama.cpp both load the quantized file (ladle's default for a .gguf: --quantization
+    gguf, the blocks kept);
   - 0.6b: that checkpoint in bfloat16 (ladle and transformers load the safetensors, llama.cpp
     its bf16 conversion), plus a `ladle int8` column: ladle with --quantization int8 (W8A8) on
     the same bf16 checkpoint (shown "n/a" while this ladle does not accept int8);
@@ -16,7 +17,8 @@ Models (--models, any subset, in this order by default):
 The random checkpoints carry Qwen's tokenizer, so llama.cpp's HF -> GGUF converter (shipped in
 the llama-cpp-python sdist that benchmarks/build_llama_cpp.sh builds) converts them; every file
 is made once, beside its checkpoint in the ladle cache directory (~/.cache/ladle,
-$LADLE_CACHE_DIR): model-bf16.gguf, model-q8_0.gguf, model-q4_k_m.gguf, model-f32.gguf.
+$LADLE_CACHE_DIR): model-bf16.gguf, model-q8_0.gguf, model-q4_k_m.gguf, model-q5_k_m.gguf,
+model-f32.gguf.
 Cases:
   - single-stream decode tok/s and TTFT of a 128-token prompt, every model (in process: ladle's
     LLM, transformers' generate, llama-cpp-python's Llama);
@@ -66,7 +68,8 @@ matmul peak of its arithmetic (int8 for a quantized GGUF file). The end of the r
 interleaved, runs).
 
     nice -n 19 benchmarks/build_llama_cpp.sh          # once, many minutes
-    python benchmarks/compare.py [--reps 3] [--models gemma,0.6b-q8_0,0.6b-q4_k_m,0.6b,tiny]
+    python benchmarks/compare.py [--reps 3]
+        [--models gemma,0.6b-q8_0,0.6b-q4_k_m,0.6b-q5_k_m,0.6b,tiny]
         [--skip-batch] [--skip-server] [--skip-hf] [--skip-llama] [--skip-int8]
         [--decode-turns 10] [--decode-tokens 64] [--decode-context 128]
         [--batch-out 128] [--server-out 64]
@@ -158,12 +161,14 @@ MODELS = {
     "gemma": Spec("gemma", "bfloat16", "packaged", True, ("single",)),
     "0.6b-q8_0": Spec("0.6b", "bfloat16", "q8_0", True, ("single", "batch", "server")),
     "0.6b-q4_k_m": Spec("0.6b", "bfloat16", "q4_k_m", True, ("single",)),
+    "0.6b-q5_k_m": Spec("0.6b", "bfloat16", "q5_k_m", True, ("single",)),
     "0.6b": Spec("0.6b", "bfloat16", "bf16", False, ("single", "batch", "server"), hf=True,
                  int8=True),
     "tiny": Spec("tiny", "float32", "f32", False, ("single", "batch", "server"), hf=True),
 }
 # llama.cpp's quantize API: our file-name suffix -> llama_cpp's llama_ftype constant.
-QUANT_FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+QUANT_FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
+                "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M"}
 PACKAGED_GEMMA = "gemma-3-270m"
 
 

@@ -224,8 +224,8 @@ def load_model(path: Path, hf_config: dict, dtype: torch.dtype, device: torch.de
 
     repacked = repack_for_kernels(model)
     if repacked:
-        logger.info("%s: %d Q4_K/Q6_K/Q8_0/Q5_0 weight parts repacked by 16 rows for the AVX-512 "
-                    "VNNI kernels", path, repacked)
+        logger.info("%s: %d Q4_K/Q5_K/Q6_K/Q8_0/Q5_0 weight parts repacked by 16 rows for the "
+                    "AVX-512 VNNI kernels", path, repacked)
     if device.type == "cpu":
         from ladle.runner.cpu_kernels import weights_to_huge_pages
 

@@ -3,7 +3,7 @@
 A `QuantWeight` stands where a linear's (N, K) weight tensor would be. Its rows are a list of
 `QuantPart`s, because a fused projection (q|k|v, gate|up) may hold tensors of different types
 (a Q4_K_M file stores attn_v as Q6_K beside a Q4_K attn_q). A part is one of:
-  - GGUF blocks kept as they are in the file (Q8_0, Q4_0, Q5_0, MXFP4, Q4_K, Q6_K): uint8
+  - GGUF blocks kept as they are in the file (Q8_0, Q4_0, Q5_0, MXFP4, Q4_K, Q5_K, Q6_K): uint8
     (rows, row_bytes);
   - INT8_ROW: symmetric int8 per output channel, int8 (rows, K) with a float32 scale per row
     (`--quantization int8`, compressed-tensors W8A8 checkpoints);
@@ -25,15 +25,15 @@ How a quantized linear multiplies (ggml's scheme, for reading only; the code is 
   - one kernel call (`quant_matmul`) quantizes the activations and runs every part in one
     parallel region.
 So a kernel's result equals, up to float32 rounding, the float64 product of the dequantized
-weights with the quantized-then-dequantized activations: `linear_reference` below, which the
-tests compare the kernels with. One exception, on CPUs with AMX-BF16 outside batch-invariant
-mode: a call of enough bfloat16 rows (`quant_bf16_min_rows(type)`, 8-20 by type) whose parts
-are all repacked (Q4_K, Q6_K, Q8_0, INT8_ROW) or Q4_0/Q5_0 of whole sixteens of rows dequantizes
-the weights to bfloat16 tiles instead and multiplies the activations as they are (prefill,
-decode batches; `bf16_tiles_reference`). And on CPUs with AVX-512 VNNI (on AMX-INT8's tiles
-where present), also outside that mode: a call of 4 or more rows (`quant_token_min_rows()`) of
-a rotated weight of int8 rows quantizes the rotated activations per token (row) instead of per
-block, and sums all of K in one integer (`token_reference`).
+weights with the quantized-then-dequantized activations: `linear_reference` below, which the tests
+compare the kernels with. One exception, on CPUs with AMX-BF16 outside batch-invariant mode: a call
+of enough bfloat16 rows (`quant_bf16_min_rows(type)`, 8-20 by type) whose parts are all repacked
+(Q4_K, Q5_K, Q6_K, Q8_0, INT8_ROW) or Q4_0/Q5_0 of whole sixteens of rows dequantizes the weights to
+bfloat16 tiles instead and multiplies the activations as they are (prefill, decode batches;
+`bf16_tiles_reference`). And on CPUs with AVX-512 VNNI (on AMX-INT8's tiles where present), also
+outside that mode: a call of 4 or more rows (`quant_token_min_rows()`) of a rotated weight of int8
+rows quantizes the rotated activations per token (row) instead of per block, and sums all of K in
+one integer (`token_reference`).
 
 The twins (`_linear_torch`, `_rows_torch`) run where the kernels do not: on other devices,
 without a compiler, or with LADLE_DISABLE_CPU_KERNELS=1. They quantize the activations the same
@@ -47,23 +47,24 @@ import torch
 import torch.nn as nn
 
 # GGML type ids of the block formats the kernels run (gguf's GGMLQuantizationType values).
-Q4_0, Q5_0, Q8_0, Q4_K, Q6_K, MXFP4 = 2, 6, 8, 12, 14, 39
-BLOCK_TYPES = {Q4_0: "Q4_0", Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K",
-               MXFP4: "MXFP4"}
+Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 = 2, 6, 8, 12, 13, 14, 39
+BLOCK_TYPES = {Q4_0: "Q4_0", Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K",
+               Q6_K: "Q6_K", MXFP4: "MXFP4"}
 # (values per block, bytes per block): gguf's GGML_QUANT_SIZES for the types above.
 BLOCK_SIZES = {Q4_0: (32, 18), Q5_0: (32, 22), Q8_0: (32, 34), Q4_K: (256, 144),
-               Q6_K: (256, 210), MXFP4: (32, 17)}
+               Q5_K: (256, 176), Q6_K: (256, 210), MXFP4: (32, 17)}
 INT8_ROW = -1  # int8 rows with a float32 scale per row
 DENSE = -2  # the model dtype
 # Blocks (and int8 rows) repacked at load by 16 rows for the AVX-512 VNNI kernels (repack_r16):
-# each kind, the kind it holds, and its (values per block, bytes per row and block): Q4_K's
-# 6-bit scales become bytes (148 against 144); the others keep their size.
-Q4_K_R16, Q6_K_R16, Q8_0_R16, INT8_ROW_R16, Q5_0_R16 = -3, -4, -5, -6, -7
+# each kind, the kind it holds, and its (values per block, bytes per row and block): Q4_K's and
+# Q5_K's 6-bit scales become bytes (148 against 144; 180 against 176); the others keep their
+# size.
+Q4_K_R16, Q6_K_R16, Q8_0_R16, INT8_ROW_R16, Q5_0_R16, Q5_K_R16 = -3, -4, -5, -6, -7, -8
 R16_OF = {Q4_K: Q4_K_R16, Q6_K: Q6_K_R16, Q8_0: Q8_0_R16, INT8_ROW: INT8_ROW_R16,
-          Q5_0: Q5_0_R16}
+          Q5_0: Q5_0_R16, Q5_K: Q5_K_R16}
 R16_BASE = {v: k for k, v in R16_OF.items()}
 R16_SIZES = {Q4_K_R16: (256, 148), Q6_K_R16: (256, 210), Q8_0_R16: (32, 34),
-             INT8_ROW_R16: (32, 32), Q5_0_R16: (32, 22)}
+             INT8_ROW_R16: (32, 32), Q5_0_R16: (32, 22), Q5_K_R16: (256, 180)}
 R16_ROWS = 16
 
 ACT_BLOCK = 32  # activations are quantized per this many values
@@ -457,7 +458,7 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
 def stack_expert_blocks(gate_ups: list[QuantWeight], downs: list[QuantWeight]) -> tuple | None:
     """A layer's SwiGLU experts held in GGUF blocks, stacked for `moe_quant_swiglu`: (gate
     (E, I, row bytes), its type, up, its type, down (E, H, row bytes), its type), each expert's
-    QuantWeights rebuilt over views of the stacks (so no bytes are held twice); Q4_K, Q6_K and
+    QuantWeights rebuilt over views of the stacks (so no bytes are held twice); Q4_K, Q5_K, Q6_K and
     Q8_0 stacks repacked by 16 rows where the kernels run that (repack_r16). None when an
     expert is not [gate, up] + [down] block parts of one type per projection (int8 rows, dense
     parts: the per-expert loop runs them)."""
@@ -520,9 +521,9 @@ def _from_dword(v: torch.Tensor) -> torch.Tensor:
 
 
 def repack_r16(data: torch.Tensor, kind: int) -> torch.Tensor:
-    """Rows (N, row bytes) of Q4_K, Q6_K, Q8_0, Q5_0 or int8 (`kind`), N a multiple of 16 -> the
-    rows of R16_OF[kind], uint8, bytes moved (Q4_K's scales unpacked, Q8_0's and int8's values +
-    128, Q5_0's high bits regrouped by dword slot)."""
+    """Rows (N, row bytes) of Q4_K, Q5_K, Q6_K, Q8_0, Q5_0 or int8 (`kind`), N a multiple of 16
+    -> the rows of R16_OF[kind], uint8, bytes moved (Q4_K's and Q5_K's scales unpacked, Q8_0's
+    and int8's values + 128, Q5_0's and Q5_K's high bits regrouped by dword slot)."""
     if kind == INT8_ROW:  # as Q8_0's values, without a scale per block
         data = data.view(torch.uint8)
     n, rb = data.shape
@@ -530,13 +531,23 @@ def repack_r16(data: torch.Tensor, kind: int) -> torch.Tensor:
     nb = rb // size
     b = data.reshape(n // R16_ROWS, R16_ROWS, nb, size).transpose(1, 2)  # (G, nb, 16, size)
     g = b.shape[:2]
-    if kind == Q4_K:
+    if kind in (Q4_K, Q5_K):
         packed = b[..., 4:16]
         sc_lo, m_lo, hi = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
         scales = torch.cat([sc_lo & 63, (hi & 0xF) | ((sc_lo >> 6) << 4)], dim=-1)
         mins = torch.cat([m_lo & 63, (hi >> 4) | ((m_lo >> 6) << 4)], dim=-1)
+        qs = b[..., 16:144] if kind == Q4_K else b[..., 48:176]
         fields = [b[..., 0:2], b[..., 2:4], scales, mins,
-                  _by_dword(b[..., 16:].reshape(*g, R16_ROWS, 4, 32))]
+                  _by_dword(qs.reshape(*g, R16_ROWS, 4, 32))]
+        if kind == Q5_K:  # per sub-block j, row r's byte p holds in bit t value 4t + p's fifth
+            # bit (qh byte 4t + p, bit j), as Q5_0's high bytes
+            bits = (b[..., 16:48].unsqueeze(-2) >> torch.arange(8, dtype=torch.uint8)
+                    .reshape(8, 1)) & 1  # (.., 16, j, l)
+            bits = bits.reshape(*g, R16_ROWS, 8, 8, 4)  # (.., 16, j, t, p)
+            high = torch.zeros(*g, R16_ROWS, 8, 4, dtype=torch.uint8)
+            for t in range(8):
+                high |= bits[..., t, :] << t
+            fields.append(high.transpose(2, 3))  # (.., j, 16, p)
     elif kind == Q6_K:  # per half and dword slot: ql's two chunks, then qh
         ql = _by_dword(b[..., 0:128].reshape(*g, R16_ROWS, 2, 2, 32))  # (.., half, c, t, 16, 4)
         qh = _by_dword(b[..., 128:192].reshape(*g, R16_ROWS, 2, 32))  # (.., half, t, 16, 4)
@@ -587,12 +598,21 @@ def unpack_r16(data: torch.Tensor, kind: int) -> torch.Tensor:
             count *= i
         return _from_dword(take(count).reshape(*g, *inner[:-1], inner[-1] // 4, R16_ROWS, 4))
 
-    if base == Q4_K:
+    if base in (Q4_K, Q5_K):
         d, dmin, scales, mins = by_row(2), by_row(2), by_sub(8), by_sub(8)
         packed = torch.cat([scales[..., :4] | ((scales[..., 4:] >> 4) << 6),
                             mins[..., :4] | ((mins[..., 4:] >> 4) << 6),
                             (scales[..., 4:] & 0xF) | ((mins[..., 4:] & 0xF) << 4)], dim=-1)
-        blocks = [d, dmin, packed, values(4, 32).reshape(*g, R16_ROWS, 128)]
+        qs = values(4, 32).reshape(*g, R16_ROWS, 128)
+        blocks = [d, dmin, packed, qs]
+        if base == Q5_K:
+            high = take(8 * R16_ROWS * 4).reshape(*g, 8, R16_ROWS, 4)  # (.., j, 16, p)
+            bits = (high.unsqueeze(-2) >> torch.arange(8, dtype=torch.uint8).reshape(8, 1)) & 1
+            bits = bits.permute(0, 1, 3, 2, 4, 5)  # (.., 16, j, t, p)
+            qh = torch.zeros(*g, R16_ROWS, 32, dtype=torch.uint8)
+            for j in range(8):
+                qh |= bits[..., j, :, :].reshape(*g, R16_ROWS, 32) << j
+            blocks = [d, dmin, packed, qh, qs]
     elif base == Q6_K:
         d, scales = by_row(2), by_sub(16)
         q = take(3072).reshape(*g, 2, 8, 3, R16_ROWS, 4)  # (.., half, t, [ql c0, ql c1, qh])
@@ -637,11 +657,11 @@ def _repacks(kind: int) -> bool:
 
 
 def repack_for_kernels(model: nn.Module) -> int:
-    """Repack the model's Q4_K, Q6_K, Q8_0, Q5_0 and int8 weight parts of a multiple of 16 rows
-    for the kernels, where this build runs them (AVX-512 VNNI; Q5_0: see _repacks); returns how
-    many parts. Embedding
-    tables too (a tied lm_head multiplies by them; the row lookup reads the layout). Experts
-    stacked for the fused MoE are views of their stacks, which stack_expert_blocks repacks."""
+    """Repack the model's Q4_K, Q5_K, Q6_K, Q8_0, Q5_0 and int8 weight parts of a multiple of 16
+    rows for the kernels, where this build runs them (AVX-512 VNNI; Q5_0: see _repacks); returns
+    how many parts. Embedding tables too (a tied lm_head multiplies by them; the row lookup
+    reads the layout). Experts stacked for the fused MoE are views of their stacks, which
+    stack_expert_blocks repacks."""
     todo: dict[int, QuantWeight] = {}
     for m in model.modules():
         for w in vars(m).values():

@@ -1,5 +1,5 @@
 """A GGUF file's weights kept in their blocks: every linear (and the embedding) whose tensors are
-of a type the quantized kernels run (runner/quant.py: Q8_0, Q4_0, Q5_0, MXFP4, Q4_K, Q6_K)
+of a type the quantized kernels run (runner/quant.py: Q8_0, Q4_0, Q5_0, MXFP4, Q4_K, Q5_K, Q6_K)
 becomes a QuantWeight holding the file's bytes, installed on the meta-device model before any
 dense memory is allocated. A fused projection takes one part per file tensor (a Q4_K_M file
 stores attn_v as Q6_K beside Q4_K attn_q and attn_k). A tensor of another type inside such a

@@ -1,9 +1,9 @@
-// Quantized linears: y (M, N) = x (M, K) @ W (N, K)^T where W's rows are parts, each in GGUF
-// blocks (Q8_0, Q4_0, Q5_0, MXFP4, Q4_K, Q6_K) or int8 with a scale per row, and x is quantized
-// to int8 once per call for all parts. One call, one parallel region: a decode step's small
-// matmuls (0.2-2 MB of weights, 10-100 us) would otherwise spend a third of their time in Python
-// and in the threads' wake-ups and joins. The pure-torch twin is in ladle/runner/quant.py; the
-// tests compare the two.
+// Quantized linears: y (M, N) = x (M, K) @ W (N, K)^T where W's rows are parts, each in GGUF blocks
+// (Q8_0, Q4_0, Q5_0, MXFP4, Q4_K, Q5_K, Q6_K) or int8 with a scale per row, and x is quantized to
+// int8 once per call for all parts. One call, one parallel region: a decode step's small matmuls
+// (0.2-2 MB of weights, 10-100 us) would otherwise spend a third of their time in Python and in the
+// threads' wake-ups and joins. The pure-torch twin is in ladle/runner/quant.py; the tests compare
+// the two.
 //
 // The scheme (ggml's, written afresh): the activations are int8 per block of 32 values with a
 // float scale (d = max|x| / 127); a weight block of 32 is unpacked in registers to 32 int8
@@ -27,7 +27,7 @@
 // while the weight blocks are in registers, so for decode the weights are read once at memory
 // speed, and for prefill every unpacked weight block serves several rows. AVX-512 VNNI builds
 // run 12 or more rows in panels instead (below: 16 weight rows unpacked once per call, 64
-// products per instruction into 16 outputs), and Q4_K, Q6_K and Q8_0 repacked at load into
+// products per instruction into 16 outputs), and Q4_K, Q5_K, Q6_K and Q8_0 repacked at load into
 // that layout (r16_rows) for every row count. Tiles, panels and repacked rows sum every row in one order
 // (see the tiles), so a row's result does not depend on the rows beside it: these paths are
 // batch-invariant in every mode. The one exception, on AMX-BF16 CPUs outside batch-invariant
@@ -65,21 +65,33 @@
 
 namespace {
 
-constexpr int kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kMXFP4 = 39;
+constexpr int kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kMXFP4 = 39;
 constexpr int kI8 = -1;  // int8 rows with a float scale per row (quant.py's INT8_ROW)
 // Repacked at load by 16 rows (quant.py's Q4_K_R16, Q6_K_R16, Q8_0_R16, INT8_ROW_R16,
-// Q5_0_R16; AVX-512 VNNI builds).
-constexpr int kQ4KR = -3, kQ6KR = -4, kQ8R = -5, kI8R = -6, kQ5R = -7;
+// Q5_0_R16, Q5_K_R16; AVX-512 VNNI builds).
+constexpr int kQ4KR = -3, kQ6KR = -4, kQ8R = -5, kI8R = -6, kQ5R = -7, kQ5KR = -8;
 inline bool is_r16(int type) {
-  return type == kQ4KR || type == kQ6KR || type == kQ8R || type == kI8R || type == kQ5R;
+  return type == kQ4KR || type == kQ6KR || type == kQ8R || type == kI8R || type == kQ5R ||
+         type == kQ5KR;
 }
+// Q4_K and Q5_K share a super-block's header (d, dmin, 12 bytes of 6-bit scales and mins) and
+// the order of its nibbles; Q5_K adds each value's fifth bit (qh, 32 bytes before its 128 bytes
+// of nibbles: bit j of byte l is value l of sub-block j's), so q is 0 .. 31 where Q4_K's is
+// 0 .. 15, and every path below runs both with the same steps. Q4_K_M files hold Q5_K tensors
+// where a model fuses q|k|v (Phi-3) or has 8 experts (Mixtral's attn_output), Q5_K_M files
+// nearly all of theirs.
+template <int TYPE> constexpr bool kK4 = TYPE == kQ4_K || TYPE == kQ5_K;
+template <int TYPE> constexpr bool kK4R = TYPE == kQ4KR || TYPE == kQ5KR;
+template <int TYPE> constexpr int64_t kK4Bytes = TYPE == kQ5_K ? 176 : 144;  // a super-block
+template <int TYPE> constexpr int64_t kK4Qs = TYPE == kQ5_K ? 48 : 16;  // its nibbles' offset
 // The repacked types the tile unit's paths (AMX-INT8, AMX-BF16) take; Q5_0_R16 runs on the
 // vector kernel only (quant.py repacks Q5_0 only where AMX-BF16 does not take its blocks).
 inline bool tile_r16(int type) { return is_r16(type) && type != kQ5R; }
 // Types not repacked whose 16-row panels can also become bfloat16 B tiles (bf16_group).
 constexpr bool bf16_panel_type(int type) { return type == kQ4_0 || type == kQ5_0; }
 inline int r16_base(int type) {
-  return type == kQ4KR ? kQ4_K : type == kQ6KR ? kQ6_K : type == kQ5R ? kQ5_0 : kQ8_0;
+  return type == kQ4KR ? kQ4_K : type == kQ6KR ? kQ6_K : type == kQ5R ? kQ5_0
+       : type == kQ5KR ? kQ5_K : kQ8_0;
 }
 
 // f(std::integral_constant<int, TYPE>{}) for a kernel type (checked by the caller): the one
@@ -92,6 +104,7 @@ inline void with_type(int type, F&& f) {
     case kQ5_0: return f(std::integral_constant<int, kQ5_0>{});
     case kMXFP4: return f(std::integral_constant<int, kMXFP4>{});
     case kQ4_K: return f(std::integral_constant<int, kQ4_K>{});
+    case kQ5_K: return f(std::integral_constant<int, kQ5_K>{});
     case kQ6_K: return f(std::integral_constant<int, kQ6_K>{});
     default: return f(std::integral_constant<int, kI8>{});
   }
@@ -99,7 +112,8 @@ inline void with_type(int type, F&& f) {
 
 // (values per block, bytes per block), as gguf's GGML_QUANT_SIZES.
 inline int64_t block_values(int type) {
-  return (type == kQ4_K || type == kQ6_K || type == kQ4KR || type == kQ6KR) ? 256 : 32;
+  return (type == kQ4_K || type == kQ5_K || type == kQ6_K || type == kQ4KR || type == kQ5KR ||
+          type == kQ6KR) ? 256 : 32;
 }
 inline int64_t block_bytes(int type) {
   switch (type) {
@@ -108,6 +122,7 @@ inline int64_t block_bytes(int type) {
     case kQ8_0: return 34;
     case kMXFP4: return 17;
     case kQ4_K: return 144;
+    case kQ5_K: return 176;
     case kQ6_K: return 210;
     case kI8: return 32;
     case kQ4KR: return 148;  // per row: 16 rows' 2368 bytes
@@ -115,6 +130,7 @@ inline int64_t block_bytes(int type) {
     case kQ8R: return 34;  // 16 rows' 544 per 32 values
     case kI8R: return 32;  // 16 rows' 512
     case kQ5R: return 22;  // 16 rows' 352
+    case kQ5KR: return 180;  // 16 rows' 2880
   }
   return 0;
 }
@@ -171,7 +187,7 @@ inline void k4_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
 
 // One sub-block of 32 values of a weight row: w[i] = (i < 16 ? s0 : s1) * q[i] - minv.
 struct Sub {
-  int8_t q[32];  // signed, except Q4_K: 0..15
+  int8_t q[32];  // signed, except Q4_K: 0..15, Q5_K: 0..31
   float s0, s1, minv;
 };
 
@@ -189,8 +205,8 @@ inline void sub_scales(const uint8_t* row, int64_t sb, Sub& o) {
     o.s0 = o.s1 = f16(row + sb * 22);
   } else if constexpr (TYPE == kMXFP4) {
     o.s0 = o.s1 = e8m0_half(row[sb * 17]);
-  } else if constexpr (TYPE == kQ4_K) {
-    const uint8_t* b = row + (sb >> 3) * 144;
+  } else if constexpr (kK4<TYPE>) {
+    const uint8_t* b = row + (sb >> 3) * kK4Bytes<TYPE>;
     int sc, mn;
     k4_scale_min(b + 4, int(sb & 7), sc, mn);
     o.s0 = o.s1 = f16(b) * float(sc);
@@ -233,10 +249,14 @@ inline void unpack_scalar(const uint8_t* row, int64_t sb, Sub& o) {
       o.q[i] = kMxfp4Values[b[1 + i] & 0xF];
       o.q[i + 16] = kMxfp4Values[b[1 + i] >> 4];
     }
-  } else if constexpr (TYPE == kQ4_K) {
+  } else if constexpr (kK4<TYPE>) {
     const int j = int(sb & 7);
-    const uint8_t* qs = row + (sb >> 3) * 144 + 16 + (j >> 1) * 32;
-    for (int i = 0; i < 32; i++) o.q[i] = int8_t((j & 1) ? (qs[i] >> 4) : (qs[i] & 0xF));
+    const uint8_t* b = row + (sb >> 3) * kK4Bytes<TYPE>;
+    const uint8_t* qs = b + kK4Qs<TYPE> + (j >> 1) * 32;
+    for (int i = 0; i < 32; i++) {
+      o.q[i] = int8_t((j & 1) ? (qs[i] >> 4) : (qs[i] & 0xF));
+      if constexpr (TYPE == kQ5_K) o.q[i] = int8_t(o.q[i] | (((b[16 + i] >> j) & 1) << 4));
+    }
   } else {  // Q6_K
     const uint8_t* b = row + (sb >> 3) * 210;
     const int j = int(sb & 7), half = j >> 2, g = j & 3;
@@ -248,13 +268,15 @@ inline void unpack_scalar(const uint8_t* row, int64_t sb, Sub& o) {
   }
 }
 
-// Row r of a repacked group g (kQ4KR, kQ6KR, kQ8R, kQ5R; `nblocks` blocks) back in its GGUF blocks
-// (quant.py's unpack_r16 for one row): what the embedding's row lookup reads.
+// Row r of a repacked group g (kQ4KR, kQ5KR, kQ6KR, kQ8R, kQ5R; `nblocks` blocks) back in its
+// GGUF blocks (quant.py's unpack_r16 for one row): what the embedding's row lookup reads.
 inline void r16_row(int type, const uint8_t* g, int r, int64_t nblocks, uint8_t* out) {
   for (int64_t blk = 0; blk < nblocks; blk++) {
-    if (type == kQ4KR) {
-      const uint8_t* b = g + blk * 2368;
-      uint8_t* o = out + blk * 144;
+    if (type == kQ4KR || type == kQ5KR) {
+      const bool q5 = type == kQ5KR;
+      const uint8_t* b = g + blk * (q5 ? 2880 : 2368);
+      uint8_t* o = out + blk * (q5 ? 176 : 144);
+      uint8_t* qs = o + (q5 ? 48 : 16);
       std::memcpy(o, b + 2 * r, 2);
       std::memcpy(o + 2, b + 32 + 2 * r, 2);
       uint8_t sc[8], mn[8];
@@ -269,7 +291,14 @@ inline void r16_row(int type, const uint8_t* g, int r, int64_t nblocks, uint8_t*
       }
       for (int p = 0; p < 4; p++)
         for (int t = 0; t < 8; t++)
-          std::memcpy(o + 16 + 32 * p + 4 * t, b + 320 + p * 512 + t * 64 + 4 * r, 4);
+          std::memcpy(qs + 32 * p + 4 * t, b + 320 + p * 512 + t * 64 + 4 * r, 4);
+      if (q5) {  // qh[4t + p] bit j from bit t of the row's byte p of sub-block j's 64
+        std::memset(o + 16, 0, 32);
+        for (int j = 0; j < 8; j++)
+          for (int p = 0; p < 4; p++)
+            for (int t = 0; t < 8; t++)
+              o[16 + 4 * t + p] |= uint8_t(((b[2368 + j * 64 + 4 * r + p] >> t) & 1) << j);
+      }
     } else if (type == kQ6KR) {
       const uint8_t* b = g + blk * 3360;
       uint8_t* o = out + blk * 210;
@@ -421,7 +450,7 @@ inline __m256i block_unsigned(const uint8_t* b) {
 //         sub-block scales; Q6_K's q - 32, Q4_K's q without its min) and the activations' int8
 //         values;
 //   acc = fma(float(I), dw * dx, acc)     dw: the block's float scale (a K-quant: its d)
-//   acc = fnmadd(dmin * min, dx * sum(x), acc)   (Q4_K only)
+//   acc = fnmadd(dmin * min, dx * sum(x), acc)   (Q4_K, Q5_K only)
 // and an int8 row's scale multiplies acc at the end. |I| < 2^24 (Q6_K's bound: 32 * 32 * 128 *
 // 127), so float(I) is exact however the integer sum was formed: a tile sums lanes and rows
 // in integers, a panel per half or with a bias taken off, and they agree to the bit.
@@ -556,10 +585,26 @@ inline void tile_blocks(const uint8_t* const* w, const Act& a, __m256* acc) {
   }
 }
 
-// Sub-block j of the Q4_K super-block b: its 32 nibbles (0..15).
-inline __m256i q4k_values(const uint8_t* b, int j) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + (j >> 1) * 32));
-  return _mm256_and_si256((j & 1) ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(0x0F));
+// Bit j (0 .. 7) of each byte of v moved to bit 4, the rest cleared. (The 16-bit shifts carry
+// bits across bytes only into bits the mask clears.)
+inline __m256i bit_to_4(__m256i v, int j) {
+  return _mm256_and_si256(j <= 4 ? _mm256_slli_epi16(v, 4 - j) : _mm256_srli_epi16(v, j - 4),
+                          _mm256_set1_epi8(0x10));
+}
+
+// Sub-block j of the Q4_K or Q5_K super-block b: its 32 values q (Q4_K's nibbles 0..15; Q5_K's
+// with their fifth bit, 0..31).
+template <int TYPE>
+inline __m256i k4_values(const uint8_t* b, int j) {
+  const __m256i raw =
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + kK4Qs<TYPE> + (j >> 1) * 32));
+  const __m256i q =
+      _mm256_and_si256((j & 1) ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(0x0F));
+  if constexpr (TYPE == kQ5_K) {
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+    return _mm256_or_si256(q, bit_to_4(qh, j));
+  }
+  return q;
 }
 
 // Sub-block j of the Q6_K super-block b: its 32 values q (0..63; the weight is q - 32).
@@ -596,32 +641,34 @@ inline void kquant_pairs(const __m256i* q, const __m256i* s16, const __m256i* xv
 template <int TYPE, int MR>
 inline void ksub_tile(const uint8_t* const* b, const __m256i (*sc16)[2], int j, const Act& a,
                       int64_t sb, __m256i (*h)[4]) {
-  // Q4_K: vpshufb picks bytes 2j, 2j+1 (scale j as int16) into every int16 lane.
-  const __m256i pick = TYPE == kQ4_K ? _mm256_set1_epi16(int16_t(((2 * j + 1) << 8) | (2 * j)))
-                                     : q6k_pick(j);
+  // Q4_K, Q5_K: vpshufb picks bytes 2j, 2j+1 (scale j as int16) into every int16 lane.
+  const __m256i pick = kK4<TYPE> ? _mm256_set1_epi16(int16_t(((2 * j + 1) << 8) | (2 * j)))
+                                 : q6k_pick(j);
   __m256i xv[MR];
   for (int m = 0; m < MR; m++)
     xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + m * a.K + sb * 32));
   for (int k = 0; k < 4; k++) {
     __m256i q[2], s16[2];
     for (int r = 0; r < 2; r++) {
-      q[r] = TYPE == kQ4_K ? q4k_values(b[2 * k + r], j) : q6k_values(b[2 * k + r], j);
-      s16[r] = _mm256_shuffle_epi8(sc16[2 * k + r][TYPE == kQ4_K ? 0 : j >> 2], pick);
+      if constexpr (kK4<TYPE>) q[r] = k4_values<TYPE>(b[2 * k + r], j);
+      else q[r] = q6k_values(b[2 * k + r], j);
+      s16[r] = _mm256_shuffle_epi8(sc16[2 * k + r][kK4<TYPE> ? 0 : j >> 2], pick);
     }
     kquant_pairs<MR>(q, s16, xv, k, h);
   }
 }
 
-template <int MR>
-inline void tile_q4k(const uint8_t* const* w, const Act& a, __m256* acc) {
+// Q5_K: the same with q up to 31 (vpmaddubsw's pair sums at most 2 x 31 x 128, within int16).
+template <int TYPE, int MR>
+inline void tile_k4(const uint8_t* const* w, const Act& a, __m256* acc) {
   const int64_t K = a.K, nsub = K / 32, nblocks = K / 256;
   for (int64_t blk = 0; blk < nblocks; blk++) {
     const uint8_t* b[kNR];
     __m256i sc16[kNR][2];  // [0]: row n's eight scales as int16, in both 128-bit lanes
     __m256 mins[kNR];   // row n's eight mins times dmin
     for (int n = 0; n < kNR; n++) {
-      b[n] = w[n] + blk * 144;
-      for (int64_t off = 0; off < 144; off += 64)  // the row's stream, kPrefetchBytes ahead
+      b[n] = w[n] + blk * kK4Bytes<TYPE>;
+      for (int64_t off = 0; off < kK4Bytes<TYPE>; off += 64)  // the row's stream, 4 KB ahead
         _mm_prefetch(reinterpret_cast<const char*>(b[n]) + kPrefetchBytes + off, _MM_HINT_T0);
       uint64_t sc, mn;
       k4_scales(b[n] + 4, sc, mn);
@@ -636,7 +683,7 @@ inline void tile_q4k(const uint8_t* const* w, const Act& a, __m256* acc) {
     for (int j = 0; j < 8; j++) {
       const int64_t sb = blk * 8 + j;
       __m256i h[MR][4];
-      ksub_tile<kQ4_K, MR>(b, sc16, j, a, sb, h);
+      ksub_tile<TYPE, MR>(b, sc16, j, a, sb, h);
       for (int m = 0; m < MR; m++) {
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(row_sums(h[m])),
                                  _mm256_mul_ps(d, _mm256_broadcast_ss(a.d + m * nsub + sb)), acc[m]);
@@ -795,7 +842,7 @@ inline float row_q6k(const uint8_t* w, const Act& a) {
   return _mm_cvtss_f32(acc);
 }
 
-// The types whose one-row products take row_blocks / row_q6k (MXFP4 and Q4_K stay in tiles).
+// The types whose one-row products take row_blocks / row_q6k (MXFP4, Q4_K, Q5_K stay in tiles).
 template <int TYPE> constexpr bool kRowAtATime =
     TYPE == kQ8_0 || TYPE == kI8 || TYPE == kQ6_K || TYPE == kQ4_0 || TYPE == kQ5_0;
 template <int TYPE>
@@ -809,7 +856,7 @@ template <int TYPE, int MR>
 inline void tile(const uint8_t* const* w, const Act& a, float (*out)[kNR]) {
   __m256 acc[MR];
   for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_ps();
-  if constexpr (TYPE == kQ4_K) tile_q4k<MR>(w, a, acc);
+  if constexpr (kK4<TYPE>) tile_k4<TYPE, MR>(w, a, acc);
   else if constexpr (TYPE == kQ6_K) tile_q6k<MR>(w, a, acc);
   else tile_blocks<TYPE, MR>(w, a, acc);
   for (int m = 0; m < MR; m++) _mm256_storeu_ps(out[m], acc[m]);
@@ -902,7 +949,7 @@ void part_tiles(const Part& p, int64_t t0, int64_t t1, const Act& a, int64_t M, 
 }
 
 #if defined(LADLE_QUANT_512)
-// Repacked at load (quant.py's repack_r16): Q4_K, Q6_K and Q8_0 rows by 16, in the panels'
+// Repacked at load (quant.py's repack_r16): Q4_K, Q5_K, Q6_K and Q8_0 rows by 16, in the panels'
 // layout (below) with the values still in their bits. In a tile most of a row's instructions
 // move sums across lanes and rows, not products: one activation row of Q4_K ran compute-bound
 // at about half the read bandwidth, Q6_K's one-row stream at two thirds. Here one vpdpbusd
@@ -912,6 +959,8 @@ void part_tiles(const Part& p, int64_t t0, int64_t t1, const Act& a, int64_t M, 
 //     scale[8][16], min[8][16] bytes (sub-block j's, row r's: the 6-bit values unpacked);
 //     then per pair of sub-blocks (2p, 2p + 1) 8 x 64 bytes, dword r of the t-th 64 being row
 //     r's bytes 4t .. 4t + 3 of the pair's 32 (low nibbles 2p's values, high 2p + 1's).
+//   Q5_K (2880 per 256, 180 per row against 176): Q4_K's 2368, then per sub-block j 64 bytes
+//     of fifth bits laid out as Q5_0's (byte 4r + p holds in bit t value 4t + p's, row r).
 //   Q6_K (3360 per 256, as the rows' 16 x 210): d[16] float16; scale[16][16] int8 (16 values'
 //     scale h, row r's); then per half of the block and dword slot t, 3 x 64 bytes: ql's
 //     32-byte chunks c = 0, 1 (low nibbles: sub-block 4 half + c's values; high: 4 half + 2 +
@@ -929,7 +978,8 @@ void part_tiles(const Part& p, int64_t t0, int64_t t1, const Act& a, int64_t M, 
 // steps are the tiles' and panels' (the one order): a repacked part gives its blocks' bits.
 constexpr int64_t kR16Rows = 16;
 template <int TYPE> constexpr int64_t kR16Block =
-    TYPE == kQ4KR ? 2368 : TYPE == kQ6KR ? 3360 : TYPE == kQ8R ? 544 : TYPE == kQ5R ? 352 : 512;
+    TYPE == kQ4KR ? 2368 : TYPE == kQ5KR ? 2880 : TYPE == kQ6KR ? 3360 : TYPE == kQ8R ? 544
+    : TYPE == kQ5R ? 352 : 512;
 template <int TYPE> constexpr int kR16Subs =  // per block
     TYPE == kQ8R || TYPE == kI8R || TYPE == kQ5R ? 1 : 8;
 template <int TYPE> constexpr int32_t kR16Bias =
@@ -951,7 +1001,7 @@ inline void r16_start(const Act& a, int64_t m0, int64_t sb, __m512i (*i)[H]) {
     } else if constexpr (bias == 16) {  // Q5_0: -128 x sum(x) / 8, exact
       i[m][0] = _mm512_set1_epi32(a.b128[(m0 + m) * (a.K / 32) + sb] / 8);
     } else {
-      static_assert(bias == 0);  // Q4_K's nibbles
+      static_assert(bias == 0);  // Q4_K's and Q5_K's values
       i[m][0] = _mm512_setzero_si512();
     }
   }
@@ -986,7 +1036,7 @@ inline void r16_finish(const uint8_t* b, int j, const Act& a, int64_t m0, int64_
     for (int m = 0; m < MR; m++)
       f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i[m][H - 1]), s1,
                              _mm512_mul_ps(_mm512_cvtepi32_ps(i[m][0]), s0));
-  } else if constexpr (TYPE == kQ4KR) {
+  } else if constexpr (kK4R<TYPE>) {
     const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 64 + j * 16))));
     for (int m = 0; m < MR; m++) f[m] = _mm512_mul_ps(_mm512_cvtepi32_ps(i[m][0]), sc);
@@ -996,7 +1046,7 @@ inline void r16_finish(const uint8_t* b, int j, const Act& a, int64_t m0, int64_
   for (int m = 0; m < MR; m++)
     acc[m] = _mm512_fmadd_ps(f[m], _mm512_mul_ps(d, _mm512_set1_ps(a.d[(m0 + m) * nsub + sb])),
                              acc[m]);
-  if constexpr (TYPE == kQ4KR) {
+  if constexpr (kK4R<TYPE>) {
     const __m512 mn = _mm512_mul_ps(
         _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32))),
         _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
@@ -1012,18 +1062,37 @@ inline __m512i q4k_r16_values(const uint8_t* b, int j, int t) {
   return _mm512_and_si512((j & 1) ? _mm512_srli_epi16(z, 4) : z, _mm512_set1_epi8(0x0F));
 }
 
+// Bit t of each byte of h moved to bit 4, the rest cleared: the fifth bits of dword slot t
+// (Q5_0, Q5_K repacked).
+inline __m512i high_bits(__m512i h, int t) {
+#if defined(__GFNI__)  // one instruction
+  return _mm512_gf2p8affine_epi64_epi8(h, _mm512_set1_epi64((1ll << t) << 24), 0);
+#else
+  return _mm512_and_si512(t <= 4 ? _mm512_slli_epi16(h, 4 - t) : _mm512_srli_epi16(h, t - 4),
+                          _mm512_set1_epi8(0x10));
+#endif
+}
+
 // Q5_0 repacked: dword slot t of the 16 rows of the block at b (nibble | high bit << 4), its
 // high-bit bytes h (b + 32) loaded once per block.
 inline __m512i q5_r16_values(const uint8_t* b, __m512i h, int t) {
   const __m512i z = _mm512_loadu_si512(b + 96 + (t & 3) * 64);
   const __m512i low = _mm512_and_si512(t < 4 ? z : _mm512_srli_epi16(z, 4), _mm512_set1_epi8(0x0F));
-#if defined(__GFNI__)  // bit t of each byte to bit 4, the rest cleared: one instruction
-  const __m512i high = _mm512_gf2p8affine_epi64_epi8(h, _mm512_set1_epi64((1ll << t) << 24), 0);
-#else
-  const __m512i high = _mm512_and_si512(
-      t <= 4 ? _mm512_slli_epi16(h, 4 - t) : _mm512_srli_epi16(h, t - 4), _mm512_set1_epi8(0x10));
-#endif
-  return _mm512_or_si512(low, high);
+  return _mm512_or_si512(low, high_bits(h, t));
+}
+
+// Q4_K or Q5_K repacked: dword slot t of the 16 rows for sub-block j of the block at b; h: for
+// Q5_K, sub-block j's fifth-bit bytes (b + 2368 + 64 j, loaded once per sub-block).
+template <int TYPE>
+inline __m512i k4_r16_values(const uint8_t* b, int j, int t, [[maybe_unused]] __m512i h) {
+  if constexpr (TYPE == kQ5KR) return _mm512_or_si512(q4k_r16_values(b, j, t), high_bits(h, t));
+  return q4k_r16_values(b, j, t);
+}
+// Sub-block j's fifth-bit bytes of a Q5_K block at b (Q4_K: unused).
+template <int TYPE>
+inline __m512i k4_r16_high(const uint8_t* b, int j) {
+  if constexpr (TYPE == kQ5KR) return _mm512_loadu_si512(b + 2368 + j * 64);
+  return _mm512_setzero_si512();
 }
 
 // Q6_K repacked: dword slot t of the 16 rows for the four sub-blocks of one half of the block
@@ -1132,11 +1201,12 @@ inline void r16_rows(const uint8_t* g, const Act& a, int64_t m0, float (*out)[16
         r16_start<TYPE, MR, 1>(a, m0, sb, i);
         [[maybe_unused]] __m512i h;
         if constexpr (TYPE == kQ5R) h = _mm512_loadu_si512(b + 32);
+        if constexpr (kK4R<TYPE>) h = k4_r16_high<TYPE>(b, j);
 #pragma GCC unroll 8
         for (int t = 0; t < 8; t++) {
           __m512i v;
-          if constexpr (TYPE == kQ4KR) {
-            v = q4k_r16_values(b, j, t);
+          if constexpr (kK4R<TYPE>) {
+            v = k4_r16_values<TYPE>(b, j, t, h);
           } else if constexpr (TYPE == kQ5R) {
             v = q5_r16_values(b, h, t);
           } else {
@@ -1215,15 +1285,16 @@ void tile_activations(const T* x, int64_t M, int64_t K, T* xt) {
   });
 }
 
-// Sub-block j's (block b) weights for the B tile, as signed bytes in buf: Q4_K's nibbles as they
-// are, Q8_0's and int8 rows' unsigned w + 128 with the sign bit flipped back. (Signed weights:
-// TDPBSSD's sums need no bias taken off.)
+// Sub-block j's (block b) weights for the B tile, as signed bytes in buf: Q4_K's and Q5_K's
+// values as they are, Q8_0's and int8 rows' unsigned w + 128 with the sign bit flipped back.
+// (Signed weights: TDPBSSD's sums need no bias taken off.)
 template <int TYPE>
 inline const uint8_t* amx_weights(const uint8_t* b, int j, uint8_t* buf) {
+  [[maybe_unused]] const __m512i h = k4_r16_high<TYPE>(b, j);
   for (int t = 0; t < 8; t++) {
     __m512i v;
-    if constexpr (TYPE == kQ4KR) {
-      v = q4k_r16_values(b, j, t);
+    if constexpr (kK4R<TYPE>) {
+      v = k4_r16_values<TYPE>(b, j, t, h);
     } else {
       v = _mm512_xor_si512(_mm512_loadu_si512(b + (TYPE == kI8R ? 0 : 32) + t * 64),
                            _mm512_set1_epi8(char(0x80)));
@@ -1295,17 +1366,17 @@ struct alignas(64) AmxBlockConfig {
   uint8_t rows[16] = {16, 16, 8, 8, 16, 16, 16, 16};
 };
 
-// Q8_0, int8 rows and Q4_K (one C tile per sub-block): MB sixteens of activation rows (from r0)
-// times NB groups of 16 repacked rows (g[j], their B tiles at wb[j]), sub-blocks sb0 .. sb1 - 1,
-// added to the float sums sums[j] (rows of 16 outputs, indexed by activation row) in sub-block
-// order, as r16_rows adds them. Each sub-block's A and B tiles serve MB x NB products (2 x 2:
-// 4 C tiles in flight, each tile load used twice), and the previous sub-block's float steps
-// come between the products and their stores. Against one product at a time (as
-// amx_q6k_rows still runs Q6_K's): one int8 0.6B layer's four linears, 2 threads, 128 rows 4.4 -> 3.8 ms, 256 rows
-// 9.6 -> 8.0 ms (Sapphire Rapids class Xeon). What bounds it there: the tile unit and the
-// vector unit did not overlap in a loop of only these steps (4 products of 16 x 16 x 32 with
-// their loads and stores, 40 ns; the 64 rows' float steps, 50 ns; both, 85 ns), so the per-32
-// scales cost about as much as the products.
+// Q8_0, int8 rows, Q4_K and Q5_K (one C tile per sub-block): MB sixteens of activation rows (from
+// r0) times NB groups of 16 repacked rows (g[j], their B tiles at wb[j]), sub-blocks sb0 to
+// sb1 - 1, added to the float sums sums[j] (rows of 16 outputs, indexed by activation row) in
+// sub-block order, as r16_rows adds them. Each sub-block's A and B tiles serve MB x NB products
+// (2 x 2: 4 C tiles in flight, each tile load used twice), and the previous sub-block's float
+// steps come between the products and their stores. Against one product at a time (as
+// amx_q6k_rows still runs Q6_K's): one int8 0.6B layer's four linears, 2 threads, 128 rows
+// 4.4 -> 3.8 ms, 256 rows 9.6 -> 8.0 ms (Sapphire Rapids class Xeon). What bounds it there: the
+// tile unit and the vector unit did not overlap in a loop of only these steps (4 products of 16 x
+// 16 x 32 with their loads and stores, 40 ns; the 64 rows' float steps, 50 ns; both, 85 ns), so the
+// per-32 scales cost about as much as the products.
 template <int TYPE, int MB, int NB>
 void amx_block(const uint8_t* const* g, const uint8_t* const* wb, const Act& a, int64_t r0,
                int64_t sb0, int64_t sb1, float (*const* sums)[16]) {
@@ -1454,7 +1525,7 @@ void amx_q6k_rows(const uint8_t* g, const uint8_t* wb, const Act& a, int64_t m0,
 
 #if defined(LADLE_QUANT_AMX) && defined(__AMX_BF16__)
 #define LADLE_QUANT_BF16 1
-// Prefill and batched decode of repacked parts (Q4_K, Q6_K, Q8_0, int8 rows; Q4_0 and Q5_0
+// Prefill and batched decode of repacked parts (Q4_K, Q5_K, Q6_K, Q8_0, int8 rows; Q4_0, Q5_0
 // through their panels) on AMX-BF16, outside batch-invariant mode, from bf16_min_rows (below)
 // bfloat16 activation rows, when every part of the call can. The int8 program above pays per-32 float steps for every activation row, output
 // and sub-block: the activations' block scales differ per row, so no sub-block's integers can
@@ -1492,6 +1563,7 @@ constexpr int64_t bf16_min_rows(int type) {
     case kQ5_0: return 9;
     case kQ4_0: return 12;
     case kQ4KR: return 16;
+    case kQ5KR: return 16;  // (as Q4_K: not measured apart)
     default: return 20;  // Q8_0, int8 rows
   }
 }
@@ -1515,8 +1587,8 @@ constexpr int64_t kBf16ChunkBytes = 1 << 20;
 // values 4t .. 4t + 3 of the 16 outputs (bytes 4n .. 4n + 3): B rows 2t and 2t + 1. Each
 // weight is formed exactly in float and rounded once to bfloat16, so the tiles hold
 // bf16(the dequantized weight), what `bf16_tiles_reference` multiplies: Q8_0 d * q (19 bits),
-// Q6_K d * sc * (q - 32) (at most 24), Q4_K d * sc * q (21) - dmin * m (17, the one rounding
-// of the difference), int8 rows q itself.
+// Q6_K d * sc * (q - 32) (at most 24), Q4_K d * sc * q (21; Q5_K 22) - dmin * m (17, the one
+// rounding of the difference), int8 rows q itself.
 
 // Per-output scales s (lane n) as the four quarters' lanes: quarter j, lane 4n + k: output
 // 4j + n (the layout of a slot's values converted 16 at a time).
@@ -1583,13 +1655,14 @@ inline void bf16_block(const uint8_t* b, uint16_t* out) {
     bf16_slots(b + 32, f16x16(b), 128.f, out);
   } else if constexpr (TYPE == kI8R) {  // (the row scale on the sums)
     bf16_slots(b, _mm512_set1_ps(1.f), 128.f, out);
-  } else if constexpr (TYPE == kQ4KR) {  // f = (d * sc) * q - dmin * m
+  } else if constexpr (kK4R<TYPE>) {  // f = (d * sc) * q - dmin * m
     const __m512 dd = f16x16(b), dmin = f16x16(b + 32);
     for (int sb = 0; sb < 8; sb++) {
       bf16_quarters(_mm512_mul_ps(dd, bytes16(b + 64 + sb * 16, false)), d);
       bf16_quarters(_mm512_mul_ps(dmin, bytes16(b + 192 + sb * 16, false)), c);
+      const __m512i h = k4_r16_high<TYPE>(b, sb);
       for (int t = 0; t < 8; t++) {
-        const __m512i v = q4k_r16_values(b, sb, t);
+        const __m512i v = k4_r16_values<TYPE>(b, sb, t, h);
         for (int j = 0; j < 4; j++) f[j] = _mm512_fmsub_ps(bf16_bytes<false>(v, j), d[j], c[j]);
         bf16_slot(f, t, out + sb * 512);
       }
@@ -1703,7 +1776,7 @@ void bf16_group(const Part& p, int64_t g0, int ng, const at::BFloat16* xt, int64
 // rows 16g .. 16g + 15 of the part into out (16 rows, ld ldo).
 template <int TYPE>
 void bf16_group_rows(const Part& p, int64_t g, int64_t K, at::BFloat16* out, int64_t ldo) {
-  alignas(64) uint16_t b[8 * 512];  // one block's B tiles (Q4_K, Q6_K: 8 sub-blocks)
+  alignas(64) uint16_t b[8 * 512];  // one block's B tiles (K-quants: 8 sub-blocks)
   const uint8_t* gp = p.w + g * kR16Rows * p.row_bytes;
   for (int64_t sb = 0; sb < K / 32; sb += kR16Subs<TYPE>) {
     bf16_block<TYPE>(gp + sb / kR16Subs<TYPE> * kR16Block<TYPE>, b);
@@ -1734,7 +1807,7 @@ constexpr int64_t kAmxMinRows = 8;
 // unit, padded, rather than on the vector kernel (the integer path: batch-invariant mode, or
 // without AMX-BF16). All 28 layers of the 0.6B, ms, M rows / 32 rows: Q8_0 24 63.3 / 63.9, 28
 // 69.9, 31 76.1; Q4_K 28 61.8 / 63.1, 31 70.9; Q6_K 20 72.9 / 81.1, 24 85.0, 28 96.6, 31 107.2.
-template <int TYPE> constexpr int64_t kAmxPadMin = TYPE == kQ6KR ? 8 : TYPE == kQ4KR ? 13 : 10;
+template <int TYPE> constexpr int64_t kAmxPadMin = TYPE == kQ6KR ? 8 : kK4R<TYPE> ? 13 : 10;
 
 template <int TYPE, typename T>
 void r16_group(const Part& p, int64_t g0, int ng, const Act& a, int64_t M, T* y, int64_t ldy) {
@@ -1830,6 +1903,7 @@ void r16_group_any(const Part& p, int64_t g, int ng, const Act& a, int64_t M, T*
                    int64_t ldy) {
   switch (p.type) {
     case kQ4KR: return r16_group<kQ4KR>(p, g, ng, a, M, y, ldy);
+    case kQ5KR: return r16_group<kQ5KR>(p, g, ng, a, M, y, ldy);
     case kQ6KR: return r16_group<kQ6KR>(p, g, ng, a, M, y, ldy);
     case kQ8R: return r16_group<kQ8R>(p, g, ng, a, M, y, ldy);
     case kQ5R: return r16_group<kQ5R>(p, g, ng, a, M, y, ldy);
@@ -1860,9 +1934,9 @@ void part_tiles_any(const Part& p, int64_t t0, int64_t t1, const Act& a, int64_t
 // with 4 bytes of an activation row broadcast adds 64 products into 16 outputs' int32 sums: a
 // sub-block of 32 takes 8 of them, then one conversion and two float operations for all 16
 // outputs. The bias (Q8_0, int8 rows and MXFP4: 128 with the sign bit flipped; Q4_0 8; Q5_0
-// 16; Q6_K 32; Q4_K's nibbles need none) makes the weights unsigned for vpdpbusd; what it adds,
-// bias * sum(x), starts each integer sum negated, so the sums are the tiles' integers and the
-// float steps the tiles' (the order at the top of the tiles).
+// 16; Q6_K 32; Q4_K's and Q5_K's values need none) makes the weights unsigned for vpdpbusd;
+// what it adds, bias * sum(x), starts each integer sum negated, so the sums are the tiles'
+// integers and the float steps the tiles' (the order at the top of the tiles).
 constexpr int64_t kPanelRows = 16;
 // From this many rows the panel's packing pays (Zen 4, 0.6B Q8_0 layer shapes, ms per layer,
 // tiles / panels: 8 rows 1.86 / 2.24, 16 rows 3.53 / 2.98, 32: 8.3 / 4.0, 128: 29.2 / 11.0).
@@ -1876,8 +1950,8 @@ template <int TYPE> constexpr int kPanelBias =
 template <int TYPE>
 inline __m256i panel_bytes(const uint8_t* row, int64_t sb) {
   const __m256i flip = _mm256_set1_epi8(char(0x80));
-  if constexpr (TYPE == kQ4_K) {
-    return q4k_values(row + (sb >> 3) * 144, int(sb & 7));
+  if constexpr (kK4<TYPE>) {
+    return k4_values<TYPE>(row + (sb >> 3) * kK4Bytes<TYPE>, int(sb & 7));
   } else if constexpr (TYPE == kQ6_K) {
     return q6k_values(row + (sb >> 3) * 210, int(sb & 7));
   } else if constexpr (TYPE == kQ4_0) {
@@ -1893,14 +1967,14 @@ inline __m256i panel_bytes(const uint8_t* row, int64_t sb) {
 }
 
 // Sub-block sb's float factors: dw (the block's scale; a K-quant's d), the integer scales of
-// its halves as floats (K-quants; 1 otherwise) and Q4_K's dmin * min: the tiles' values.
+// its halves as floats (K-quants; 1 otherwise) and Q4_K's / Q5_K's dmin * min: the tiles' values.
 template <int TYPE>
 inline void panel_scales(const uint8_t* row, int64_t sb, float& dw, float& s0, float& s1,
                          float& mn) {
   s0 = s1 = 1.f;
   mn = 0.f;
-  if constexpr (TYPE == kQ4_K) {
-    const uint8_t* b = row + (sb >> 3) * 144;
+  if constexpr (kK4<TYPE>) {
+    const uint8_t* b = row + (sb >> 3) * kK4Bytes<TYPE>;
     int sc, m;
     k4_scale_min(b + 4, int(sb & 7), sc, m);
     dw = f16(b);
@@ -2040,7 +2114,7 @@ inline void panel_rows(const PanelBuffers& pb, const Act& a, int64_t m0, float (
         }
       for (int m = 0; m < MR; m++) {
         f[m] = _mm512_cvtepi32_ps(i[m]);
-        if constexpr (TYPE == kQ4_K) f[m] = _mm512_mul_ps(f[m], _mm512_loadu_ps(pb.s.data() + sb * 32));
+        if constexpr (kK4<TYPE>) f[m] = _mm512_mul_ps(f[m], _mm512_loadu_ps(pb.s.data() + sb * 32));
       }
     }
     const __m512 dw = _mm512_loadu_ps(pb.dw.data() + sb * 16);
@@ -2048,7 +2122,7 @@ inline void panel_rows(const PanelBuffers& pb, const Act& a, int64_t m0, float (
       const int64_t row = m0 + m;
       acc[m] = _mm512_fmadd_ps(f[m], _mm512_mul_ps(dw, _mm512_set1_ps(a.d[row * nsub + sb])),
                                acc[m]);
-      if constexpr (TYPE == kQ4_K)
+      if constexpr (kK4<TYPE>)
         acc[m] = _mm512_fnmadd_ps(_mm512_loadu_ps(pb.mn.data() + sb * 16),
                                   _mm512_set1_ps(a.s[row * nsub + sb]), acc[m]);
     }
@@ -2098,7 +2172,8 @@ constexpr bool kHasR16 =
 #endif
 
 bool is_kernel_type(int64_t t) {
-  return t == kQ4_0 || t == kQ5_0 || t == kQ8_0 || t == kMXFP4 || t == kQ4_K || t == kQ6_K ||
+  return t == kQ4_0 || t == kQ5_0 || t == kQ8_0 || t == kMXFP4 || t == kQ4_K || t == kQ5_K ||
+         t == kQ6_K ||
          t == kI8 || (is_r16(int(t)) && kHasR16);
 }
 
@@ -2793,6 +2868,7 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
             }
             switch (p->type) {
               case kQ4KR: bf16_group_rows<kQ4KR>(*p, g, K, o, K); break;
+              case kQ5KR: bf16_group_rows<kQ5KR>(*p, g, K, o, K); break;
               case kQ6KR: bf16_group_rows<kQ6KR>(*p, g, K, o, K); break;
               case kQ8R: bf16_group_rows<kQ8R>(*p, g, K, o, K); break;
               default: bf16_group_rows<kI8R>(*p, g, K, o, K); break;
@@ -2844,6 +2920,7 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
             }
             switch (p.type) {
               case kQ4KR: bf16_group<kQ4KR>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
+              case kQ5KR: bf16_group<kQ5KR>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               case kQ6KR: bf16_group<kQ6KR>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               case kQ8R: bf16_group<kQ8R>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               case kQ4_0: bf16_group<kQ4_0>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
@@ -3216,7 +3293,8 @@ bool set_quant_amx(bool on) {
 std::string quant_isa() {
 #if defined(LADLE_QUANT_AMX)
   if (amx_active())
-    return "avx512-vnni (256-bit tiles, 512-bit panels from 12 rows, Q4_K/Q6_K/Q8_0/Q5_0 repacked) "
+    return "avx512-vnni (256-bit tiles, 512-bit panels from 12 rows, "
+           "Q4_K/Q5_K/Q6_K/Q8_0/Q5_0 repacked) "
            "+ amx-int8 (repacked parts, 16 rows at a time; rotated int8 rows per token from 4 rows)"
 #if defined(LADLE_QUANT_BF16)
            " + amx-bf16 (repacked, Q4_0, Q5_0 parts dequantized, from 8-20 rows)"
@@ -3224,7 +3302,8 @@ std::string quant_isa() {
            ;
 #endif
 #if defined(LADLE_QUANT_512) && defined(__AVX512VL__)
-  return "avx512-vnni (256-bit tiles, 512-bit panels from 12 rows, Q4_K/Q6_K/Q8_0/Q5_0 repacked; "
+  return "avx512-vnni (256-bit tiles, 512-bit panels from 12 rows, "
+         "Q4_K/Q5_K/Q6_K/Q8_0/Q5_0 repacked; "
          "rotated int8 rows per token from 4 rows)";
 #elif defined(LADLE_QUANT_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return "avx512-vnni (256-bit)";

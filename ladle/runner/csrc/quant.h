@@ -19,9 +19,9 @@ at::Tensor moe_quant_swiglu(const at::Tensor& x, const at::Tensor& ids,
                             const at::Tensor& up, int64_t up_type, const at::Tensor& down,
                             int64_t down_type);
 std::string quant_isa();
-bool quant_r16();  // whether quant_matmul takes Q4_K, Q6_K, Q8_0 repacked by 16 rows (-3, -4, -5)
+bool quant_r16();  // whether quant_matmul takes parts repacked by 16 rows (quant.py's R16_OF)
 bool set_quant_amx(bool on);  // repacked parts on AMX from 16 rows; returns whether it now is
-// From how many rows a call of parts of this type (repacked: -3 .. -6; Q4_0, Q5_0) runs
+// From how many rows a call of parts of this type (repacked: -3 .. -8; Q4_0, Q5_0) runs
 // dequantized on AMX-BF16 (not batch-invariant; a call of several types: the largest); 0: never
 int64_t quant_bf16_min_rows(int64_t type);
 int64_t quant_bf16_gemm_rows();
