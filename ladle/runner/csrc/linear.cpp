@@ -105,7 +105,6 @@ template <int MB>
 static inline void dot4(const float* x, const float* w, int64_t K, int64_t ldx, float* out) {
   dot4_f32<MB>(x, w, K, ldx, out);
 }
-static bool intel_cpu();
 // One row of x (single-stream decode, where the weights are streamed once per token) on Intel's
 // cores prefetches the next block into L1 rather than two blocks ahead into L2. On a 2-core
 // Xeon with AMX (KVM, 2026-12-06), the 0.6B's 112 bf16 linears (0.88 GB, two threads, a
@@ -141,16 +140,8 @@ constexpr int64_t kSequentialRows = 2;
 // 2026-12-04), one row against 28 layers of the 0.6B's weights (0.88 GB, two threads): the
 // sequential path read 22.4-22.6 GB/s, with software prefetch 16-32 KB ahead and two to four
 // rows in flight at most 25.1, and the four-row blocks 25.0-26.8 (end to end, single-stream
-// decode of the 0.6B 18.6 against 21.9 tok/s). Decided once per process from the CPU's vendor,
-// so a machine always takes the same path (and the same bits).
-[[maybe_unused]] static bool intel_cpu() {
-#if defined(__GNUC__) || defined(__clang__)
-  static const bool intel = __builtin_cpu_is("intel");
-  return intel;
-#else
-  return false;
-#endif
-}
+// decode of the 0.6B 18.6 against 21.9 tok/s). Decided once per process from the CPU's vendor
+// (vec.h's intel_cpu), so a machine always takes the same path (and the same bits).
 static bool sequential_rows_preferred() {
 #if defined(__AVX512F__)
   return !intel_cpu();

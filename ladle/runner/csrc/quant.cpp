@@ -1136,9 +1136,16 @@ inline void q6k_r16_values(const uint8_t* b, int half, int t, __m512i* v) {
 }
 
 // out (MR x 16) = MR activation rows from m0 times the 16 repacked rows at g.
-// kOnce: the call has one activation row (single-stream decode), and issues no software
-// prefetch: the hardware's stream prefetchers alone read a thread's groups (contiguous, in
-// order) fastest there. Measured on a Zen 4 (2 cores, in process, the choice toggled every 4
+// kOnce: the call has one activation row (single-stream decode). On AMD's cores it issues no
+// software prefetch: the hardware's stream prefetchers alone read a thread's groups (contiguous,
+// in order) fastest there. On Intel's it prefetches a group ahead into L2 as from two rows:
+// the L2 streamer there does not run past a 4 KB page, and a group is 9-52 KB. On a 2-core Xeon
+// with AMX (KVM, 2026-12-07), the 0.6B's 112 linears at one row, random blocks repacked, from
+// memory (GB/s, none / a group ahead; two runs): Q4_K 20.1 / 27.7, Q8_0 25.3 / 29.1, Q6_K
+// 16.0 / 25.2, Q5_K 15.5 / 26.7, and a Q6_K head of 151936 x 1024 19 / 40-60 (partly from L3);
+// single-stream decode (ms a token, processes alternating): 0.6B Q4_K_M 21.2-22.1 -> 15.6-15.8,
+// Q8_0 24.4-25.2 -> 21.2-22.1, Gemma 3 270M Q4_K_M (8 KB ahead) 10.6-11.6 -> 9.9-10.1; 1-16
+// KB into L1 or L2 measured no better than a group. Measured on a Zen 4 (2 cores, in process, the choice toggled every 4
 // steps, medians of 30 alternations), the one-row step without prefetches against the group-ahead
 // non-temporal ones it had: 0.6B Q8_0 1.08-1.10x (three runs; at 2000 tokens of context 1.03x),
 // Q4_K_M 1.01-1.05x (three runs), Gemma 3 270M Q4_K_M 1.13x, the bf16 0.6B at
@@ -1153,16 +1160,18 @@ inline void q6k_r16_values(const uint8_t* b, int half, int t, __m512i* v) {
 template <int TYPE, int MR, bool kOnce>
 inline void r16_rows(const uint8_t* g, const Act& a, int64_t m0, float (*out)[16]) {
   const int64_t nsub = a.K / 32;
-  // From two rows, each block prefetches the same block of the next group (the group this
-  // thread takes next) into L2: a group ahead, where 4 KB ahead (the tiles' distance) left a group's compute and
-  // its memory reads in turn (0.6B Q8_0 decode step, 1 row 31.1 -> 29.3 ms, 8 rows 59.4 -> 54.0;
-  // Q4_K_M 25.1 -> 24.3, 59.5 -> 57.1). The prefetches are spread over the block's steps, a few
-  // lines each (Q4_K 37 lines over its 8 sub-blocks, Q6_K 53 over its 16 steps): issued all at
-  // the block's start they left the demand loads waiting behind them. One row, the 0.6B's four
-  // linears x 28 layers from memory, ms, medians of 4 alternating runs, at the start / spread:
-  // Q4_K 17.8 / 14.8 (248 MB: 17 GB/s of the 22 measured), Q6_K (20 layers) 16.9 / 17.1. Both
-  // run at L3's ~30 GB/s when the weights are there (4 layers), so what is left is waiting.
+  // From two rows (on Intel from one, above), each block prefetches the same block of the next
+  // group (the group this thread takes next) into L2: a group ahead, where 4 KB ahead (the tiles'
+  // distance) left a group's compute and its memory reads in turn (0.6B Q8_0 decode step, 1 row
+  // 31.1 -> 29.3 ms, 8 rows 59.4 -> 54.0; Q4_K_M 25.1 -> 24.3, 59.5 -> 57.1). The prefetches are
+  // spread over the block's steps, a few lines each (Q4_K 37 lines over its 8 sub-blocks, Q6_K 53
+  // over its 16 steps): issued all at the block's start they left the demand loads waiting behind
+  // them. One row, the 0.6B's four linears x 28 layers from memory, ms, medians of 4 alternating
+  // runs, at the start / spread: Q4_K 17.8 / 14.8 (248 MB: 17 GB/s of the 22 measured), Q6_K (20
+  // layers) 16.9 / 17.1. Both run at L3's ~30 GB/s when the weights are there (4 layers), so what
+  // is left is waiting.
   const int64_t ahead = nsub / (TYPE == kQ6KR ? 8 : kR16Subs<TYPE>) * kR16Block<TYPE>;
+  const bool prefetch = !kOnce || intel_cpu();
   constexpr int64_t kLines = (kR16Block<TYPE> + 63) / 64;
   __m512 acc[MR];
   for (int m = 0; m < MR; m++) acc[m] = _mm512_setzero_ps();
@@ -1176,7 +1185,7 @@ inline void r16_rows(const uint8_t* g, const Act& a, int64_t m0, float (*out)[16
 #pragma GCC unroll 8
         for (int t = 0; t < 8; t++) {
           const int s = half * 8 + t;  // (the next group's lines, spread over the 16 steps)
-          if constexpr (!kOnce)
+          if (prefetch)
             for (int64_t l = s * kLines / 16; l < (s + 1) * kLines / 16; l++)
               _mm_prefetch(reinterpret_cast<const char*>(b) + ahead + l * 64, _MM_HINT_T1);
           __m512i v[4];
@@ -1193,7 +1202,7 @@ inline void r16_rows(const uint8_t* g, const Act& a, int64_t m0, float (*out)[16
       const uint8_t* b = g + sb0 / subs * kR16Block<TYPE>;
 #pragma GCC unroll 8  // every j's offsets and shifts fixed at compile time
       for (int j = 0; j < subs; j++) {
-        if constexpr (!kOnce)
+        if (prefetch)
           for (int64_t l = j * kLines / subs; l < (j + 1) * kLines / subs; l++)  // (next group's)
             _mm_prefetch(reinterpret_cast<const char*>(b) + ahead + l * 64, _MM_HINT_T1);
         const int64_t sb = sb0 + j;

@@ -165,6 +165,18 @@ static inline void transpose16(__m512* r) {
 }
 #endif
 
+// Whether this is an Intel CPU: the memory-bound one-row kernels (linear.cpp's bf16 rows,
+// quant.cpp's repacked rows) choose their prefetches by vendor, as measured on each (their
+// comments). Decided once per process, so a machine always takes the same path.
+[[maybe_unused]] static inline bool intel_cpu() {
+#if defined(__GNUC__) || defined(__clang__)
+  static const bool intel = __builtin_cpu_is("intel");
+  return intel;
+#else
+  return false;
+#endif
+}
+
 #if defined(__AMX_TILE__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
