@@ -302,12 +302,14 @@ def test_k_quant_experts_keep_each_experts_rows(tmp_path, k4):
 # (tokens, ggml types of gate, up, down): one token (decode tiles), a few, enough that every
 # expert gets several rows (prefill tiles) and threads share experts, and enough that experts
 # get 12 or more rows (the panels of AVX-512 VNNI builds); a Q4_K_M layer, Q5_K_M ones, a Q8_0
-# one, and mixed 32-value types.
+# one, and mixed 32-value types (Q5_1 and Q4_1: the fallbacks of Q5_K_M files and of 8-expert
+# Q4_0 files, with a min per block).
 QUANT_CASES = [(1, (T.Q4_K, T.Q4_K, T.Q6_K)), (3, (T.Q4_K, T.Q4_K, T.Q6_K)),
                (37, (T.Q4_K, T.Q4_K, T.Q6_K)), (1, (T.Q5_K, T.Q5_K, T.Q6_K)),
                (37, (T.Q5_K, T.Q5_K, T.Q5_K)), (1, (T.Q8_0, T.Q8_0, T.Q8_0)),
                (37, (T.Q8_0, T.Q8_0, T.Q8_0)), (9, (T.Q4_0, T.Q5_0, T.MXFP4)),
-               (96, (T.Q4_K, T.Q4_K, T.Q6_K)), (96, (T.Q4_0, T.Q5_0, T.MXFP4))]
+               (96, (T.Q4_K, T.Q4_K, T.Q6_K)), (96, (T.Q4_0, T.Q5_0, T.MXFP4)),
+               (37, (T.Q5_1, T.Q5_1, T.Q4_1))]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

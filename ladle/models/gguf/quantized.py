@@ -1,8 +1,8 @@
 """A GGUF file's weights kept in their blocks: every linear (and the embedding) whose tensors are
-of a type the quantized kernels run (runner/quant.py: Q8_0, Q4_0, Q5_0, MXFP4, Q4_K, Q5_K, Q6_K)
-becomes a QuantWeight holding the file's bytes, installed on the meta-device model before any
-dense memory is allocated. A fused projection takes one part per file tensor (a Q4_K_M file
-stores attn_v as Q6_K beside Q4_K attn_q and attn_k). A tensor of another type inside such a
+of a type the quantized kernels run (runner/quant.py: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, Q4_K,
+Q5_K, Q6_K) becomes a QuantWeight holding the file's bytes, installed on the meta-device model
+before any dense memory is allocated. A fused projection takes one part per file tensor (a Q4_K_M
+file stores attn_v as Q6_K beside Q4_K attn_q and attn_k). A tensor of another type inside such a
 projection is dequantized to the model dtype as a dense part; a projection with no kernel type at
 all stays a dense parameter for the usual loader. Norms and biases are always dense, and so is a
 router (`keep_dense`: its logits choose the experts). A layer's experts are stacked in one tensor

@@ -1,23 +1,23 @@
 // Quantized linears: y (M, N) = x (M, K) @ W (N, K)^T where W's rows are parts, each in GGUF blocks
-// (Q8_0, Q4_0, Q5_0, MXFP4, Q4_K, Q5_K, Q6_K) or int8 with a scale per row, and x is quantized to
-// int8 once per call for all parts. One call, one parallel region: a decode step's small matmuls
-// (0.2-2 MB of weights, 10-100 us) would otherwise spend a third of their time in Python and in the
-// threads' wake-ups and joins. The pure-torch twin is in ladle/runner/quant.py; the tests compare
-// the two.
+// (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, Q4_K, Q5_K, Q6_K) or int8 with a scale per row, and x is
+// quantized to int8 once per call for all parts. One call, one parallel region: a decode step's
+// small matmuls (0.2-2 MB of weights, 10-100 us) would otherwise spend a third of their time in
+// Python and in the threads' wake-ups and joins. The pure-torch twin is in ladle/runner/quant.py;
+// the tests compare the two.
 //
-// The scheme (ggml's, written afresh): the activations are int8 per block of 32 values with a
-// float scale (d = max|x| / 127); a weight block of 32 is unpacked in registers to 32 int8
-// values; the 32 products are summed in integers (AVX2 vpmaddubsw + vpmaddwd, or VNNI vpdpbusd),
-// converted once and scaled by d_w * d_x. vpmaddubsw multiplies unsigned by signed bytes, so the
-// signed weights of Q8_0 and MXFP4 go in as |w| with the sign moved onto x (vpsignb); Q4_0's and
-// Q5_0's go in as q + 8 and q + 16, that bias times sum(x) taken off each block's integer sum.
-// The K-quants' values go in unsigned (Q4_K's nibbles, Q6_K's q before its -32), their
-// sub-block scales multiply the integer sums in the vpmaddwd, and what the unsigned form adds
-// comes off per sub-block from the activations' sums kept beside their scales (Q6_K's offset in
-// integers, Q4_K's mins as one FMA). An int8 row is read as Q8_0 blocks with scale 1, and its row
-// scale multiplies the sum at the end. Everything is exact in integers up to the float32 scaling:
-// the result equals the float64 product of the dequantized weights and activations to ~1e-6
-// relative.
+// The scheme (ggml's, written afresh): the activations are int8 per block of 32 values with a float
+// scale (d = max|x| / 127); a weight block of 32 is unpacked in registers to 32 int8 values; the 32
+// products are summed in integers (AVX2 vpmaddubsw + vpmaddwd, or VNNI vpdpbusd), converted once
+// and scaled by d_w * d_x. vpmaddubsw multiplies unsigned by signed bytes, so the signed weights of
+// Q8_0 and MXFP4 go in as |w| with the sign moved onto x (vpsignb); Q4_0's and Q5_0's go in as q +
+// 8 and q + 16, that bias times sum(x) taken off each block's integer sum. The K-quants' values go
+// in unsigned (Q4_K's nibbles, Q6_K's q before its -32), their sub-block scales multiply the
+// integer sums in the vpmaddwd, and what the unsigned form adds comes off per sub-block from the
+// activations' sums kept beside their scales (Q6_K's offset in integers, Q4_K's and Q5_K's mins as
+// one FMA; Q4_1's and Q5_1's values go in as stored, their min m per block of 32 the same FMA). An
+// int8 row is read as Q8_0 blocks with scale 1, and its row scale multiplies the sum at the end.
+// Everything is exact in integers up to the float32 scaling: the result equals the float64 product
+// of the dequantized weights and activations to ~1e-6 relative.
 //
 // The K-quants' activations stay in blocks of 32, not ggml's super-blocks of 256 (Q8_K, whose
 // integer sums over a super-block save the per-block float scaling): measured on the Gemma file,
@@ -65,7 +65,8 @@
 
 namespace {
 
-constexpr int kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kMXFP4 = 39;
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13,
+              kQ6_K = 14, kMXFP4 = 39;
 constexpr int kI8 = -1;  // int8 rows with a float scale per row (quant.py's INT8_ROW)
 // Repacked at load by 16 rows (quant.py's Q4_K_R16, Q6_K_R16, Q8_0_R16, INT8_ROW_R16,
 // Q5_0_R16, Q5_K_R16; AVX-512 VNNI builds).
@@ -84,6 +85,13 @@ template <int TYPE> constexpr bool kK4 = TYPE == kQ4_K || TYPE == kQ5_K;
 template <int TYPE> constexpr bool kK4R = TYPE == kQ4KR || TYPE == kQ5KR;
 template <int TYPE> constexpr int64_t kK4Bytes = TYPE == kQ5_K ? 176 : 144;  // a super-block
 template <int TYPE> constexpr int64_t kK4Qs = TYPE == kQ5_K ? 48 : 16;  // its nibbles' offset
+// Q4_1 and Q5_1: Q4_0's and Q5_0's blocks of 32 with a float16 min m after the scale d, w = d q
+// + m with q unsigned (0 .. 15, 0 .. 31): the fallback llama.cpp's quantizer writes for Q5_K
+// (Q5_K_M files) where a row is not a multiple of 256 (Gemma 3 1B's 1152, Qwen2.5 0.5B's 896),
+// and Q4_0 files' 8-expert ffn_down. Their min takes the K-quants' step, with -m as the min.
+template <int TYPE> constexpr bool kMin32 = TYPE == kQ4_1 || TYPE == kQ5_1;
+// Whether a type's sums take a min step (acc -= min * dx * sum(x)).
+template <int TYPE> constexpr bool kHasMin = kK4<TYPE> || kMin32<TYPE>;
 // The repacked types the tile unit's paths (AMX-INT8, AMX-BF16) take; Q5_0_R16 runs on the
 // vector kernel only (quant.py repacks Q5_0 only where AMX-BF16 does not take its blocks).
 inline bool tile_r16(int type) { return is_r16(type) && type != kQ5R; }
@@ -101,6 +109,8 @@ inline void with_type(int type, F&& f) {
   switch (type) {
     case kQ8_0: return f(std::integral_constant<int, kQ8_0>{});
     case kQ4_0: return f(std::integral_constant<int, kQ4_0>{});
+    case kQ4_1: return f(std::integral_constant<int, kQ4_1>{});
+    case kQ5_1: return f(std::integral_constant<int, kQ5_1>{});
     case kQ5_0: return f(std::integral_constant<int, kQ5_0>{});
     case kMXFP4: return f(std::integral_constant<int, kMXFP4>{});
     case kQ4_K: return f(std::integral_constant<int, kQ4_K>{});
@@ -119,6 +129,8 @@ inline int64_t block_bytes(int type) {
   switch (type) {
     case kQ4_0: return 18;
     case kQ5_0: return 22;
+    case kQ4_1: return 20;
+    case kQ5_1: return 24;
     case kQ8_0: return 34;
     case kMXFP4: return 17;
     case kQ4_K: return 144;
@@ -187,7 +199,7 @@ inline void k4_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
 
 // One sub-block of 32 values of a weight row: w[i] = (i < 16 ? s0 : s1) * q[i] - minv.
 struct Sub {
-  int8_t q[32];  // signed, except Q4_K: 0..15, Q5_K: 0..31
+  int8_t q[32];  // signed, except Q4_K, Q4_1: 0..15, Q5_K, Q5_1: 0..31
   float s0, s1, minv;
 };
 
@@ -203,6 +215,10 @@ inline void sub_scales(const uint8_t* row, int64_t sb, Sub& o) {
     o.s0 = o.s1 = f16(row + sb * 18);
   } else if constexpr (TYPE == kQ5_0) {
     o.s0 = o.s1 = f16(row + sb * 22);
+  } else if constexpr (kMin32<TYPE>) {
+    const uint8_t* b = row + sb * (TYPE == kQ4_1 ? 20 : 24);
+    o.s0 = o.s1 = f16(b);
+    o.minv = -f16(b + 2);
   } else if constexpr (TYPE == kMXFP4) {
     o.s0 = o.s1 = e8m0_half(row[sb * 17]);
   } else if constexpr (kK4<TYPE>) {
@@ -242,6 +258,20 @@ inline void unpack_scalar(const uint8_t* row, int64_t sb, Sub& o) {
     for (int i = 0; i < 16; i++) {
       o.q[i] = int8_t(((b[6 + i] & 0xF) | (((qh >> i) & 1) << 4)) - 16);
       o.q[i + 16] = int8_t(((b[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16);
+    }
+  } else if constexpr (TYPE == kQ4_1) {
+    const uint8_t* b = row + sb * 20;
+    for (int i = 0; i < 16; i++) {
+      o.q[i] = int8_t(b[4 + i] & 0xF);
+      o.q[i + 16] = int8_t(b[4 + i] >> 4);
+    }
+  } else if constexpr (TYPE == kQ5_1) {
+    const uint8_t* b = row + sb * 24;
+    uint32_t qh;
+    std::memcpy(&qh, b + 4, 4);
+    for (int i = 0; i < 16; i++) {
+      o.q[i] = int8_t((b[8 + i] & 0xF) | (((qh >> i) & 1) << 4));
+      o.q[i + 16] = int8_t((b[8 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
     }
   } else if constexpr (TYPE == kMXFP4) {
     const uint8_t* b = row + sb * 17;
@@ -379,9 +409,11 @@ inline __m256i bit_bytes(uint32_t bits) {
 }
 
 // A block of 32 values with one scale (Q8_0, Q4_0, Q5_0, MXFP4, and int8 rows as blocks of
-// scale 1), its values unpacked to signed int8. (The K-quants have tiles of their own, below.)
+// scale 1; Q4_1 and Q5_1 with a min too), its values unpacked to signed int8. (The K-quants have
+// tiles of their own, below.)
 template <int TYPE> constexpr int64_t kBlockBytes =
-    TYPE == kI8 ? 32 : TYPE == kQ8_0 ? 34 : TYPE == kQ4_0 ? 18 : TYPE == kMXFP4 ? 17 : 22;
+    TYPE == kI8 ? 32 : TYPE == kQ8_0 ? 34 : TYPE == kQ4_0 ? 18 : TYPE == kMXFP4 ? 17
+    : TYPE == kQ4_1 ? 20 : TYPE == kQ5_1 ? 24 : 22;
 
 template <int TYPE>
 inline float block_scale(const uint8_t* b) {
@@ -402,6 +434,7 @@ inline __m256i block_quants(const uint8_t* b) {
     const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values));
     return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(table), nibbles(b + 1));
   } else {  // Q5_0
+    static_assert(TYPE == kQ5_0);
     uint32_t qh;
     std::memcpy(&qh, b + 2, 4);
     return _mm256_sub_epi8(_mm256_or_si256(nibbles(b + 6), bit_bytes(qh)), _mm256_set1_epi8(16));
@@ -426,20 +459,24 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 // linears from memory, ms, medians of 3 alternating runs, tiles of 8 rows / rows signed / rows
 // unsigned: Q5_0 26.5 / 23.8 / 21.1 (303 MB), Q4_0 19.2 / 19.3 / 17.9 (248 MB). Tiles of 4
 // and 8 rows (the integer path): Q5_0 34.0 -> 29.3, 61.7 -> 49.8; Q4_0 30.8 -> 27.0, 51 -> 42.5.
-template <int TYPE> constexpr bool kUnsignedRow = TYPE == kQ4_0 || TYPE == kQ5_0;
+// Q4_1's and Q5_1's values are unsigned as stored (no bias), their min a step of its own.
+template <int TYPE> constexpr bool kUnsignedRow =
+    TYPE == kQ4_0 || TYPE == kQ5_0 || TYPE == kQ4_1 || TYPE == kQ5_1;
+template <int TYPE> constexpr bool kRowBias = TYPE == kQ4_0 || TYPE == kQ5_0;
 template <int TYPE> constexpr int kRowBiasShift = TYPE == kQ4_0 ? 3 : 4;  // bias 8, 16
 template <int TYPE>
 inline __m256i block_unsigned(const uint8_t* b) {
-  if constexpr (TYPE == kQ4_0) {
-    return nibbles(b + 2);
+  if constexpr (TYPE == kQ4_0 || TYPE == kQ4_1) {
+    return nibbles(b + (TYPE == kQ4_0 ? 2 : 4));
   } else {
+    constexpr int off = TYPE == kQ5_0 ? 2 : 4;  // qh, then the nibbles
     uint32_t qh;
-    std::memcpy(&qh, b + 2, 4);
+    std::memcpy(&qh, b + off, 4);
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
-    const __m256i n = nibbles(b + 6);
+    const __m256i n = nibbles(b + off + 4);
     return _mm256_mask_add_epi8(n, __mmask32(qh), n, _mm256_set1_epi8(16));
 #else
-    return _mm256_or_si256(nibbles(b + 6), bit_bytes(qh));
+    return _mm256_or_si256(nibbles(b + off + 4), bit_bytes(qh));
 #endif
   }
 }
@@ -571,9 +608,11 @@ inline void tile_blocks(const uint8_t* const* w, const Act& a, __m256* acc) {
       }
     }
     const __m256 s = block_scales<TYPE>(b);
+    [[maybe_unused]] __m256 mins;  // Q4_1, Q5_1: -m of each row's block
+    if constexpr (kMin32<TYPE>) mins = _mm256_sub_ps(_mm256_setzero_ps(), f16_rows(b, 2));
     for (int m = 0; m < MR; m++) {
       __m256i I = row_sums(h[m]);
-      if constexpr (kUnsignedRow<TYPE>) {  // - bias * sum(x) of row m's block
+      if constexpr (kRowBias<TYPE>) {  // - bias * sum(x) of row m's block
         const int16_t* hx = a.h + m * (K / 16) + blk * 2;
         const int32_t sum = int32_t(hx[0]) + hx[1];
         I = _mm256_sub_epi32(I, _mm256_set1_epi32(sum * (1 << kRowBiasShift<TYPE>)));
@@ -581,6 +620,8 @@ inline void tile_blocks(const uint8_t* const* w, const Act& a, __m256* acc) {
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I),
                                _mm256_mul_ps(s, _mm256_broadcast_ss(a.d + m * nblocks + blk)),
                                acc[m]);
+      if constexpr (kMin32<TYPE>)
+        acc[m] = _mm256_fnmadd_ps(mins, _mm256_broadcast_ss(a.s + m * nblocks + blk), acc[m]);
     }
   }
 }
@@ -776,6 +817,7 @@ inline __m256i block_dot(const uint8_t* b, __m256i x) {
 
 template <int TYPE>
 inline float row_blocks(const uint8_t* w, const Act& a) {
+  static_assert(!kMin32<TYPE>, "Q4_1 and Q5_1 rows run in tiles (their min step per block)");
   constexpr int64_t BB = kBlockBytes<TYPE>;
   const int64_t nblocks = a.K / 32;
   __m128 acc = _mm_setzero_ps();
@@ -796,7 +838,7 @@ inline float row_blocks(const uint8_t* w, const Act& a) {
       h[k] = pair_sums(p[0], p[1]);
     }
     __m256i I = row_sums(h);
-    if constexpr (kUnsignedRow<TYPE>) {  // - bias * sum(x) of each of the 8 blocks
+    if constexpr (kRowBias<TYPE>) {  // - bias * sum(x) of each of the 8 blocks
       const __m256i hx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.h + blk * 2));
       I = _mm256_sub_epi32(I, _mm256_slli_epi32(_mm256_madd_epi16(hx, _mm256_set1_epi16(1)),
                                                 kRowBiasShift<TYPE>));
@@ -808,7 +850,7 @@ inline float row_blocks(const uint8_t* w, const Act& a) {
     const uint8_t* b = w + blk * BB;
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + blk * 32));
     int32_t I = hsum_epi32(block_dot<TYPE>(b, x));
-    if constexpr (kUnsignedRow<TYPE>)
+    if constexpr (kRowBias<TYPE>)
       I -= (int32_t(a.h[2 * blk]) + a.h[2 * blk + 1]) * (1 << kRowBiasShift<TYPE>);
     const __m256 F = _mm256_mul_ps(_mm256_set1_ps(block_scale<TYPE>(b)), _mm256_set1_ps(a.d[blk]));
     acc = _mm_fmadd_ss(_mm_set_ss(float(I)), _mm256_castps256_ps128(F), acc);
@@ -1970,13 +2012,16 @@ inline __m256i panel_bytes(const uint8_t* row, int64_t sb) {
     uint32_t qh;
     std::memcpy(&qh, b + 2, 4);
     return _mm256_or_si256(nibbles(b + 6), bit_bytes(qh));
+  } else if constexpr (kMin32<TYPE>) {  // unsigned as stored
+    return block_unsigned<TYPE>(row + sb * kBlockBytes<TYPE>);
   } else {  // signed bytes (Q8_0, int8 rows, MXFP4's values): + 128 is the sign bit flipped
     return _mm256_xor_si256(block_quants<TYPE>(row + sb * kBlockBytes<TYPE>), flip);
   }
 }
 
 // Sub-block sb's float factors: dw (the block's scale; a K-quant's d), the integer scales of
-// its halves as floats (K-quants; 1 otherwise) and Q4_K's / Q5_K's dmin * min: the tiles' values.
+// its halves as floats (K-quants; 1 otherwise) and the min (Q4_K's / Q5_K's dmin * min, Q4_1's /
+// Q5_1's -m): the tiles' values.
 template <int TYPE>
 inline void panel_scales(const uint8_t* row, int64_t sb, float& dw, float& s0, float& s1,
                          float& mn) {
@@ -1997,6 +2042,7 @@ inline void panel_scales(const uint8_t* row, int64_t sb, float& dw, float& s0, f
     s1 = float(sc[1]);
   } else {
     dw = block_scale<TYPE>(row + sb * kBlockBytes<TYPE>);
+    if constexpr (kMin32<TYPE>) mn = -f16(row + sb * kBlockBytes<TYPE> + 2);
   }
 }
 
@@ -2131,7 +2177,7 @@ inline void panel_rows(const PanelBuffers& pb, const Act& a, int64_t m0, float (
       const int64_t row = m0 + m;
       acc[m] = _mm512_fmadd_ps(f[m], _mm512_mul_ps(dw, _mm512_set1_ps(a.d[row * nsub + sb])),
                                acc[m]);
-      if constexpr (kK4<TYPE>)
+      if constexpr (kHasMin<TYPE>)
         acc[m] = _mm512_fnmadd_ps(_mm512_loadu_ps(pb.mn.data() + sb * 16),
                                   _mm512_set1_ps(a.s[row * nsub + sb]), acc[m]);
     }
@@ -2181,8 +2227,8 @@ constexpr bool kHasR16 =
 #endif
 
 bool is_kernel_type(int64_t t) {
-  return t == kQ4_0 || t == kQ5_0 || t == kQ8_0 || t == kMXFP4 || t == kQ4_K || t == kQ5_K ||
-         t == kQ6_K ||
+  return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ5_1 || t == kQ8_0 || t == kMXFP4 ||
+         t == kQ4_K || t == kQ5_K || t == kQ6_K ||
          t == kI8 || (is_r16(int(t)) && kHasR16);
 }
 
