@@ -96,7 +96,9 @@ template <int TYPE> constexpr bool kHasMin = kK4<TYPE> || kMin32<TYPE>;
 // vector kernel only (quant.py repacks Q5_0 only where AMX-BF16 does not take its blocks).
 inline bool tile_r16(int type) { return is_r16(type) && type != kQ5R; }
 // Types not repacked whose 16-row panels can also become bfloat16 B tiles (bf16_group).
-constexpr bool bf16_panel_type(int type) { return type == kQ4_0 || type == kQ5_0; }
+constexpr bool bf16_panel_type(int type) {
+  return type == kQ4_0 || type == kQ5_0 || type == kQ4_1 || type == kQ5_1;
+}
 inline int r16_base(int type) {
   return type == kQ4KR ? kQ4_K : type == kQ6KR ? kQ6_K : type == kQ5R ? kQ5_0
        : type == kQ5KR ? kQ5_K : kQ8_0;
@@ -1612,6 +1614,8 @@ constexpr int64_t bf16_min_rows(int type) {
   switch (type) {
     case kQ6KR: return 8;
     case kQ5_0: return 9;
+    case kQ5_1: return 9;  // (as Q5_0, Q4_0: not measured apart)
+    case kQ4_1: return 12;
     case kQ4_0: return 12;
     case kQ4KR: return 16;
     case kQ5KR: return 16;  // (as Q4_K: not measured apart)
@@ -1675,13 +1679,14 @@ inline __m512 bf16_bytes(__m512i v, int j) {
 }
 
 // One sub-block of 16 outputs in the slots' layout (v: 8 slots of 64 bytes, output n's values
-// 4t .. 4t + 3 at bytes 4n .. 4n + 3 of slot t), each stored unsigned as u = w / d + bias, with
-// output n's scale d in lane n of d16: f = u d - bias d (exact in float: u and the bias have at
-// most 8 bits, d 11 for a half-precision scale), rounded once to bfloat16.
-inline void bf16_slots(const uint8_t* v, __m512 d16, float bias, uint16_t* out) {
+// 4t .. 4t + 3 at bytes 4n .. 4n + 3 of slot t), each stored unsigned as u = (w - c) / d, with
+// output n's scale d in lane n of d16 and its offset c in lane n of c16: f = u d + c, rounded
+// once to bfloat16. With c = -bias d (a bias of 8 bits, d 11 for a half-precision scale) u d
+// + c is exact; with a block's min m as c (Q4_1, Q5_1), u d is, and the sum rounds once.
+inline void bf16_slots(const uint8_t* v, __m512 d16, __m512 c16, uint16_t* out) {
   __m512 d[4], c[4], f[4];
   bf16_quarters(d16, d);
-  for (int j = 0; j < 4; j++) c[j] = _mm512_mul_ps(d[j], _mm512_set1_ps(-bias));
+  bf16_quarters(c16, c);
   for (int t = 0; t < 8; t++) {
     for (int j = 0; j < 4; j++) {
       const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + t * 64 + j * 16));
@@ -1703,9 +1708,10 @@ inline void bf16_block(const uint8_t* b, uint16_t* out) {
     return _mm512_cvtepi32_ps(sign ? _mm512_cvtepi8_epi32(x) : _mm512_cvtepu8_epi32(x));
   };
   if constexpr (TYPE == kQ8R) {  // stored u = w + 128
-    bf16_slots(b + 32, f16x16(b), 128.f, out);
+    const __m512 dd = f16x16(b);
+    bf16_slots(b + 32, dd, _mm512_mul_ps(dd, _mm512_set1_ps(-128.f)), out);
   } else if constexpr (TYPE == kI8R) {  // (the row scale on the sums)
-    bf16_slots(b, _mm512_set1_ps(1.f), 128.f, out);
+    bf16_slots(b, _mm512_set1_ps(1.f), _mm512_set1_ps(-128.f), out);
   } else if constexpr (kK4R<TYPE>) {  // f = (d * sc) * q - dmin * m
     const __m512 dd = f16x16(b), dmin = f16x16(b + 32);
     for (int sb = 0; sb < 8; sb++) {
@@ -1752,9 +1758,9 @@ inline void bf16_block(const uint8_t* b, uint16_t* out) {
 // one layer's loop), ms, without / with this prefetch (dense bfloat16 on torch): Q8_0 64 rows
 // 81.1 / 56.7 (63.0), 128 rows 115.4 / 85.0-92.9 (97-103), 512 rows 316 / 288 (265); Q4_K,
 // whose dequantization waits less, 128 rows 88.3 / 85.1.
-// Q4_0 and Q5_0 (not repacked at load: bf16_panel_type) take this path too, their 16 rows
-// unpacked into a panel (pack_panel: the slots' layout, u = q + bias, a scale per row and
-// sub-block) and written as B tiles by bf16_panel (below, where the panels are).
+// Q4_0, Q5_0, Q4_1 and Q5_1 (not repacked at load: bf16_panel_type) take this path too, their 16
+// rows unpacked into a panel (pack_panel: the slots' layout, u = q + bias, a scale and min per
+// row and sub-block) and written as B tiles by bf16_panel (below, where the panels are).
 template <int TYPE>
 void bf16_panel(const Part& p, int64_t n0, int64_t K, uint16_t* out);
 
@@ -2114,16 +2120,21 @@ void pack_panel(const Part& p, int64_t n0, int64_t K, PanelBuffers& pb) {
 }
 
 #if defined(LADLE_QUANT_BF16)
-// Rows n0 .. n0 + 15 of a Q4_0 or Q5_0 part as bf16_group's B tiles: its panel (u = q + bias,
-// the block scale per row), then each sub-block through bf16_slots.
+// Rows n0 .. n0 + 15 of a Q4_0, Q5_0, Q4_1 or Q5_1 part as bf16_group's B tiles: its panel (u = q
+// + bias, the block scale per row; Q4_1's and Q5_1's -m as the panel's min), then each sub-block
+// through bf16_slots.
 template <int TYPE>
 void bf16_panel(const Part& p, int64_t n0, int64_t K, uint16_t* out) {
   thread_local std::unique_ptr<PanelBuffers> pb;
   if (!pb || int64_t(pb->v.size()) != K / 32 * 512) pb = std::make_unique<PanelBuffers>(K);
   pack_panel<TYPE>(p, n0, K, *pb);
-  for (int64_t sb = 0; sb < K / 32; sb++)
-    bf16_slots(pb->v.data() + sb * 512, _mm512_loadu_ps(pb->dw.data() + sb * 16),
-               float(kPanelBias<TYPE>), out + sb * 512);
+  for (int64_t sb = 0; sb < K / 32; sb++) {
+    const __m512 d = _mm512_loadu_ps(pb->dw.data() + sb * 16);
+    const __m512 mn = _mm512_loadu_ps(pb->mn.data() + sb * 16);  // (Q4_1, Q5_1: -m)
+    const __m512 c = kMin32<TYPE> ? _mm512_sub_ps(_mm512_setzero_ps(), mn)
+                                  : _mm512_mul_ps(d, _mm512_set1_ps(-float(kPanelBias<TYPE>)));
+    bf16_slots(pb->v.data() + sb * 512, d, c, out + sb * 512);
+  }
 }
 #endif
 
@@ -2980,6 +2991,8 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
               case kQ8R: bf16_group<kQ8R>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               case kQ4_0: bf16_group<kQ4_0>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               case kQ5_0: bf16_group<kQ5_0>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
+              case kQ4_1: bf16_group<kQ4_1>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
+              case kQ5_1: bf16_group<kQ5_1>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               default: bf16_group<kI8R>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
             }
           }
