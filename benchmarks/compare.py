@@ -3,7 +3,8 @@ one table of ratios per model.
 
 Models (--models, any subset, in this order by default):
   - gemma: the real Gemma 3 270M Q4_K_M file that ladle ships (`ladle serve gemma-3-270m`), run
-    by ladle and llama.cpp from that same file;
+    by ladle and llama.cpp from that same file; gemma-q5_k_m: that file requantized to Q5_K_M by
+    llama.cpp's quantize API (allow_requantize; its 640-value rows get Q5_K's fallback, Q5_1);
   - 0.6b-q8_0, 0.6b-q4_k_m, 0.6b-q5_k_m: the random Qwen3-0.6B-shaped checkpoint converted to a
     bf16 GGUF by llama.cpp's own converter, then quantized by llama.cpp's quantize API
     (llama-cpp-python's `llama_model_quantize`, its default tensor-type mix for the type); ladle
@@ -69,7 +70,7 @@ interleaved, runs).
 
     nice -n 19 benchmarks/build_llama_cpp.sh          # once, many minutes
     python benchmarks/compare.py [--reps 3]
-        [--models gemma,0.6b-q8_0,0.6b-q4_k_m,0.6b-q5_k_m,0.6b,tiny]
+        [--models gemma,gemma-q5_k_m,0.6b-q8_0,0.6b-q4_k_m,0.6b-q5_k_m,0.6b,tiny]
         [--skip-batch] [--skip-server] [--skip-hf] [--skip-llama] [--skip-int8]
         [--decode-turns 10] [--decode-tokens 64] [--decode-context 128]
         [--batch-out 128] [--server-out 64]
@@ -159,6 +160,7 @@ class Spec:
 
 MODELS = {
     "gemma": Spec("gemma", "bfloat16", "packaged", True, ("single",)),
+    "gemma-q5_k_m": Spec("gemma", "bfloat16", "q5_k_m", True, ("single",)),
     "0.6b-q8_0": Spec("0.6b", "bfloat16", "q8_0", True, ("single", "batch", "server")),
     "0.6b-q4_k_m": Spec("0.6b", "bfloat16", "q4_k_m", True, ("single",)),
     "0.6b-q5_k_m": Spec("0.6b", "bfloat16", "q5_k_m", True, ("single",)),
@@ -201,12 +203,14 @@ def gguf(path: Path, outtype: str) -> Path:
 
 
 def quantized_gguf(path: Path, qtype: str, llama_py: Path) -> Path:
-    """The bf16 conversion of checkpoint `path`, quantized to `qtype` by llama.cpp's quantize API
-    (in llama-cpp-python's environment); made once, beside the checkpoint."""
-    out = path / f"model-{qtype}.gguf"
+    """The bf16 conversion of checkpoint `path` (a GGUF file: that file itself, requantized),
+    quantized to `qtype` by llama.cpp's quantize API (in llama-cpp-python's environment); made
+    once, beside the checkpoint or file."""
+    out = (path.with_name(f"{path.stem}-requantized-{qtype}.gguf") if path.is_file()
+           else path / f"model-{qtype}.gguf")
     if out.exists():
         return out
-    src = gguf(path, "bf16")
+    src = path if path.is_file() else gguf(path, "bf16")
     tmp = out.with_name(out.name + ".tmp")
     res = subprocess.run([str(llama_py), str(Path(__file__).resolve()), "--worker", "quantize",
                           str(src), str(tmp), QUANT_FTYPES[qtype]],
@@ -219,7 +223,8 @@ def quantized_gguf(path: Path, qtype: str, llama_py: Path) -> Path:
 
 
 def worker_quantize(src: str, dst: str, ftype: str) -> dict:
-    """llama.cpp's quantize (what its llama-quantize tool runs), default tensor-type mix."""
+    """llama.cpp's quantize (what its llama-quantize tool runs), default tensor-type mix; a
+    quantized source is requantized (llama-quantize --allow-requantize)."""
     import ctypes
 
     import llama_cpp
@@ -228,6 +233,7 @@ def worker_quantize(src: str, dst: str, ftype: str) -> dict:
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, ftype)
     params.nthread = os.cpu_count() or 1
+    params.allow_requantize = True
     rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
     if rc != 0:
         raise RuntimeError(f"llama_model_quantize returned {rc}")
