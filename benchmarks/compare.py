@@ -5,11 +5,11 @@ Models (--models, any subset, in this order by default):
   - gemma: the real Gemma 3 270M Q4_K_M file that ladle ships (`ladle serve gemma-3-270m`), run
     by ladle and llama.cpp from that same file; gemma-q5_k_m: that file requantized to Q5_K_M by
     llama.cpp's quantize API (allow_requantize; its 640-value rows get Q5_K's fallback, Q5_1);
-  - 0.6b-q8_0, 0.6b-q4_k_m, 0.6b-q5_k_m: the random Qwen3-0.6B-shaped checkpoint converted to a
+  - 0.6b-q8_0, 0.6b-q4_k_m, 0.6b-q5_k_m, 0.6b-q3_k_m: the random Qwen3-0.6B-shaped checkpoint converted to a
     bf16 GGUF by llama.cpp's own converter, then quantized by llama.cpp's quantize API
     (llama-cpp-python's `llama_model_quantize`, its default tensor-type mix for the type); ladle
     and llama.cpp both load the quantized file (ladle's default for a .gguf: --quantization
-    gguf, the blocks kept);
+    gguf, the blocks kept; Q3_K's as the Q6_K blocks of the same values);
   - 0.6b: that checkpoint in bfloat16 (ladle and transformers load the safetensors, llama.cpp
     its bf16 conversion), plus a `ladle int8` column: ladle with --quantization int8 (W8A8) on
     the same bf16 checkpoint (shown "n/a" while this ladle does not accept int8);
@@ -19,7 +19,7 @@ The random checkpoints carry Qwen's tokenizer, so llama.cpp's HF -> GGUF convert
 the llama-cpp-python sdist that benchmarks/build_llama_cpp.sh builds) converts them; every file
 is made once, beside its checkpoint in the ladle cache directory (~/.cache/ladle,
 $LADLE_CACHE_DIR): model-bf16.gguf, model-q8_0.gguf, model-q4_k_m.gguf, model-q5_k_m.gguf,
-model-f32.gguf.
+model-q3_k_m.gguf, model-f32.gguf.
 Cases:
   - single-stream decode tok/s and TTFT of a 128-token prompt, every model (in process: ladle's
     LLM, transformers' generate, llama-cpp-python's Llama);
@@ -70,7 +70,7 @@ interleaved, runs).
 
     nice -n 19 benchmarks/build_llama_cpp.sh          # once, many minutes
     python benchmarks/compare.py [--reps 3]
-        [--models gemma,gemma-q5_k_m,0.6b-q8_0,0.6b-q4_k_m,0.6b-q5_k_m,0.6b,tiny]
+        [--models gemma,gemma-q5_k_m,0.6b-q8_0,0.6b-q4_k_m,0.6b-q5_k_m,0.6b-q3_k_m,0.6b,tiny]
         [--skip-batch] [--skip-server] [--skip-hf] [--skip-llama] [--skip-int8]
         [--decode-turns 10] [--decode-tokens 64] [--decode-context 128]
         [--batch-out 128] [--server-out 64]
@@ -164,13 +164,14 @@ MODELS = {
     "0.6b-q8_0": Spec("0.6b", "bfloat16", "q8_0", True, ("single", "batch", "server")),
     "0.6b-q4_k_m": Spec("0.6b", "bfloat16", "q4_k_m", True, ("single",)),
     "0.6b-q5_k_m": Spec("0.6b", "bfloat16", "q5_k_m", True, ("single",)),
+    "0.6b-q3_k_m": Spec("0.6b", "bfloat16", "q3_k_m", True, ("single",)),
     "0.6b": Spec("0.6b", "bfloat16", "bf16", False, ("single", "batch", "server"), hf=True,
                  int8=True),
     "tiny": Spec("tiny", "float32", "f32", False, ("single", "batch", "server"), hf=True),
 }
 # llama.cpp's quantize API: our file-name suffix -> llama_cpp's llama_ftype constant.
 QUANT_FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
-                "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M"}
+                "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "q3_k_m": "LLAMA_FTYPE_MOSTLY_Q3_K_M"}
 PACKAGED_GEMMA = "gemma-3-270m"
 
 
@@ -859,10 +860,15 @@ def int8_weights_per_token(path: Path) -> Weights:
                    f"1 B x {n / 1e6:.0f}M weights + row scales")
 
 
-def gguf_weights_per_token(path: Path) -> Weights:
+def gguf_weights_per_token(path: Path, widened: bool = False) -> Weights:
     """A GGUF file's tensor bytes; token_embd counts once when it is also the output head (no
-    output.weight), and not at all otherwise (the lookup reads one row per token)."""
+    output.weight), and not at all otherwise (the lookup reads one row per token). `widened`:
+    as ladle holds them, a type without a kernel of its own at the size of the blocks it runs
+    as (Q3_K as Q6_K: models/gguf/quantized.py's WIDENED)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
     from ladle.models.gguf import open_gguf
+    from ladle.models.gguf.quantized import WIDENED
 
     tensors = open_gguf(path).tensors
     head_name = "token_embd.weight" if "output.weight" not in tensors else "output.weight"
@@ -870,7 +876,12 @@ def gguf_weights_per_token(path: Path) -> Weights:
     for name, t in tensors.items():
         if name == "token_embd.weight" and head_name != name:
             continue
-        nbytes += t.data.nbytes
+        if widened and int(t.ggml_type) in WIDENED:
+            runs_as = GGMLQuantizationType(WIDENED[int(t.ggml_type)][0])
+            nbytes += t.data.nbytes * GGML_QUANT_SIZES[runs_as][1] \
+                // GGML_QUANT_SIZES[t.ggml_type][1]
+        else:
+            nbytes += t.data.nbytes
         if len(t.shape) == 2:
             params += t.shape[0] * t.shape[1]
     head = tensors[head_name].shape
@@ -984,7 +995,7 @@ def run_model(name: str, spec: Spec, args, has_llama: bool, llama_py: Path, limi
         return None
     ladle_path = model_gguf if spec.ladle_on_gguf else path
     ladle_q = "-"  # ladle's default quantization: gguf (the blocks kept) for a .gguf file
-    weights = {"ladle": gguf_weights_per_token(ladle_path) if spec.ladle_on_gguf
+    weights = {"ladle": gguf_weights_per_token(ladle_path, widened=True) if spec.ladle_on_gguf
                else weights_per_token(path)}
     systems = ["ladle"]
     if spec.int8 and not args.skip_int8:

@@ -264,19 +264,21 @@ def write_qwen3moe(path: Path, *, hidden: int = HIDDEN, expert_size: int = EXPER
     return path
 
 
-@pytest.mark.parametrize("k4", [T.Q4_K, T.Q5_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("k4", [T.Q4_K, T.Q5_K, T.Q3_K], ids=lambda t: t.name)
 def test_k_quant_experts_keep_each_experts_rows(tmp_path, k4):
     """A Q4_K_M-style layer (gate and up Q4_K, down Q6_K, rows of 256 values so the K-quant
-    super-blocks fit; a Q8_0 router), and a Q5_K_M-style one (Q5_K gate and up, and Q5_K
-    attention, the type a Q4_K_M file gives an 8-expert model's attn_output): each expert's
+    super-blocks fit; a Q8_0 router), a Q5_K_M-style one (Q5_K gate and up, and Q5_K
+    attention, the type a Q4_K_M file gives an 8-expert model's attn_output) and a Q3_K_M-style
+    one (Q3_K gate, up and attention, kept as the Q6_K blocks of the same values): each expert's
     linears hold exactly its rows of the stacked tensors, in their blocks, and so do the
     attention's; the router is dequantized, since its logits choose the experts."""
     types = {"blk.0.ffn_gate_exps.weight": k4, "blk.0.ffn_up_exps.weight": k4,
              "blk.0.ffn_down_exps.weight": T.Q6_K, "blk.0.ffn_gate_inp.weight": T.Q8_0}
     attention = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight",
                  "blk.0.attn_output.weight"]
-    if k4 == T.Q5_K:
-        types.update(dict.fromkeys(attention, T.Q5_K))
+    if k4 != T.Q4_K:
+        types.update(dict.fromkeys(attention, k4))
+    kept_as = "Q6_K" if k4 == T.Q3_K else k4.name
     path = write_qwen3moe(tmp_path / "k.gguf", hidden=256, expert_size=256, types=types)
     model = load_model(path, read_hf_config(path), torch.float32, torch.device("cpu"))
     stored = {name: t.dequantize() for name, t in open_gguf(path).tensors.items()}
@@ -286,15 +288,15 @@ def test_k_quant_experts_keep_each_experts_rows(tmp_path, k4):
     assert torch.equal(block.gate.weight, stored["blk.0.ffn_gate_inp.weight"])
     for e, expert in enumerate(block.experts):
         gate_up, down = expert.gate_up_proj.weight, expert.down_proj.weight
-        assert [p.name() for p in gate_up.parts] == [k4.name, k4.name]
+        assert [p.name() for p in gate_up.parts] == [kept_as, kept_as]
         assert [p.name() for p in down.parts] == ["Q6_K"]
         assert torch.equal(gate_up.parts[0].dequantize(256), stored["blk.0.ffn_gate_exps.weight"][e])
         assert torch.equal(gate_up.parts[1].dequantize(256), stored["blk.0.ffn_up_exps.weight"][e])
         assert torch.equal(down.parts[0].dequantize(256), stored["blk.0.ffn_down_exps.weight"][e])
-    if k4 == T.Q5_K:
+    if k4 != T.Q4_K:
         (attn,) = [m for m in model.modules() if hasattr(m, "qkv_proj")]
         qkv, o = attn.qkv_proj.weight, attn.o_proj.weight
-        assert [p.name() for p in qkv.parts] == ["Q5_K"] * 3 and o.describe() == "Q5_K"
+        assert [p.name() for p in qkv.parts] == [kept_as] * 3 and o.describe() == kept_as
         assert torch.equal(qkv.dequantize(), torch.cat([stored[n] for n in attention[:3]]))
         assert torch.equal(o.dequantize(), stored[attention[3]])
 
@@ -302,14 +304,15 @@ def test_k_quant_experts_keep_each_experts_rows(tmp_path, k4):
 # (tokens, ggml types of gate, up, down): one token (decode tiles), a few, enough that every
 # expert gets several rows (prefill tiles) and threads share experts, and enough that experts
 # get 12 or more rows (the panels of AVX-512 VNNI builds); a Q4_K_M layer, Q5_K_M ones, a Q8_0
-# one, and mixed 32-value types (Q5_1 and Q4_1: the fallbacks of Q5_K_M files and of 8-expert
-# Q4_0 files, with a min per block).
+# one, mixed 32-value types (Q5_1 and Q4_1: the fallbacks of Q5_K_M files and of 8-expert
+# Q4_0 files, with a min per block), and a Q3_K_M one (Q3_K run as Q6_K blocks).
 QUANT_CASES = [(1, (T.Q4_K, T.Q4_K, T.Q6_K)), (3, (T.Q4_K, T.Q4_K, T.Q6_K)),
                (37, (T.Q4_K, T.Q4_K, T.Q6_K)), (1, (T.Q5_K, T.Q5_K, T.Q6_K)),
                (37, (T.Q5_K, T.Q5_K, T.Q5_K)), (1, (T.Q8_0, T.Q8_0, T.Q8_0)),
                (37, (T.Q8_0, T.Q8_0, T.Q8_0)), (9, (T.Q4_0, T.Q5_0, T.MXFP4)),
                (96, (T.Q4_K, T.Q4_K, T.Q6_K)), (96, (T.Q4_0, T.Q5_0, T.MXFP4)),
-               (37, (T.Q5_1, T.Q5_1, T.Q4_1))]
+               (37, (T.Q5_1, T.Q5_1, T.Q4_1)), (1, (T.Q3_K, T.Q3_K, T.Q4_K)),
+               (37, (T.Q3_K, T.Q3_K, T.Q4_K))]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -331,9 +334,9 @@ def test_quantized_experts_kernel_equals_the_per_expert_loop(tmp_path, case, dty
     # AVX-512 VNNI builds stack Q4_K, Q5_K, Q6_K and Q8_0 experts repacked by 16 rows, and Q5_0
     # where AMX-BF16 does not take its blocks as they are (quant.py's _repacks).
     r16 = Q._r16_kernels()
+    kinds = [Q.Q6_K if t == T.Q3_K else int(t) for t in (gate, up, down)]
     assert list(block.quant_stacked[1::2]) == [
-        Q.R16_OF[int(t)] if r16 and int(t) in Q.R16_OF and Q._repacks(int(t)) else int(t)
-        for t in (gate, up, down)]
+        Q.R16_OF[k] if r16 and k in Q.R16_OF and Q._repacks(k) else k for k in kinds]
     stacked_gate = block.quant_stacked[0]
     for e, expert in enumerate(block.experts):
         part = expert.gate_up_proj.weight.parts[0].data

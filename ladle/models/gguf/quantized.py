@@ -1,6 +1,7 @@
 """A GGUF file's weights kept in their blocks: every linear (and the embedding) whose tensors are
 of a type the quantized kernels run (runner/quant.py: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, Q4_K,
-Q5_K, Q6_K) becomes a QuantWeight holding the file's bytes, installed on the meta-device model
+Q5_K, Q6_K) becomes a QuantWeight holding the file's bytes (Q3_K's rewritten as the Q6_K blocks
+of the same values: `WIDENED`), installed on the meta-device model
 before any dense memory is allocated. A fused projection takes one part per file tensor (a Q4_K_M
 file stores attn_v as Q6_K beside Q4_K attn_q and attn_k). A tensor of another type inside such a
 projection is dequantized to the model dtype as a dense part; a projection with no kernel type at
@@ -17,14 +18,17 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn as nn
+from gguf import GGMLQuantizationType
 
 from ladle.models.gguf.mapping import _load, _unpermute_rotary, hf_tensor_names
-from ladle.models.gguf.quants import dequantize
+from ladle.models.gguf.quants import dequantize, q3_k_as_q6_k
 from ladle.models.gguf.reader import GGUFFile, GGUFTensor
 from ladle.models.loader import ModelLoadError, _target
 from ladle.runner.quant import (
     BLOCK_SIZES,
+    BLOCK_TYPES,
     DENSE,
+    Q6_K,
     QuantEmbedding,
     QuantPart,
     QuantWeight,
@@ -32,6 +36,10 @@ from ladle.runner.quant import (
 )
 
 logger = logging.getLogger(__name__)
+
+# ggml types without a kernel of their own whose blocks are rewritten, exactly, as blocks of a
+# kernel type (their bytes grow, but far less than dequantized): type -> (kernel type, rewrite).
+WIDENED = {int(GGMLQuantizationType.Q3_K): (Q6_K, q3_k_as_q6_k)}
 
 
 def install_gguf_blocks(model: nn.Module, gguf_file: GGUFFile, hf_config: dict,
@@ -64,7 +72,7 @@ def install_gguf_blocks(model: nn.Module, gguf_file: GGUFFile, hf_config: dict,
             continue
         pieces = [shards[i] for i in sorted(shards)]
         tensors = [t for t, _ in pieces]
-        if not any(int(t.ggml_type) in BLOCK_SIZES for t in tensors):
+        if not any(_kept(int(t.ggml_type)) for t in tensors):
             continue
         param = params[pname]
         parts = [_part(t, index, gguf_file, hf_config, dtype) for t, index in pieces]
@@ -73,7 +81,10 @@ def install_gguf_blocks(model: nn.Module, gguf_file: GGUFFile, hf_config: dict,
                                  f"have {sum(p.rows for p in parts)} rows, {pname} needs "
                                  f"{param.shape[0]}")
         for t, p in zip(tensors, parts, strict=True):
-            (dense if p.kind == DENSE else kept).setdefault(t.ggml_type.name, set()).add(t.name)
+            name = t.ggml_type.name
+            if int(t.ggml_type) in WIDENED:
+                name += f" as {BLOCK_TYPES[p.kind]}"
+            (dense if p.kind == DENSE else kept).setdefault(name, set()).add(t.name)
         weight = QuantWeight(parts, param.shape[1], dtype)
         if isinstance(module, nn.Embedding):
             parent, _, child = owner.rpartition(".")
@@ -94,17 +105,20 @@ def _part(tensor: GGUFTensor, index: Any, gguf_file: GGUFFile, hf_config: dict,
     """The rows of `tensor` at `index` (None: all; else an index into its leading dimensions,
     such as one expert of a stacked tensor) as one part: its bytes, or dense values."""
     kind = int(tensor.ggml_type)
-    if index is None and kind not in BLOCK_SIZES:
+    if index is None and not _kept(kind):
         return QuantPart(DENSE, _load(tensor, gguf_file.architecture, hf_config).to(dtype))
     # (..., rows, bytes per row): a row's blocks are contiguous, so an index into the leading
     # dimensions picks whole rows; only those bytes are read out of the file.
     rows = tensor.data.reshape(*tensor.shape[:-1], -1)
     if index is not None:
         rows = rows[index]
-    if kind not in BLOCK_SIZES:  # one expert's rows of a stacked tensor, dequantized alone
+    if not _kept(kind):  # one expert's rows of a stacked tensor, dequantized alone
         num_rows = rows.size // rows.shape[-1]
         return QuantPart(DENSE, dequantize(rows, kind, (num_rows, tensor.shape[-1])).to(dtype))
     raw = torch.from_numpy(np.array(rows, copy=True)).reshape(-1, rows.shape[-1])
+    if kind in WIDENED:
+        kind, rewrite = WIDENED[kind]
+        raw = rewrite(raw)
     if gguf_file.architecture == "llama" and tensor.name.startswith("blk."):
         # The converter permuted the rows of q and k for its rotary layout; a row keeps its
         # blocks, so the inverse permutation moves whole rows of bytes.
@@ -113,3 +127,8 @@ def _part(tensor: GGUFTensor, index: Any, gguf_file: GGUFFile, hf_config: dict,
         elif ".attn_k." in tensor.name:
             raw = _unpermute_rotary(raw, hf_config["num_key_value_heads"]).contiguous()
     return QuantPart(kind, raw)
+
+
+def _kept(kind: int) -> bool:
+    """Blocks of this ggml type stay blocks (perhaps widened)."""
+    return kind in BLOCK_SIZES or kind in WIDENED
