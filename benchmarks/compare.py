@@ -3,13 +3,15 @@ one table of ratios per model.
 
 Models (--models, any subset, in this order by default):
   - gemma: the real Gemma 3 270M Q4_K_M file that ladle ships (`ladle serve gemma-3-270m`), run
-    by ladle and llama.cpp from that same file; gemma-q5_k_m: that file requantized to Q5_K_M by
-    llama.cpp's quantize API (allow_requantize; its 640-value rows get Q5_K's fallback, Q5_1);
-  - 0.6b-q8_0, 0.6b-q4_k_m, 0.6b-q5_k_m, 0.6b-q3_k_m: the random Qwen3-0.6B-shaped checkpoint converted to a
-    bf16 GGUF by llama.cpp's own converter, then quantized by llama.cpp's quantize API
-    (llama-cpp-python's `llama_model_quantize`, its default tensor-type mix for the type); ladle
-    and llama.cpp both load the quantized file (ladle's default for a .gguf: --quantization
-    gguf, the blocks kept; Q3_K's as the Q6_K blocks of the same values);
+    by ladle and llama.cpp from that same file; gemma-q5_k_m, gemma-iq4_xs: that file requantized
+    to Q5_K_M or IQ4_XS by llama.cpp's quantize API (allow_requantize; its 640-value rows get the
+    fallbacks Q5_1 and IQ4_NL);
+  - 0.6b-q8_0, 0.6b-q4_k_m, 0.6b-q5_k_m, 0.6b-q3_k_m, 0.6b-iq4_xs: the random Qwen3-0.6B-shaped
+    checkpoint converted to a bf16 GGUF by llama.cpp's own converter, then quantized by llama.cpp's
+    quantize API (llama-cpp-python's `llama_model_quantize`, its default tensor-type mix for the
+    type); ladle and llama.cpp both load the quantized file (ladle's default for a .gguf:
+    --quantization gguf, the blocks kept; Q3_K's as the Q6_K blocks of the same values, IQ4_XS's in
+    blocks of 32);
   - 0.6b: that checkpoint in bfloat16 (ladle and transformers load the safetensors, llama.cpp
     its bf16 conversion), plus a `ladle int8` column: ladle with --quantization int8 (W8A8) on
     the same bf16 checkpoint (shown "n/a" while this ladle does not accept int8);
@@ -19,7 +21,7 @@ The random checkpoints carry Qwen's tokenizer, so llama.cpp's HF -> GGUF convert
 the llama-cpp-python sdist that benchmarks/build_llama_cpp.sh builds) converts them; every file
 is made once, beside its checkpoint in the ladle cache directory (~/.cache/ladle,
 $LADLE_CACHE_DIR): model-bf16.gguf, model-q8_0.gguf, model-q4_k_m.gguf, model-q5_k_m.gguf,
-model-q3_k_m.gguf, model-f32.gguf.
+model-q3_k_m.gguf, model-iq4_xs.gguf, model-f32.gguf.
 Cases:
   - single-stream decode tok/s and TTFT of a 128-token prompt, every model (in process: ladle's
     LLM, transformers' generate, llama-cpp-python's Llama);
@@ -70,7 +72,7 @@ interleaved, runs).
 
     nice -n 19 benchmarks/build_llama_cpp.sh          # once, many minutes
     python benchmarks/compare.py [--reps 3]
-        [--models gemma,gemma-q5_k_m,0.6b-q8_0,0.6b-q4_k_m,0.6b-q5_k_m,0.6b-q3_k_m,0.6b,tiny]
+        [--models gemma,gemma-q5_k_m,0.6b-q8_0,0.6b-q4_k_m,0.6b-q5_k_m,0.6b-q3_k_m,0.6b,tiny,...]
         [--skip-batch] [--skip-server] [--skip-hf] [--skip-llama] [--skip-int8]
         [--decode-turns 10] [--decode-tokens 64] [--decode-context 128]
         [--batch-out 128] [--server-out 64]
@@ -161,17 +163,20 @@ class Spec:
 MODELS = {
     "gemma": Spec("gemma", "bfloat16", "packaged", True, ("single",)),
     "gemma-q5_k_m": Spec("gemma", "bfloat16", "q5_k_m", True, ("single",)),
+    "gemma-iq4_xs": Spec("gemma", "bfloat16", "iq4_xs", True, ("single",)),
     "0.6b-q8_0": Spec("0.6b", "bfloat16", "q8_0", True, ("single", "batch", "server")),
     "0.6b-q4_k_m": Spec("0.6b", "bfloat16", "q4_k_m", True, ("single",)),
     "0.6b-q5_k_m": Spec("0.6b", "bfloat16", "q5_k_m", True, ("single",)),
     "0.6b-q3_k_m": Spec("0.6b", "bfloat16", "q3_k_m", True, ("single",)),
+    "0.6b-iq4_xs": Spec("0.6b", "bfloat16", "iq4_xs", True, ("single",)),
     "0.6b": Spec("0.6b", "bfloat16", "bf16", False, ("single", "batch", "server"), hf=True,
                  int8=True),
     "tiny": Spec("tiny", "float32", "f32", False, ("single", "batch", "server"), hf=True),
 }
 # llama.cpp's quantize API: our file-name suffix -> llama_cpp's llama_ftype constant.
 QUANT_FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
-                "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "q3_k_m": "LLAMA_FTYPE_MOSTLY_Q3_K_M"}
+                "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "q3_k_m": "LLAMA_FTYPE_MOSTLY_Q3_K_M",
+                "iq4_xs": "LLAMA_FTYPE_MOSTLY_IQ4_XS"}
 PACKAGED_GEMMA = "gemma-3-270m"
 
 
@@ -863,12 +868,13 @@ def int8_weights_per_token(path: Path) -> Weights:
 def gguf_weights_per_token(path: Path, widened: bool = False) -> Weights:
     """A GGUF file's tensor bytes; token_embd counts once when it is also the output head (no
     output.weight), and not at all otherwise (the lookup reads one row per token). `widened`:
-    as ladle holds them, a type without a kernel of its own at the size of the blocks it runs
-    as (Q3_K as Q6_K: models/gguf/quantized.py's WIDENED)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    as ladle holds them, a type rewritten at load at the size of the blocks it runs as (Q3_K as
+    Q6_K, IQ4_XS in blocks of 32: models/gguf/quantized.py's WIDENED)."""
+    from gguf import GGML_QUANT_SIZES
 
     from ladle.models.gguf import open_gguf
     from ladle.models.gguf.quantized import WIDENED
+    from ladle.runner.quant import BLOCK_SIZES
 
     tensors = open_gguf(path).tensors
     head_name = "token_embd.weight" if "output.weight" not in tensors else "output.weight"
@@ -877,9 +883,9 @@ def gguf_weights_per_token(path: Path, widened: bool = False) -> Weights:
         if name == "token_embd.weight" and head_name != name:
             continue
         if widened and int(t.ggml_type) in WIDENED:
-            runs_as = GGMLQuantizationType(WIDENED[int(t.ggml_type)][0])
-            nbytes += t.data.nbytes * GGML_QUANT_SIZES[runs_as][1] \
-                // GGML_QUANT_SIZES[t.ggml_type][1]
+            values, size = BLOCK_SIZES[WIDENED[int(t.ggml_type)][0]]
+            file_values, file_size = GGML_QUANT_SIZES[t.ggml_type]
+            nbytes += t.data.nbytes // file_size * file_values // values * size
         else:
             nbytes += t.data.nbytes
         if len(t.shape) == 2:

@@ -28,8 +28,9 @@ from ladle.models.gguf import (
     iter_hf_tensors,
     open_gguf,
 )
-from ladle.models.gguf.quants import q3_k_as_q6_k
+from ladle.models.gguf.quants import iq4_xs_as_32, q3_k_as_q6_k
 from ladle.models.loader import ModelLoadError
+from ladle.runner.quant import IQ4_XS_32
 
 T = GGMLQuantizationType
 GEMMA_FILE = Path.home() / ".cache" / "ladle" / "gguf" / "gemma-3-270m-q4_k_m.gguf"
@@ -43,6 +44,7 @@ FAIL_FAST_S = 10.0
 FP16_FIELDS = {
     T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2),
     T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+    T.IQ4_NL: (0,), T.IQ4_XS: (0,),
     T.MXFP4: (),  # its scale is the E8M0 byte 0 (set below)
 }
 
@@ -88,6 +90,22 @@ def test_dequantize_equals_gguf_py_bit_for_bit(ggml_type):
     # The same bytes as a torch tensor, and as a 3-d tensor, give the same values.
     as_3d = dequantize(torch.from_numpy(raw.copy()), ggml_type, (2, 12, 8 * block_size))
     assert torch.equal(as_3d.reshape(24, -1), ours)
+
+
+def test_iq4_xs_in_blocks_of_32_keeps_every_value():
+    """IQ4_XS runs as blocks of 32 (ladle's IQ4_XS_32): each sub-block's float32 scale, d times
+    its 6-bit scale, then its nibbles; those dequantize to exactly the file's values (gguf-py's),
+    every scale (-32..31) and fp16 subnormals included."""
+    raw = random_rows(T.IQ4_XS, num_rows=24, blocks_per_row=2, rng=np.random.default_rng(4))
+    blocks = iq4_xs_as_32(torch.from_numpy(raw))
+    assert blocks.dtype == torch.uint8 and blocks.shape == (24, 2 * 8 * 20)
+    assert torch.equal(dequantize(blocks, IQ4_XS_32, (24, 512)), reference(raw, T.IQ4_XS))
+    edge = raw.copy().reshape(-1, 136)
+    edge[:, 2:8] = 0xFF  # every scale 31
+    edge[::2, 2:8] = 0x00  # every scale -32
+    edge = edge.reshape(24, -1)
+    assert torch.equal(dequantize(iq4_xs_as_32(torch.from_numpy(edge)), IQ4_XS_32, (24, 512)),
+                       reference(edge, T.IQ4_XS))
 
 
 def test_q3_k_widened_to_q6_k_keeps_every_value():
@@ -290,8 +308,8 @@ def test_unsupported_tensor_type_names_the_tensor(tmp_path, ggml_type):
     path = write_gguf(tmp_path / "q.gguf", tensors=[f32_tensor(), ("blk.0.attn_q.weight", raw,
                                                                     ggml_type)])
     refused(path, f"tensor 'blk.0.attn_q.weight' is {ggml_type.name}",
-            "supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, "
-            "Q6_K")
+            "supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, IQ4_NL, IQ4_XS, Q2_K, "
+            "Q3_K, Q4_K, Q5_K, Q6_K")
 
 
 def test_unknown_tensor_type_id(tmp_path):

@@ -24,6 +24,7 @@ from test_moe import MIN_ROUTING_MARGIN, make_moe_checkpoint, routing_margin
 
 from ladle import LLM, SamplingParams
 from ladle.models.gguf import hf_config_from_gguf, iter_hf_tensors, open_gguf
+from ladle.models.gguf.quantized import WIDENED
 from ladle.models.loader import ModelLoadError, check_checkpoint, load_model, read_hf_config
 from ladle.models.moe import SparseMoeBlock
 from ladle.runner import cpu_kernels
@@ -264,12 +265,13 @@ def write_qwen3moe(path: Path, *, hidden: int = HIDDEN, expert_size: int = EXPER
     return path
 
 
-@pytest.mark.parametrize("k4", [T.Q4_K, T.Q5_K, T.Q3_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("k4", [T.Q4_K, T.Q5_K, T.Q3_K, T.IQ4_XS], ids=lambda t: t.name)
 def test_k_quant_experts_keep_each_experts_rows(tmp_path, k4):
     """A Q4_K_M-style layer (gate and up Q4_K, down Q6_K, rows of 256 values so the K-quant
     super-blocks fit; a Q8_0 router), a Q5_K_M-style one (Q5_K gate and up, and Q5_K
     attention, the type a Q4_K_M file gives an 8-expert model's attn_output) and a Q3_K_M-style
-    one (Q3_K gate, up and attention, kept as the Q6_K blocks of the same values): each expert's
+    one (Q3_K gate, up and attention, kept as the Q6_K blocks of the same values), and an
+    IQ4_XS one (kept as blocks of 32 with a float32 scale each): each expert's
     linears hold exactly its rows of the stacked tensors, in their blocks, and so do the
     attention's; the router is dequantized, since its logits choose the experts."""
     types = {"blk.0.ffn_gate_exps.weight": k4, "blk.0.ffn_up_exps.weight": k4,
@@ -278,7 +280,7 @@ def test_k_quant_experts_keep_each_experts_rows(tmp_path, k4):
                  "blk.0.attn_output.weight"]
     if k4 != T.Q4_K:
         types.update(dict.fromkeys(attention, k4))
-    kept_as = "Q6_K" if k4 == T.Q3_K else k4.name
+    kept_as = Q.BLOCK_TYPES[kernel_kind(k4)]
     path = write_qwen3moe(tmp_path / "k.gguf", hidden=256, expert_size=256, types=types)
     model = load_model(path, read_hf_config(path), torch.float32, torch.device("cpu"))
     stored = {name: t.dequantize() for name, t in open_gguf(path).tensors.items()}
@@ -305,14 +307,16 @@ def test_k_quant_experts_keep_each_experts_rows(tmp_path, k4):
 # expert gets several rows (prefill tiles) and threads share experts, and enough that experts
 # get 12 or more rows (the panels of AVX-512 VNNI builds); a Q4_K_M layer, Q5_K_M ones, a Q8_0
 # one, mixed 32-value types (Q5_1 and Q4_1: the fallbacks of Q5_K_M files and of 8-expert
-# Q4_0 files, with a min per block), and a Q3_K_M one (Q3_K run as Q6_K blocks).
+# Q4_0 files, with a min per block), a Q3_K_M one (Q3_K run as Q6_K blocks), and IQ4 ones
+# (IQ4_XS in blocks of 32, IQ4_NL: table values).
 QUANT_CASES = [(1, (T.Q4_K, T.Q4_K, T.Q6_K)), (3, (T.Q4_K, T.Q4_K, T.Q6_K)),
                (37, (T.Q4_K, T.Q4_K, T.Q6_K)), (1, (T.Q5_K, T.Q5_K, T.Q6_K)),
                (37, (T.Q5_K, T.Q5_K, T.Q5_K)), (1, (T.Q8_0, T.Q8_0, T.Q8_0)),
                (37, (T.Q8_0, T.Q8_0, T.Q8_0)), (9, (T.Q4_0, T.Q5_0, T.MXFP4)),
                (96, (T.Q4_K, T.Q4_K, T.Q6_K)), (96, (T.Q4_0, T.Q5_0, T.MXFP4)),
                (37, (T.Q5_1, T.Q5_1, T.Q4_1)), (1, (T.Q3_K, T.Q3_K, T.Q4_K)),
-               (37, (T.Q3_K, T.Q3_K, T.Q4_K))]
+               (37, (T.Q3_K, T.Q3_K, T.Q4_K)), (1, (T.IQ4_XS, T.IQ4_XS, T.IQ4_NL)),
+               (37, (T.IQ4_XS, T.IQ4_NL, T.IQ4_XS))]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -334,7 +338,7 @@ def test_quantized_experts_kernel_equals_the_per_expert_loop(tmp_path, case, dty
     # AVX-512 VNNI builds stack Q4_K, Q5_K, Q6_K and Q8_0 experts repacked by 16 rows, and Q5_0
     # where AMX-BF16 does not take its blocks as they are (quant.py's _repacks).
     r16 = Q._r16_kernels()
-    kinds = [Q.Q6_K if t == T.Q3_K else int(t) for t in (gate, up, down)]
+    kinds = [kernel_kind(t) for t in (gate, up, down)]
     assert list(block.quant_stacked[1::2]) == [
         Q.R16_OF[k] if r16 and k in Q.R16_OF and Q._repacks(k) else k for k in kinds]
     stacked_gate = block.quant_stacked[0]
@@ -354,6 +358,11 @@ def test_quantized_experts_kernel_equals_the_per_expert_loop(tmp_path, case, dty
         cpu_kernels.set_batch_invariant(was)
     assert got is not None and torch.equal(got, want)
     assert want.abs().max() > 0
+
+
+def kernel_kind(ggml_type: T) -> int:
+    """The kernel kind a file type's blocks are held as (a rewritten type's, or its own)."""
+    return WIDENED[int(ggml_type)][0] if int(ggml_type) in WIDENED else int(ggml_type)
 
 
 def refused_at_start(path: Path, *fragments: str) -> None:

@@ -24,7 +24,8 @@ needs_kernels = pytest.mark.skipif(kernels is None or not hasattr(kernels, "quan
 
 # Byte offsets of each type's fp16 scale fields (d; Q4_K also dmin), as gguf-py lays blocks out.
 F16_FIELDS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2],
-              Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.MXFP4: []}
+              Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.IQ4_NL: [0], Q.IQ4_XS_32: [],
+              Q.MXFP4: []}
 
 
 def random_blocks(kind: int, rows: int, k: int, g: torch.Generator) -> torch.Tensor:
@@ -37,6 +38,10 @@ def random_blocks(kind: int, rows: int, k: int, g: torch.Generator) -> torch.Ten
         raw[:, :, off:off + 2] = scale.view(torch.uint8).reshape(rows, k // values, 2)
     if kind == Q.MXFP4:
         raw[:, :, 0] = torch.randint(115, 135, (rows, k // values), dtype=torch.uint8, generator=g)
+    if kind == Q.IQ4_XS_32:  # a float32 scale: float16 d times a 6-bit scale -32 .. 31
+        d = (torch.rand(rows, k // values, generator=g) * 0.002 + 1e-4).half().float()
+        sc = torch.randint(-32, 32, (rows, k // values), generator=g).float()
+        raw[:, :, :4] = (d * sc).view(torch.uint8).reshape(rows, k // values, 4)
     return raw.reshape(rows, -1).contiguous()
 
 
@@ -332,7 +337,7 @@ R16_KINDS = sorted(Q.R16_OF)
 # The repacked kinds the tile unit takes (Q5_0's repacked rows run on the vector kernel only),
 # and what AMX-BF16 takes dequantized (test_bf16_tiles_*): those, and Q4_0 and Q5_0 blocks.
 TILE_KINDS = [k for k in R16_KINDS if k != Q.Q5_0]
-BF16_KINDS = TILE_KINDS + [Q.Q4_0, Q.Q5_0, Q.Q4_1, Q.Q5_1]
+BF16_KINDS = TILE_KINDS + [Q.Q4_0, Q.Q5_0, Q.Q4_1, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS_32]
 R16_ID = {Q.INT8_ROW: "int8", **Q.BLOCK_TYPES}.get
 
 
@@ -584,15 +589,14 @@ def test_bf16_tiles_run_where_the_cpu_has_them():
 @pytest.mark.parametrize("kind", BF16_KINDS, ids=R16_ID)
 def test_bf16_tiles_compute_the_bf16_weights_product(kind):
     """From quant_bf16_min_rows(type) bfloat16 rows outside batch-invariant mode, repacked
-    parts (Q4_K, Q5_K, Q6_K, Q8_0, int8 rows) and Q4_0, Q5_0, Q4_1 and Q5_1 parts of whole
-    sixteens of rows run
-    dequantized on AMX-BF16: each output equals the float64 product of the
-    activations as given and the weights rounded to bfloat16 (bf16 of the dequantized weight;
-    int8 rows: q, then the row scale) within 1e-6 of the sum of |products| (float32 sums: no
-    room for a misplaced value, sub-block scale or min), every column written once (out starts
-    as NaN), odd and even group counts, a partial last sixteen of rows, two parts into their
-    columns. One row fewer, in batch-invariant mode, and beside a part that cannot take it, the
-    call keeps the integer path's bits."""
+    parts (Q4_K, Q5_K, Q6_K, Q8_0, int8 rows) and Q4_0, Q5_0, Q4_1, Q5_1, IQ4_NL and IQ4_XS parts of
+    whole sixteens of rows run dequantized on AMX-BF16: each output equals the float64 product of
+    the activations as given and the weights rounded to bfloat16 (bf16 of the dequantized weight;
+    int8 rows: q, then the row scale) within 1e-6 of the sum of |products| (float32 sums: no room
+    for a misplaced value, sub-block scale or min), every column written once (out starts as NaN),
+    odd and even group counts, a partial last sixteen of rows, two parts into their columns. One row
+    fewer, in batch-invariant mode, and beside a part that cannot take it, the call keeps the
+    integer path's bits."""
     g = torch.Generator().manual_seed(31 + kind)
     min_rows = kernels.quant_bf16_min_rows(tile_kind(kind))
     # (from the fewest rows, a partial sixteen; 200 rows at K 3072: two chunks, 160 and 40)

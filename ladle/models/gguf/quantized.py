@@ -1,14 +1,15 @@
 """A GGUF file's weights kept in their blocks: every linear (and the embedding) whose tensors are
-of a type the quantized kernels run (runner/quant.py: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, Q4_K,
-Q5_K, Q6_K) becomes a QuantWeight holding the file's bytes (Q3_K's rewritten as the Q6_K blocks
-of the same values: `WIDENED`), installed on the meta-device model
-before any dense memory is allocated. A fused projection takes one part per file tensor (a Q4_K_M
-file stores attn_v as Q6_K beside Q4_K attn_q and attn_k). A tensor of another type inside such a
-projection is dequantized to the model dtype as a dense part; a projection with no kernel type at
-all stays a dense parameter for the usual loader. Norms and biases are always dense, and so is a
-router (`keep_dense`: its logits choose the experts). A layer's experts are stacked in one tensor
-per projection; each expert's rows are a contiguous run of its bytes, found through the family's
-`unfused` (as the loader splits them), and each expert's linear gets a QuantWeight of its run."""
+of a type the quantized kernels run (runner/quant.py: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, IQ4_NL,
+Q4_K, Q5_K, Q6_K) becomes a QuantWeight holding the file's bytes (Q3_K's rewritten as the Q6_K
+blocks of the same values, IQ4_XS's sub-blocks as blocks of 32: `WIDENED`), installed on the
+meta-device model before any dense memory is allocated. A fused projection takes one part per file
+tensor (a Q4_K_M file stores attn_v as Q6_K beside Q4_K attn_q and attn_k). A tensor of another type
+inside such a projection is dequantized to the model dtype as a dense part; a projection with no
+kernel type at all stays a dense parameter for the usual loader. Norms and biases are always dense,
+and so is a router (`keep_dense`: its logits choose the experts). A layer's experts are stacked in
+one tensor per projection; each expert's rows are a contiguous run of its bytes, found through the
+family's `unfused` (as the loader splits them), and each expert's linear gets a QuantWeight of its
+run."""
 
 from __future__ import annotations
 
@@ -21,13 +22,13 @@ import torch.nn as nn
 from gguf import GGMLQuantizationType
 
 from ladle.models.gguf.mapping import _load, _unpermute_rotary, hf_tensor_names
-from ladle.models.gguf.quants import dequantize, q3_k_as_q6_k
+from ladle.models.gguf.quants import dequantize, iq4_xs_as_32, q3_k_as_q6_k
 from ladle.models.gguf.reader import GGUFFile, GGUFTensor
 from ladle.models.loader import ModelLoadError, _target
 from ladle.runner.quant import (
     BLOCK_SIZES,
-    BLOCK_TYPES,
     DENSE,
+    IQ4_XS_32,
     Q6_K,
     QuantEmbedding,
     QuantPart,
@@ -37,9 +38,12 @@ from ladle.runner.quant import (
 
 logger = logging.getLogger(__name__)
 
-# ggml types without a kernel of their own whose blocks are rewritten, exactly, as blocks of a
-# kernel type (their bytes grow, but far less than dequantized): type -> (kernel type, rewrite).
-WIDENED = {int(GGMLQuantizationType.Q3_K): (Q6_K, q3_k_as_q6_k)}
+# ggml types whose blocks are rewritten at load, exactly, as blocks of a kernel type (their bytes
+# grow, but far less than dequantized): type -> (kernel type, rewrite, how, for the log line).
+# Q3_K runs as Q6_K (1.9x its bytes); IQ4_XS's sub-blocks as IQ4_NL-style blocks with a float32
+# scale each (1.18x).
+WIDENED = {int(GGMLQuantizationType.Q3_K): (Q6_K, q3_k_as_q6_k, "as Q6_K"),
+           int(GGMLQuantizationType.IQ4_XS): (IQ4_XS_32, iq4_xs_as_32, "in blocks of 32")}
 
 
 def install_gguf_blocks(model: nn.Module, gguf_file: GGUFFile, hf_config: dict,
@@ -83,7 +87,7 @@ def install_gguf_blocks(model: nn.Module, gguf_file: GGUFFile, hf_config: dict,
         for t, p in zip(tensors, parts, strict=True):
             name = t.ggml_type.name
             if int(t.ggml_type) in WIDENED:
-                name += f" as {BLOCK_TYPES[p.kind]}"
+                name += " " + WIDENED[int(t.ggml_type)][2]
             (dense if p.kind == DENSE else kept).setdefault(name, set()).add(t.name)
         weight = QuantWeight(parts, param.shape[1], dtype)
         if isinstance(module, nn.Embedding):
@@ -117,7 +121,7 @@ def _part(tensor: GGUFTensor, index: Any, gguf_file: GGUFFile, hf_config: dict,
         return QuantPart(DENSE, dequantize(rows, kind, (num_rows, tensor.shape[-1])).to(dtype))
     raw = torch.from_numpy(np.array(rows, copy=True)).reshape(-1, rows.shape[-1])
     if kind in WIDENED:
-        kind, rewrite = WIDENED[kind]
+        kind, rewrite, _ = WIDENED[kind]
         raw = rewrite(raw)
     if gguf_file.architecture == "llama" and tensor.name.startswith("blk."):
         # The converter permuted the rows of q and k for its rotary layout; a row keeps its

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from ladle.runner.quant import IQ4_XS_32
+
 QK_K = 256  # values in a k-quant super-block
 # Values dequantized per step: bounds the temporaries (a few times this many floats) when a
 # whole embedding matrix is dequantized at once.
@@ -28,27 +30,31 @@ _CHUNK_VALUES = 1 << 24
 
 def dequantize(raw: np.ndarray | torch.Tensor, ggml_type: GGMLQuantizationType | int,
                shape: tuple[int, ...]) -> torch.Tensor:
-    """The float32 values of a tensor of `ggml_type` whose bytes are `raw` (numpy or torch,
-    uint8, any shape), in `shape` (torch order). Always new memory: `raw` may be a read-only
-    view of a memory-mapped file, and is only read."""
-    ggml_type = GGMLQuantizationType(ggml_type)
-    if ggml_type not in _DEQUANTIZERS:
-        raise ValueError(f"ggml type {ggml_type.name} cannot be dequantized; supported: "
-                         f"{', '.join(t.name for t in SUPPORTED_TYPES)}")
-    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    """The float32 values of a tensor of `ggml_type` (or ladle's IQ4_XS_32, the layout IQ4_XS
+    runs in) whose bytes are `raw` (numpy or torch, uint8, any shape), in `shape` (torch
+    order). Always new memory: `raw` may be a read-only view of a memory-mapped file, and is
+    only read."""
+    if ggml_type == IQ4_XS_32:
+        name, (block_size, type_size), fn = "IQ4_XS_32", (32, 20), _dequantize_iq4_xs_32
+    else:
+        ggml_type = GGMLQuantizationType(ggml_type)
+        if ggml_type not in _DEQUANTIZERS:
+            raise ValueError(f"ggml type {ggml_type.name} cannot be dequantized; supported: "
+                             f"{', '.join(t.name for t in SUPPORTED_TYPES)}")
+        name, fn = ggml_type.name, _DEQUANTIZERS[ggml_type]
+        block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     shape = tuple(int(s) for s in shape)
     if shape and shape[-1] % block_size:
         raise ValueError(f"shape {shape}: rows of {shape[-1]} values do not split into "
-                         f"{ggml_type.name} blocks of {block_size}")
+                         f"{name} blocks of {block_size}")
     num_blocks = math.prod(shape) // block_size
     data = _uint8_tensor(raw)
     if data.numel() != num_blocks * type_size:
-        raise ValueError(f"{ggml_type.name} tensor of shape {shape} takes "
+        raise ValueError(f"{name} tensor of shape {shape} takes "
                          f"{num_blocks * type_size} bytes, got {data.numel()}")
     blocks = data.reshape(num_blocks, type_size)
     out = torch.empty(num_blocks, block_size, dtype=torch.float32)
     step = max(1, _CHUNK_VALUES // block_size)
-    fn = _DEQUANTIZERS[ggml_type]
     for start in range(0, num_blocks, step):
         out[start:start + step] = fn(blocks[start:start + step])
     return out.reshape(shape)
@@ -147,6 +153,63 @@ def _dequantize_mxfp4(b: torch.Tensor) -> torch.Tensor:
     # e = 0 and 1 a float32 subnormal, which ldexp gives exactly).
     q = torch.tensor(MXFP4_VALUES, dtype=torch.float32)[_nibbles(b[:, 1:]).long()]
     return torch.ldexp(q, b[:, :1].to(torch.int32) - 128)
+
+
+# ---- non-linear 4-bit: nibbles index a table of 16 int8 values ---------------------------------
+
+# ggml's kvalues_iq4nl: IQ4_NL's and IQ4_XS's 16 values, spaced for a normal distribution.
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def _iq4_values(qs: torch.Tensor) -> torch.Tensor:
+    """(n, 16 * m) bytes of nibbles, 32 values per 16 bytes as Q4_0's (value j < 16 the low
+    nibble of byte j, 16 + j its high one) -> (n, 32 * m) int8 table values."""
+    n = qs.shape[0]
+    nibbles = _fields(qs.reshape(n, -1, 16), 4).reshape(n, -1)
+    return torch.tensor(IQ4_VALUES, dtype=torch.int8)[nibbles.long()]
+
+
+def _dequantize_iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    # 18 bytes: d, qs[16] (nibbles).  y = d * IQ4_VALUES[q]
+    return _iq4_values(b[:, 2:]).float() * _f16(b, 0)
+
+
+def _dequantize_iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    # 136 bytes: d, scales_h (a little-endian uint16: bits 2j, 2j + 1 are the high 2 bits of
+    # sub-block j's scale), scales_l[4] (sub-block 2i's low 4 bits in byte i's low nibble,
+    # 2i + 1's in its high one), qs[128] (each 32-value sub-block's nibbles as IQ4_NL's).
+    # A scale is stored offset by 32.  y = (d * scale) * IQ4_VALUES[q]
+    n = b.shape[0]
+    dl = _iq4_xs_scales(b).unsqueeze(-1)  # (n, 8, 1)
+    return (dl * _iq4_values(b[:, 8:]).reshape(n, 8, 32).float()).reshape(n, QK_K)
+
+
+def _iq4_xs_scales(b: torch.Tensor) -> torch.Tensor:
+    """(n, 8) float32: d times each sub-block's 6-bit scale (exact: 11 bits times 6)."""
+    n = b.shape[0]
+    high = _fields(b[:, 2:4], 2).transpose(1, 2).reshape(n, 8)
+    low = _fields(b[:, 4:8], 4).transpose(1, 2).reshape(n, 8)
+    scales = (low | (high << 4)).to(torch.int8) - 32
+    return _f16(b, 0) * scales.float()
+
+
+def iq4_xs_as_32(raw: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS rows (..., 136 * blocks) uint8 as IQ4_XS_32 rows (..., 160 * blocks), the layout the
+    quantized kernels run: each sub-block of 32 its own block, its float32 scale (d times the
+    sub-block's scale, exact in float32; float16 would round it) then its 16 bytes of nibbles,
+    so it multiplies as IQ4_NL's blocks do. 20 bytes per 32 values against 17."""
+    lead = raw.shape[:-1]
+    b = raw.reshape(-1, 136)
+    n = b.shape[0]
+    out = torch.empty(n, 8, 20, dtype=torch.uint8)
+    out[:, :, :4] = _iq4_xs_scales(b).contiguous().view(torch.uint8).reshape(n, 8, 4)
+    out[:, :, 4:] = b[:, 8:].reshape(n, 8, 16)
+    return out.reshape(*lead, -1)
+
+
+def _dequantize_iq4_xs_32(b: torch.Tensor) -> torch.Tensor:
+    # 20 bytes: a float32 scale, then 16 bytes of nibbles as IQ4_NL's.  y = scale * value
+    return _iq4_values(b[:, 4:]).float() * b[:, :4].contiguous().view(torch.float32)
 
 
 # ---- k-quants: 256-value super-blocks of 16 or 8 sub-blocks ---------------------------------
@@ -275,6 +338,8 @@ _DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]
     GGMLQuantizationType.Q5_0: _dequantize_q5_0,
     GGMLQuantizationType.Q5_1: _dequantize_q5_1,
     GGMLQuantizationType.MXFP4: _dequantize_mxfp4,
+    GGMLQuantizationType.IQ4_NL: _dequantize_iq4_nl,
+    GGMLQuantizationType.IQ4_XS: _dequantize_iq4_xs,
     GGMLQuantizationType.Q2_K: _dequantize_q2_k,
     GGMLQuantizationType.Q3_K: _dequantize_q3_k,
     GGMLQuantizationType.Q4_K: _dequantize_q4_k,

@@ -1,17 +1,17 @@
 // Quantized linears: y (M, N) = x (M, K) @ W (N, K)^T where W's rows are parts, each in GGUF blocks
-// (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, Q4_K, Q5_K, Q6_K) or int8 with a scale per row, and x is
-// quantized to int8 once per call for all parts. One call, one parallel region: a decode step's
-// small matmuls (0.2-2 MB of weights, 10-100 us) would otherwise spend a third of their time in
-// Python and in the threads' wake-ups and joins. The pure-torch twin is in ladle/runner/quant.py;
-// the tests compare the two.
+// (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, IQ4_NL, IQ4_XS, Q4_K, Q5_K, Q6_K) or int8 with a scale per
+// row, and x is quantized to int8 once per call for all parts. One call, one parallel region: a
+// decode step's small matmuls (0.2-2 MB of weights, 10-100 us) would otherwise spend a third of
+// their time in Python and in the threads' wake-ups and joins. The pure-torch twin is in
+// ladle/runner/quant.py; the tests compare the two.
 //
 // The scheme (ggml's, written afresh): the activations are int8 per block of 32 values with a float
 // scale (d = max|x| / 127); a weight block of 32 is unpacked in registers to 32 int8 values; the 32
 // products are summed in integers (AVX2 vpmaddubsw + vpmaddwd, or VNNI vpdpbusd), converted once
 // and scaled by d_w * d_x. vpmaddubsw multiplies unsigned by signed bytes, so the signed weights of
-// Q8_0 and MXFP4 go in as |w| with the sign moved onto x (vpsignb); Q4_0's and Q5_0's go in as q +
-// 8 and q + 16, that bias times sum(x) taken off each block's integer sum. The K-quants' values go
-// in unsigned (Q4_K's nibbles, Q6_K's q before its -32), their sub-block scales multiply the
+// Q8_0, MXFP4 and IQ4 go in as |w| with the sign moved onto x (vpsignb); Q4_0's and Q5_0's go in as
+// q + 8 and q + 16, that bias times sum(x) taken off each block's integer sum. The K-quants' values
+// go in unsigned (Q4_K's nibbles, Q6_K's q before its -32), their sub-block scales multiply the
 // integer sums in the vpmaddwd, and what the unsigned form adds comes off per sub-block from the
 // activations' sums kept beside their scales (Q6_K's offset in integers, Q4_K's and Q5_K's mins as
 // one FMA; Q4_1's and Q5_1's values go in as stored, their min m per block of 32 the same FMA). An
@@ -66,8 +66,15 @@
 namespace {
 
 constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13,
-              kQ6_K = 14, kMXFP4 = 39;
+              kQ6_K = 14, kIQ4NL = 20, kMXFP4 = 39;
 constexpr int kI8 = -1;  // int8 rows with a float scale per row (quant.py's INT8_ROW)
+// IQ4_XS's sub-blocks as blocks of 32 (quant.py's IQ4_XS_32): a float32 scale, d times the
+// sub-block's 6-bit scale (exact), then IQ4_NL's 16 bytes of nibbles.
+constexpr int kIQ4XS32 = -9;
+// IQ4_NL and IQ4_XS: nibbles that index a table of 16 int8 values (kIq4Values), as MXFP4's index
+// its e2m1 table; blocks of 32 with one float scale, so they run where MXFP4 does.
+template <int TYPE> constexpr bool kLut4 =
+    TYPE == kMXFP4 || TYPE == kIQ4NL || TYPE == kIQ4XS32;
 // Repacked at load by 16 rows (quant.py's Q4_K_R16, Q6_K_R16, Q8_0_R16, INT8_ROW_R16,
 // Q5_0_R16, Q5_K_R16; AVX-512 VNNI builds).
 constexpr int kQ4KR = -3, kQ6KR = -4, kQ8R = -5, kI8R = -6, kQ5R = -7, kQ5KR = -8;
@@ -97,7 +104,8 @@ template <int TYPE> constexpr bool kHasMin = kK4<TYPE> || kMin32<TYPE>;
 inline bool tile_r16(int type) { return is_r16(type) && type != kQ5R; }
 // Types not repacked whose 16-row panels can also become bfloat16 B tiles (bf16_group).
 constexpr bool bf16_panel_type(int type) {
-  return type == kQ4_0 || type == kQ5_0 || type == kQ4_1 || type == kQ5_1;
+  return type == kQ4_0 || type == kQ5_0 || type == kQ4_1 || type == kQ5_1 || type == kIQ4NL ||
+         type == kIQ4XS32;
 }
 inline int r16_base(int type) {
   return type == kQ4KR ? kQ4_K : type == kQ6KR ? kQ6_K : type == kQ5R ? kQ5_0
@@ -115,6 +123,8 @@ inline void with_type(int type, F&& f) {
     case kQ5_1: return f(std::integral_constant<int, kQ5_1>{});
     case kQ5_0: return f(std::integral_constant<int, kQ5_0>{});
     case kMXFP4: return f(std::integral_constant<int, kMXFP4>{});
+    case kIQ4NL: return f(std::integral_constant<int, kIQ4NL>{});
+    case kIQ4XS32: return f(std::integral_constant<int, kIQ4XS32>{});
     case kQ4_K: return f(std::integral_constant<int, kQ4_K>{});
     case kQ5_K: return f(std::integral_constant<int, kQ5_K>{});
     case kQ6_K: return f(std::integral_constant<int, kQ6_K>{});
@@ -135,6 +145,8 @@ inline int64_t block_bytes(int type) {
     case kQ5_1: return 24;
     case kQ8_0: return 34;
     case kMXFP4: return 17;
+    case kIQ4NL: return 18;
+    case kIQ4XS32: return 20;
     case kQ4_K: return 144;
     case kQ5_K: return 176;
     case kQ6_K: return 210;
@@ -186,6 +198,22 @@ static_assert(kE8m0Half.v[0] == 0x1p-128f && kE8m0Half.v[1] == 0x1p-127f &&
 
 inline float e8m0_half(uint8_t e) { return kE8m0Half.v[e]; }
 
+// ggml's kvalues_iq4nl: the 16 values of IQ4_NL's and IQ4_XS's nibbles (|w| <= 127, as Q8_0's,
+// so the int16 pair sums of vpmaddubsw hold them).
+constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                   1,    13,   25,  38,  53,  69,  89,  113};
+
+// The 16-value table and the offset of the nibbles in a block of a kLut4 type.
+template <int TYPE> constexpr const int8_t* kLut4Table =
+    TYPE == kMXFP4 ? kMxfp4Values : kIq4Values;
+template <int TYPE> constexpr int kLut4Qs = TYPE == kMXFP4 ? 1 : TYPE == kIQ4NL ? 2 : 4;
+
+inline float f32_at(const uint8_t* p) {
+  float v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
 // Q4_K's 6-bit scale and min of sub-block j (0..7) from its 12 packed bytes: sub-blocks 0-3
 // keep them in the low 6 bits of bytes j and j+4; 4-7 have the low 4 bits in byte j+4 (scale
 // low nibble, min high nibble) and the high 2 bits in the top bits of bytes j-4 and j.
@@ -223,6 +251,10 @@ inline void sub_scales(const uint8_t* row, int64_t sb, Sub& o) {
     o.minv = -f16(b + 2);
   } else if constexpr (TYPE == kMXFP4) {
     o.s0 = o.s1 = e8m0_half(row[sb * 17]);
+  } else if constexpr (TYPE == kIQ4NL) {
+    o.s0 = o.s1 = f16(row + sb * 18);
+  } else if constexpr (TYPE == kIQ4XS32) {
+    o.s0 = o.s1 = f32_at(row + sb * 20);
   } else if constexpr (kK4<TYPE>) {
     const uint8_t* b = row + (sb >> 3) * kK4Bytes<TYPE>;
     int sc, mn;
@@ -275,11 +307,12 @@ inline void unpack_scalar(const uint8_t* row, int64_t sb, Sub& o) {
       o.q[i] = int8_t((b[8 + i] & 0xF) | (((qh >> i) & 1) << 4));
       o.q[i + 16] = int8_t((b[8 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
     }
-  } else if constexpr (TYPE == kMXFP4) {
-    const uint8_t* b = row + sb * 17;
+  } else if constexpr (kLut4<TYPE>) {
+    constexpr int64_t bytes = TYPE == kMXFP4 ? 17 : TYPE == kIQ4NL ? 18 : 20;
+    const uint8_t* b = row + sb * bytes + kLut4Qs<TYPE>;
     for (int i = 0; i < 16; i++) {
-      o.q[i] = kMxfp4Values[b[1 + i] & 0xF];
-      o.q[i + 16] = kMxfp4Values[b[1 + i] >> 4];
+      o.q[i] = kLut4Table<TYPE>[b[i] & 0xF];
+      o.q[i + 16] = kLut4Table<TYPE>[b[i] >> 4];
     }
   } else if constexpr (kK4<TYPE>) {
     const int j = int(sb & 7);
@@ -410,17 +443,18 @@ inline __m256i bit_bytes(uint32_t bits) {
   return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 
-// A block of 32 values with one scale (Q8_0, Q4_0, Q5_0, MXFP4, and int8 rows as blocks of
+// A block of 32 values with one scale (Q8_0, Q4_0, Q5_0, MXFP4, IQ4, int8 rows as blocks of
 // scale 1; Q4_1 and Q5_1 with a min too), its values unpacked to signed int8. (The K-quants have
 // tiles of their own, below.)
 template <int TYPE> constexpr int64_t kBlockBytes =
     TYPE == kI8 ? 32 : TYPE == kQ8_0 ? 34 : TYPE == kQ4_0 ? 18 : TYPE == kMXFP4 ? 17
-    : TYPE == kQ4_1 ? 20 : TYPE == kQ5_1 ? 24 : 22;
+    : TYPE == kQ4_1 ? 20 : TYPE == kQ5_1 ? 24 : TYPE == kIQ4NL ? 18 : TYPE == kIQ4XS32 ? 20 : 22;
 
 template <int TYPE>
 inline float block_scale(const uint8_t* b) {
   if constexpr (TYPE == kI8) return 1.f;
   else if constexpr (TYPE == kMXFP4) return e8m0_half(b[0]);
+  else if constexpr (TYPE == kIQ4XS32) return f32_at(b);
   else return f16(b);
 }
 
@@ -432,9 +466,9 @@ inline __m256i block_quants(const uint8_t* b) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
   } else if constexpr (TYPE == kQ4_0) {
     return _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8));
-  } else if constexpr (TYPE == kMXFP4) {  // the nibbles through the table, one vpshufb
-    const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values));
-    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(table), nibbles(b + 1));
+  } else if constexpr (kLut4<TYPE>) {  // the nibbles through the table, one vpshufb
+    const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kLut4Table<TYPE>));
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(table), nibbles(b + kLut4Qs<TYPE>));
   } else {  // Q5_0
     static_assert(TYPE == kQ5_0);
     uint32_t qh;
@@ -575,12 +609,15 @@ inline __m256 block_scales(const uint8_t* const* b) {
     return _mm256_setr_ps(e8m0_half(b[0][0]), e8m0_half(b[1][0]), e8m0_half(b[2][0]),
                           e8m0_half(b[3][0]), e8m0_half(b[4][0]), e8m0_half(b[5][0]),
                           e8m0_half(b[6][0]), e8m0_half(b[7][0]));
+  } else if constexpr (TYPE == kIQ4XS32) {
+    return _mm256_setr_ps(f32_at(b[0]), f32_at(b[1]), f32_at(b[2]), f32_at(b[3]), f32_at(b[4]),
+                          f32_at(b[5]), f32_at(b[6]), f32_at(b[7]));
   } else {
     return f16_rows(b, 0);
   }
 }
 
-// The blocks of 32 with one scale (Q8_0, Q4_0, Q5_0, MXFP4, int8 rows): signed weights go into
+// The blocks of 32 with one scale (Q8_0, Q4_0, Q5_0, MXFP4, IQ4, int8 rows): signed weights go into
 // vpmaddubsw / vpdpbusd as |w| with the sign moved onto x (vpsignb); Q4_0 and Q5_0 unsigned.
 template <int TYPE, int MR>
 inline void tile_blocks(const uint8_t* const* w, const Act& a, __m256* acc) {
@@ -886,7 +923,8 @@ inline float row_q6k(const uint8_t* w, const Act& a) {
   return _mm_cvtss_f32(acc);
 }
 
-// The types whose one-row products take row_blocks / row_q6k (MXFP4, Q4_K, Q5_K stay in tiles).
+// The types whose one-row products take row_blocks / row_q6k (MXFP4, IQ4, Q4_K, Q5_K, Q4_1,
+// Q5_1 stay in tiles).
 template <int TYPE> constexpr bool kRowAtATime =
     TYPE == kQ8_0 || TYPE == kI8 || TYPE == kQ6_K || TYPE == kQ4_0 || TYPE == kQ5_0;
 template <int TYPE>
@@ -1617,6 +1655,8 @@ constexpr int64_t bf16_min_rows(int type) {
     case kQ5_1: return 9;  // (as Q5_0, Q4_0: not measured apart)
     case kQ4_1: return 12;
     case kQ4_0: return 12;
+    case kIQ4NL: return 12;  // (as Q4_0: not measured apart)
+    case kIQ4XS32: return 12;
     case kQ4KR: return 16;
     case kQ5KR: return 16;  // (as Q4_K: not measured apart)
     default: return 20;  // Q8_0, int8 rows
@@ -1758,9 +1798,9 @@ inline void bf16_block(const uint8_t* b, uint16_t* out) {
 // one layer's loop), ms, without / with this prefetch (dense bfloat16 on torch): Q8_0 64 rows
 // 81.1 / 56.7 (63.0), 128 rows 115.4 / 85.0-92.9 (97-103), 512 rows 316 / 288 (265); Q4_K,
 // whose dequantization waits less, 128 rows 88.3 / 85.1.
-// Q4_0, Q5_0, Q4_1 and Q5_1 (not repacked at load: bf16_panel_type) take this path too, their 16
-// rows unpacked into a panel (pack_panel: the slots' layout, u = q + bias, a scale and min per
-// row and sub-block) and written as B tiles by bf16_panel (below, where the panels are).
+// Q4_0, Q5_0, Q4_1, Q5_1 and IQ4 (not repacked at load: bf16_panel_type) take this path too,
+// their 16 rows unpacked into a panel (pack_panel: the slots' layout, u = q + bias, a scale and
+// min per row and sub-block) and written as B tiles by bf16_panel (below, where the panels are).
 template <int TYPE>
 void bf16_panel(const Part& p, int64_t n0, int64_t K, uint16_t* out);
 
@@ -1990,7 +2030,7 @@ void part_tiles_any(const Part& p, int64_t t0, int64_t t1, const Act& a, int64_t
 // (w + bias), interleaved by 4 (dword t of the 16 rows side by side: one zmm), so one vpdpbusd
 // with 4 bytes of an activation row broadcast adds 64 products into 16 outputs' int32 sums: a
 // sub-block of 32 takes 8 of them, then one conversion and two float operations for all 16
-// outputs. The bias (Q8_0, int8 rows and MXFP4: 128 with the sign bit flipped; Q4_0 8; Q5_0
+// outputs. The bias (Q8_0, int8 rows, MXFP4, IQ4: 128 with the sign bit flipped; Q4_0 8; Q5_0
 // 16; Q6_K 32; Q4_K's and Q5_K's values need none) makes the weights unsigned for vpdpbusd;
 // what it adds, bias * sum(x), starts each integer sum negated, so the sums are the tiles'
 // integers and the float steps the tiles' (the order at the top of the tiles).
@@ -2000,7 +2040,7 @@ constexpr int64_t kPanelRows = 16;
 constexpr int64_t kPanelMinRows = 12;
 
 template <int TYPE> constexpr int kPanelBias =
-    (TYPE == kQ8_0 || TYPE == kI8 || TYPE == kMXFP4) ? 128 : TYPE == kQ4_0 ? 8
+    (TYPE == kQ8_0 || TYPE == kI8 || kLut4<TYPE>) ? 128 : TYPE == kQ4_0 ? 8
     : TYPE == kQ5_0 ? 16 : TYPE == kQ6_K ? 32 : 0;
 
 // Sub-block sb of a row as 32 unsigned bytes w + bias.
@@ -2020,7 +2060,7 @@ inline __m256i panel_bytes(const uint8_t* row, int64_t sb) {
     return _mm256_or_si256(nibbles(b + 6), bit_bytes(qh));
   } else if constexpr (kMin32<TYPE>) {  // unsigned as stored
     return block_unsigned<TYPE>(row + sb * kBlockBytes<TYPE>);
-  } else {  // signed bytes (Q8_0, int8 rows, MXFP4's values): + 128 is the sign bit flipped
+  } else {  // signed bytes (Q8_0, int8 rows, MXFP4's and IQ4's values): + 128 is the sign flipped
     return _mm256_xor_si256(block_quants<TYPE>(row + sb * kBlockBytes<TYPE>), flip);
   }
 }
@@ -2239,7 +2279,7 @@ constexpr bool kHasR16 =
 
 bool is_kernel_type(int64_t t) {
   return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ5_1 || t == kQ8_0 || t == kMXFP4 ||
-         t == kQ4_K || t == kQ5_K || t == kQ6_K ||
+         t == kIQ4NL || t == kIQ4XS32 || t == kQ4_K || t == kQ5_K || t == kQ6_K ||
          t == kI8 || (is_r16(int(t)) && kHasR16);
 }
 
@@ -2993,6 +3033,8 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
               case kQ5_0: bf16_group<kQ5_0>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               case kQ4_1: bf16_group<kQ4_1>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               case kQ5_1: bf16_group<kQ5_1>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
+              case kIQ4NL: bf16_group<kIQ4NL>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
+              case kIQ4XS32: bf16_group<kIQ4XS32>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               default: bf16_group<kI8R>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
             }
           }
