@@ -399,6 +399,10 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(cfg.head_v_dim, cfg.eps)
         self.out_proj = nn.Linear(cfg.value_dim, hidden, bias=False)
         self.in_proj: torch.Tensor | None = None  # the input projections stacked (after_load)
+        # Where out_proj's columns are held in another order than the values' (a GGUF file's
+        # quantized blocks keep llama.cpp's tiled value heads: models/gguf/quantized.py), the
+        # value channel each column multiplies: out_proj's input is gathered into that order.
+        self.out_columns: torch.Tensor | None = None
 
     def _input_projections(self) -> list[nn.Linear]:
         if self.cfg.layout == "qwen3_5":
@@ -449,8 +453,10 @@ class GatedDeltaNet(nn.Module):
                 self._prefill(qkv, g, beta, seg, state, core)
         if plan.drafted:
             self._by_position(qkv, g, beta, plan.drafted, state, core, drafted=True)
-        out = self.norm(core.to(x.dtype), z)  # (T, nv, dv)
-        out = linear(out.reshape(num_tokens, cfg.value_dim), self.out_proj.weight)
+        out = self.norm(core.to(x.dtype), z).reshape(num_tokens, cfg.value_dim)
+        if self.out_columns is not None:
+            out = out.index_select(-1, self.out_columns)
+        out = linear(out, self.out_proj.weight)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def _project(self, x: torch.Tensor):

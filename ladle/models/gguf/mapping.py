@@ -57,7 +57,11 @@ HF_ARCHITECTURES = {
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
+    "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+    "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
 }
+# Qwen3.5's hybrids: Gated DeltaNet layers beside gated full attention (models/qwen3_next.py).
+HYBRID = ("qwen35", "qwen35moe")
 # llama.cpp stores Mixtral as `llama` with `llama.expert_count` set.
 MIXTRAL = ("MixtralForCausalLM", "mixtral")
 GELU_TANH = "gelu_pytorch_tanh"  # Gemma's MLP activation (llama.cpp: LLM_FFN_GELU)
@@ -72,7 +76,8 @@ def hf_config_from_gguf(gguf_file: GGUFFile) -> dict[str, Any]:
     """config.json of the HF checkpoint, in the flat style of transformers 4.5x (top-level
     rope_theta, rope_scaling, rope_local_base_freq)."""
     arch, hp = gguf_file.architecture, _HParams(gguf_file)
-    has_experts = arch in ("qwen3moe", "gpt-oss") or (arch == "llama" and hp.get("expert_count"))
+    has_experts = arch in ("qwen3moe", "gpt-oss", "qwen35moe") or \
+        (arch == "llama" and hp.get("expert_count"))
     hf_class, model_type = MIXTRAL if arch == "llama" and has_experts else HF_ARCHITECTURES[arch]
     embedding = gguf_file.tensors.get("token_embd.weight")
     if embedding is None:
@@ -88,7 +93,7 @@ def hf_config_from_gguf(gguf_file: GGUFFile) -> dict[str, Any]:
         "model_type": model_type,
         "vocab_size": embedding.shape[0],
         "hidden_size": hidden,
-        "num_hidden_layers": hp.require("block_count"),
+        "num_hidden_layers": _num_layers(gguf_file, hp),
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
         "head_dim": head_dim,
@@ -101,7 +106,8 @@ def hf_config_from_gguf(gguf_file: GGUFFile) -> dict[str, Any]:
     }
     # qwen3moe's dense MLP size is for layers without experts, which llama.cpp's qwen3moe does
     # not have: the key is optional there.
-    if arch not in ("qwen3moe", "gpt-oss") or hp.get("feed_forward_length") is not None:
+    if arch not in ("qwen3moe", "gpt-oss", "qwen35moe") or \
+            hp.get("feed_forward_length") is not None:
         config["intermediate_size"] = hp.uniform("feed_forward_length")
     for key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                           ("pad_token_id", "padding_token_id")):
@@ -116,6 +122,8 @@ def hf_config_from_gguf(gguf_file: GGUFFile) -> dict[str, Any]:
         config.update(_gemma_fields(gguf_file, hp, config))
     elif arch == "gpt-oss":
         config.update(_gpt_oss_fields(gguf_file, hp, config))
+    elif arch in HYBRID:
+        config.update(_hybrid_fields(gguf_file, hp, config))
     if has_experts:
         config.update(_moe_fields(gguf_file, hp, config))
     return config
@@ -131,27 +139,49 @@ def hf_tensor_names(gguf_file: GGUFFile, hf_config: dict[str, Any]) -> dict[str,
     gguf_to_hf: dict[str, str] = {}
     for hf_name in hf_shapes:
         module, _, suffix = hf_name.rpartition(".")  # "weight" or "bias"
+        if suffix == "dt_bias":  # Qwen3.5's: the converter renames it dt_proj.bias
+            module, suffix = f"{module}.dt_proj", "bias"
         if (gguf_module := name_map.get_name(module)) is not None:
             gguf_to_hf[f"{gguf_module}.{suffix}"] = hf_name
         elif (gguf_module := name_map.get_name(hf_name)) is not None:
-            # A bare parameter (gpt-oss's self_attn.sinks): the converter named it NAME.weight.
-            gguf_to_hf[f"{gguf_module}.weight"] = hf_name
+            # A bare parameter: the converter named gpt-oss's self_attn.sinks NAME.weight,
+            # Qwen3.5's linear_attn.A_log NAME (ssm_a).
+            gguf_to_hf[f"{gguf_module}.weight"] = gguf_to_hf[gguf_module] = hf_name
     hf_class = hf_config["architectures"][0]
     names: dict[str, str] = {}
     for gguf_name, tensor in gguf_file.tensors.items():
-        if gguf_name == ROPE_FREQS:
+        if gguf_name == ROPE_FREQS or _is_next_token_layer(gguf_name, gguf_file, hf_config):
             continue
         hf_name = gguf_to_hf.get(gguf_name)
         if hf_name is None:
             raise ModelLoadError(f"{gguf_file.path}: tensor {gguf_name!r} has no counterpart "
                                  f"in {hf_class}; accepted: that model's tensors only")
-        if tensor.shape != hf_shapes[hf_name]:
+        if tensor.shape != _as_stored(hf_name, hf_shapes[hf_name], arch):
             raise ModelLoadError(
                 f"{gguf_file.path}: tensor {gguf_name!r} has shape {tensor.shape}; {hf_name} "
                 f"of {hf_class} with this file's metadata has {hf_shapes[hf_name]}"
                 f"{_metadata_behind(tensor.shape, hf_shapes[hf_name], hf_config, gguf_file)}")
         names[gguf_name] = hf_name
     return names
+
+
+def _is_next_token_layer(gguf_name: str, gguf_file: GGUFFile, hf_config: dict[str, Any]) -> bool:
+    """A tensor of the multi-token-prediction layers the converter appends after the model's
+    own (blocks num_hidden_layers .. block_count - 1, `nextn_predict_layers` of them: Qwen3.5's
+    MTP head), which ladle does not run (as its safetensors loader skips `mtp.*`)."""
+    if not gguf_name.startswith("blk."):
+        return False
+    block = gguf_name.split(".", 2)[1]
+    blocks = gguf_file.metadata.get(f"{gguf_file.architecture}.block_count", 0)
+    return block.isdecimal() and hf_config["num_hidden_layers"] <= int(block) < blocks
+
+
+def _as_stored(hf_name: str, shape: tuple[int, ...], arch: str) -> tuple[int, ...]:
+    """An HF tensor's shape as the converter stores it: Qwen3.5's depthwise conv weight
+    (channels, 1, kernel) squeezed to (channels, kernel)."""
+    if arch in HYBRID and hf_name.endswith("linear_attn.conv1d.weight"):
+        return (shape[0], shape[2])
+    return shape
 
 
 # config.json fields (as loader.size_fields names them) and the GGUF metadata keys they come from.
@@ -210,7 +240,51 @@ def _load(tensor: GGUFTensor, arch: str, hf_config: dict[str, Any]) -> torch.Ten
             values = _unpermute_rotary(values, hf_config["num_key_value_heads"])
     elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
         values = values - 1.0  # float32, as transformers' Gemma2TensorProcessor
+    elif arch in HYBRID:
+        values = _hybrid_tensor(values, name, hf_config)
     return values
+
+
+def _hybrid_tensor(values: torch.Tensor, name: str, hf_config: dict[str, Any]) -> torch.Tensor:
+    """Undo what the converter does to a Qwen3.5 tensor (conversion/qwen.py): the (1 + w)
+    norms stored as 1 + w, except the gated norm of the linear layers; A_log stored as
+    A = -exp(A_log); the conv weight squeezed; and where the linear layers have fewer key heads
+    than value heads, every value-head axis reordered from grouped by key head to tiled (for
+    ggml's broadcast): in_proj_qkv's v rows, in_proj_z's, in_proj_a's and in_proj_b's rows,
+    A_log, dt_bias, the conv's v channels and out_proj's columns."""
+    if name.endswith("norm.weight") and not name.endswith("ssm_norm.weight"):
+        return values - 1.0  # float32
+    if not name.startswith("blk."):
+        return values
+    kind = name.split(".", 2)[2]
+    nk, nv = hf_config["linear_num_key_heads"], hf_config["linear_num_value_heads"]
+    dv, key_dim = hf_config["linear_value_head_dim"], nk * hf_config["linear_key_head_dim"]
+    if kind in ("attn_qkv.weight", "ssm_conv1d.weight"):  # rows / channels [q | k | v]
+        values = torch.cat([values[:2 * key_dim],
+                            untile_value_heads(values[2 * key_dim:], 0, nk, nv, dv)])
+    elif kind == "attn_gate.weight":
+        values = untile_value_heads(values, 0, nk, nv, dv)
+    elif kind in ("ssm_alpha.weight", "ssm_beta.weight", "ssm_a", "ssm_dt.bias"):
+        values = untile_value_heads(values, 0, nk, nv, 1)
+    elif kind == "ssm_out.weight":
+        values = untile_value_heads(values, 1, nk, nv, dv)
+    if kind == "ssm_a":
+        return torch.log(-values)  # float32: exp of it gives A back within an ulp
+    if kind == "ssm_conv1d.weight":
+        return values.unsqueeze(1)
+    return values
+
+
+def untile_value_heads(t: torch.Tensor, dim: int, nk: int, nv: int,
+                       head_dim: int) -> torch.Tensor:
+    """Axis `dim` of nv heads of head_dim (or of whole rows of blocks) from the converter's
+    tiled order (value head j of every key head, then j + 1: [k0v0, k1v0, ..., k0v1, ...]) back
+    to HF's grouped order ([k0v0, k0v1, ..., k1v0, ...]); the identity when nk == nv."""
+    if nk == nv:
+        return t
+    shape = list(t.shape)
+    tiled = t.reshape(*shape[:dim], nv // nk, nk, head_dim, *shape[dim + 1:])
+    return tiled.transpose(dim, dim + 1).reshape(shape)
 
 
 def _unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -323,6 +397,11 @@ def _moe_fields(gguf_file: GGUFFile, hp: _HParams, config: dict[str, Any]) -> di
     if arch == "gpt-oss":  # top k by logit, then a softmax over those k: gpt-oss's own routing
         return {"num_local_experts": num_experts, "num_experts_per_tok": top_k,
                 "intermediate_size": hp.uniform("expert_feed_forward_length")}
+    if arch == "qwen35moe":  # every layer sparse, with a shared expert; top k renormalised
+        return {"num_experts": num_experts, "num_experts_per_tok": top_k,
+                "moe_intermediate_size": hp.uniform("expert_feed_forward_length"),
+                "shared_expert_intermediate_size":
+                    hp.uniform("expert_shared_feed_forward_length")}
     if hp.get("expert_feed_forward_length") is None and "intermediate_size" in config:
         expert_size = config["intermediate_size"] // top_k
     else:
@@ -391,6 +470,50 @@ def _gpt_oss_fields(gguf_file: GGUFFile, hp: _HParams, config: dict[str, Any]) -
     if config["rope_scaling"] is not None and config["rope_scaling"]["rope_type"] == "yarn":
         fields["rope_scaling"] = {**config["rope_scaling"], "truncate": False}
     return fields
+
+
+def _num_layers(gguf_file: GGUFFile, hp: _HParams) -> int:
+    """The model's own layers: block_count less the multi-token-prediction layers the converter
+    appends (`nextn_predict_layers`, Qwen3.5's MTP head; not run)."""
+    blocks = hp.require("block_count")
+    extra = hp.get("nextn_predict_layers", 0)
+    if not isinstance(extra, int) or not 0 <= extra < blocks:
+        raise ModelLoadError(f"{gguf_file.path}: {gguf_file.architecture}.nextn_predict_layers is "
+                             f"{extra!r}; accepted: 0 to block_count - 1 ({blocks - 1})")
+    return blocks - extra
+
+
+def _hybrid_fields(gguf_file: GGUFFile, hp: _HParams, config: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's linear-attention layers and layer pattern, as llama.cpp's qwen35 loaders read
+    them: ssm.group_count key heads of ssm.state_size, ssm.time_step_rank value heads sharing
+    ssm.inner_size, the conv's kernel; attention.recurrent_layers (else every
+    full_attention_interval-th layer full); rotary on rope.dimension_count of each head (its
+    multimodal sections give text positions exactly that)."""
+    arch, n = gguf_file.architecture, config["num_hidden_layers"]
+    nk, nv = hp.require("ssm.group_count"), hp.require("ssm.time_step_rank")
+    inner = hp.require("ssm.inner_size")
+    if nk < 1 or nv < nk or nv % nk or inner % nv:
+        raise ModelLoadError(f"{gguf_file.path}: {arch}.ssm.group_count {nk}, "
+                             f"ssm.time_step_rank {nv}, ssm.inner_size {inner}: the value heads "
+                             "must be a multiple of the key heads and divide inner_size")
+    recurrent = hp.get("attention.recurrent_layers")
+    if recurrent is None:
+        interval = hp.get("full_attention_interval", 4)
+        recurrent = [(i + 1) % interval != 0 for i in range(n)]
+    elif not isinstance(recurrent, list) or len(recurrent) < n:
+        raise ModelLoadError(f"{gguf_file.path}: {arch}.attention.recurrent_layers must list "
+                             f"the {n} layers")
+    rotary = hp.get("rope.dimension_count", config["head_dim"] // 4)
+    factor = rotary / config["head_dim"]
+    return {"linear_num_key_heads": nk, "linear_num_value_heads": nv,
+            "linear_key_head_dim": hp.require("ssm.state_size"),
+            "linear_value_head_dim": inner // nv,
+            "linear_conv_kernel_dim": hp.require("ssm.conv_kernel"),
+            "layer_types": ["linear_attention" if r else "full_attention"
+                            for r in recurrent[:n]],
+            "partial_rotary_factor": factor,
+            "rope_parameters": {"rope_type": "default", "rope_theta": config["rope_theta"],
+                                "partial_rotary_factor": factor}}
 
 
 def _gemma_fields(gguf_file: GGUFFile, hp: _HParams, config: dict[str, Any]) -> dict[str, Any]:
