@@ -14,8 +14,10 @@ ladle cache directory):
   - dense: Qwen3ForCausalLM with the same hidden size, layer count, full-attention shape
     (8 q / 2 KV heads of 256), MLP and vocabulary on all 24 layers: 0.55B weights.
 llama.cpp runs the bf16 GGUF that its own converter (in the llama-cpp-python sources that
-benchmarks/build_llama_cpp.sh built) makes of each checkpoint; for the hybrid that takes the
-converter's --no-mtp (its Qwen3.5 class otherwise requires multi-token-prediction layers,
+benchmarks/build_llama_cpp.sh built) makes of each checkpoint; with --gguf q8_0 the converter
+makes Q8_0 files and ladle runs those same files too (its quantized kernels; the Qwen3.5 GGUF
+load undoes the converter's changes). For the hybrid the conversion takes the converter's
+--no-mtp (its Qwen3.5 class otherwise requires multi-token-prediction layers,
 which a transformers Qwen3_5ForCausalLM checkpoint does not have). Whether that converter and
 that library handle Qwen3_5ForCausalLM is found out at run time (converter registration,
 conversion, model load); when they do not, the run says why and goes on without llama.cpp.
@@ -45,7 +47,8 @@ uncontended runs where there are any (the table says how many, and marks a row t
 On 2 idle cores, --reps 2 takes about 9 minutes (the 4096-token prefills are most of it).
 
     nice -n 19 benchmarks/build_llama_cpp.sh    # once (for the llama.cpp column)
-    python benchmarks/hybrid.py [--reps N] [--skip-llama]
+    python benchmarks/hybrid.py [--reps N] [--skip-llama] [--gguf bf16|q8_0]
+        [--llama-no-repack]
         [--max-other-cores 0.25] [--retries 1] [--wait 90]
 """
 
@@ -192,6 +195,7 @@ def other_cores(a: tuple | None, b: tuple | None, wall: float) -> float | None:
 
 def worker_llama(path: str, rep: int) -> dict:
     """llama-cpp-python in process; a model its library cannot load gives {"unavailable"}."""
+    compare.llama_extra_buffers_as_asked()  # --llama-no-repack
     from llama_cpp import Llama
 
     try:
@@ -250,16 +254,18 @@ def converter_support(arch: str) -> str | None:
     return None
 
 
-def convert_without_mtp(path: Path) -> Path:
+def convert_without_mtp(path: Path, outtype: str = "bf16") -> Path:
     """compare.gguf's conversion with the converter's --no-mtp: its Qwen3-Next/Qwen3.5 classes
     expect multi-token-prediction (mtp.*) layers unless told there are none, and a
     transformers Qwen3_5ForCausalLM checkpoint has none. Raises RuntimeError with the
     converter's last error line."""
     src = compare.LLAMA_DIR / "src" / "vendor" / "llama.cpp"
-    out = path / "model-bf16.gguf"
+    out = path / f"model-{outtype}.gguf"
+    if out.exists():
+        return out
     tmp = out.with_name(out.name + ".tmp")
     res = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(path),
-                          "--outtype", "bf16", "--no-mtp", "--outfile", str(tmp)],
+                          "--outtype", outtype, "--no-mtp", "--outfile", str(tmp)],
                          env=dict(os.environ, PYTHONPATH=str(src / "gguf-py")),
                          capture_output=True, text=True)
     if res.returncode != 0:
@@ -270,9 +276,10 @@ def convert_without_mtp(path: Path) -> Path:
     return out
 
 
-def llama_ggufs(paths: dict[str, Path]) -> tuple[dict[str, Path], dict[str, str]]:
-    """The bf16 GGUF of each checkpoint, made by llama.cpp's converter, and why a model has
-    none."""
+def llama_ggufs(paths: dict[str, Path], outtype: str = "bf16"
+                ) -> tuple[dict[str, Path], dict[str, str]]:
+    """The GGUF (`outtype`: bf16 or q8_0) of each checkpoint, made by llama.cpp's converter,
+    and why a model has none."""
     src = compare.LLAMA_DIR / "src" / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py"
     no_mtp = src.exists() and "--no-mtp" in src.read_text(errors="replace")
     ggufs, why = {}, {}
@@ -282,12 +289,12 @@ def llama_ggufs(paths: dict[str, Path]) -> tuple[dict[str, Path], dict[str, str]
         if reason is None:
             t = time.perf_counter()
             try:
-                ggufs[kind] = compare.gguf(path, "bf16")
+                ggufs[kind] = compare.gguf(path, outtype)
             except subprocess.CalledProcessError as e:
                 reason = f"its converter failed on {arch} (exit status {e.returncode})"
                 if no_mtp:
                     try:
-                        ggufs[kind] = convert_without_mtp(path)
+                        ggufs[kind] = convert_without_mtp(path, outtype)
                         reason = None
                     except RuntimeError as e2:
                         reason += f", and with --no-mtp: {e2}"
@@ -321,8 +328,16 @@ def main():
     ap.add_argument("--retries", type=int, default=1, help="reruns of a contended run")
     ap.add_argument("--wait", type=float, default=90,
                     help="seconds to wait, before each run, for the other processes to stop")
+    ap.add_argument("--gguf", choices=("bf16", "q8_0"), default="bf16",
+                    help="the GGUF llama.cpp runs; q8_0: ladle runs that same file too "
+                         "(bf16: ladle runs the safetensors checkpoint)")
+    ap.add_argument("--llama-no-repack", action="store_true",
+                    help="llama.cpp without its extra weight buffers (repacking, AMX), as "
+                         "compare.py's flag: its AMX buffers crash on some KVM Xeons")
     ap.add_argument("--worker", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.llama_no_repack:
+        os.environ[compare.NO_REPACK_ENV] = "1"  # the llama.cpp workers read it
     if args.worker:
         kind, path, rep = args.worker
         fn = {"ladle": worker_ladle, "llama": worker_llama}[kind]
@@ -344,15 +359,17 @@ def main():
     print(f"checkpoints ready ({time.perf_counter() - t:.0f} s)", flush=True)
     ggufs: dict[str, Path] = {}
     unsupported: dict[str, str] = {}
-    if has_llama:
-        print("llama.cpp bf16 GGUF conversions:", flush=True)
-        ggufs, unsupported = llama_ggufs(paths)
+    if has_llama or args.gguf != "bf16":
+        print(f"llama.cpp {args.gguf} GGUF conversions:", flush=True)
+        ggufs, unsupported = llama_ggufs(paths, args.gguf)
+    ladle_models = {k: ggufs[k] if args.gguf != "bf16" and k in ggufs else p
+                    for k, p in paths.items()}
     results: dict[str, list[dict]] = {}
     for rep in range(args.reps):
         print(f"repetition {rep + 1}/{args.reps} (load {os.getloadavg()[0]:.1f})", flush=True)
-        for kind, path in paths.items():
-            systems = [("ladle", sys.executable, path)]
-            if kind in ggufs:
+        for kind in paths:
+            systems = [("ladle", sys.executable, ladle_models[kind])]
+            if has_llama and kind in ggufs:
                 systems.append(("llama.cpp", str(llama_py), ggufs[kind]))
             for system, python, model in systems:
                 r = measured(f"{system} {kind}", python,
@@ -408,7 +425,8 @@ def report(results: dict[str, list[dict]], unsupported: dict[str, str], args) ->
     lo, hi = CONTEXTS
     ms = {s: {c: med(runs, f"decode_ms_{c}") for c in CONTEXTS} for s, runs in results.items()}
     print(f"\nmedians over the uncontended runs of {args.reps} interleaved repetitions; decode: "
-          f"{DECODE_TOKENS} tokens after a prompt of the given length, bf16, one stream")
+          f"{DECODE_TOKENS} tokens after a prompt of the given length, one stream; weights: "
+          + ("bf16" if args.gguf == "bf16" else f"the {args.gguf} GGUF in both"))
     head = (f"| {'':20} | " + " | ".join(f"decode ms/tok @{c}" for c in CONTEXTS) + " | "
             + " | ".join(f"tok/s @{c}" for c in CONTEXTS) + f" | ms/tok {hi}/{lo} | "
             + " | ".join(f"TTFT ms @{c}" for c in CONTEXTS) + " | runs |")
