@@ -257,22 +257,33 @@ def _hybrid_tensor(values: torch.Tensor, name: str, hf_config: dict[str, Any]) -
     if not name.startswith("blk."):
         return values
     kind = name.split(".", 2)[2]
-    nk, nv = hf_config["linear_num_key_heads"], hf_config["linear_num_value_heads"]
-    dv, key_dim = hf_config["linear_value_head_dim"], nk * hf_config["linear_key_head_dim"]
-    if kind in ("attn_qkv.weight", "ssm_conv1d.weight"):  # rows / channels [q | k | v]
-        values = torch.cat([values[:2 * key_dim],
-                            untile_value_heads(values[2 * key_dim:], 0, nk, nv, dv)])
-    elif kind == "attn_gate.weight":
-        values = untile_value_heads(values, 0, nk, nv, dv)
-    elif kind in ("ssm_alpha.weight", "ssm_beta.weight", "ssm_a", "ssm_dt.bias"):
-        values = untile_value_heads(values, 0, nk, nv, 1)
-    elif kind == "ssm_out.weight":
-        values = untile_value_heads(values, 1, nk, nv, dv)
+    values = untile_value_rows(values, kind, hf_config)
+    if kind == "ssm_out.weight":
+        values = untile_value_heads(values, 1, hf_config["linear_num_key_heads"],
+                                    hf_config["linear_num_value_heads"],
+                                    hf_config["linear_value_head_dim"])
     if kind == "ssm_a":
         return torch.log(-values)  # float32: exp of it gives A back within an ulp
     if kind == "ssm_conv1d.weight":
         return values.unsqueeze(1)
     return values
+
+
+def untile_value_rows(t: torch.Tensor, kind: str, hf_config: dict[str, Any]) -> torch.Tensor:
+    """The rows (dim 0: values, or whole rows of blocks) of a Qwen3.5 linear layer's tensor
+    `kind` (its GGUF name after blk.N.) with their value heads back in HF's order: in_proj_qkv's
+    and the conv's v rows after q and k, in_proj_z's, in_proj_a's and in_proj_b's rows, A and
+    dt_bias. Other tensors as they are."""
+    nk, nv = hf_config["linear_num_key_heads"], hf_config["linear_num_value_heads"]
+    dv = hf_config["linear_value_head_dim"]
+    if kind in ("attn_qkv.weight", "ssm_conv1d.weight"):  # rows / channels [q | k | v]
+        qk = 2 * nk * hf_config["linear_key_head_dim"]
+        return torch.cat([t[:qk], untile_value_heads(t[qk:], 0, nk, nv, dv)])
+    if kind == "attn_gate.weight":
+        return untile_value_heads(t, 0, nk, nv, dv).contiguous()
+    if kind in ("ssm_alpha.weight", "ssm_beta.weight", "ssm_a", "ssm_dt.bias"):
+        return untile_value_heads(t, 0, nk, nv, 1).contiguous()
+    return t
 
 
 def untile_value_heads(t: torch.Tensor, dim: int, nk: int, nv: int,

@@ -26,7 +26,7 @@ from ladle.models.gguf.mapping import (
     _load,
     _unpermute_rotary,
     hf_tensor_names,
-    untile_value_heads,
+    untile_value_rows,
 )
 from ladle.models.gguf.quants import dequantize, iq4_xs_as_32, q3_k_as_q6_k
 from ladle.models.gguf.reader import GGUFFile, GGUFTensor
@@ -130,8 +130,9 @@ def _part(tensor: GGUFTensor, index: Any, gguf_file: GGUFFile, hf_config: dict,
         num_rows = rows.size // rows.shape[-1]
         return QuantPart(DENSE, dequantize(rows, kind, (num_rows, tensor.shape[-1])).to(dtype))
     raw = torch.from_numpy(np.array(rows, copy=True)).reshape(-1, rows.shape[-1])
-    if gguf_file.architecture in HYBRID:
-        raw = _untile_rows(raw, tensor.name, hf_config)
+    if gguf_file.architecture in HYBRID and tensor.name.startswith("blk."):
+        # A linear layer's input projections: value-head rows back in HF's order.
+        raw = untile_value_rows(raw, tensor.name.split(".", 2)[2], hf_config)
     if kind in WIDENED:
         kind, rewrite, _ = WIDENED[kind]
         raw = rewrite(raw)
@@ -143,22 +144,6 @@ def _part(tensor: GGUFTensor, index: Any, gguf_file: GGUFFile, hf_config: dict,
         elif ".attn_k." in tensor.name:
             raw = _unpermute_rotary(raw, hf_config["num_key_value_heads"]).contiguous()
     return QuantPart(kind, raw)
-
-
-def _untile_rows(raw: torch.Tensor, name: str, hf_config: dict) -> torch.Tensor:
-    """A Qwen3.5 linear layer's input projections with their value-head rows back in HF's
-    order (mapping._hybrid_tensor's, on whole rows of blocks)."""
-    kind = name.split(".", 2)[2] if name.startswith("blk.") else ""
-    nk, nv = hf_config["linear_num_key_heads"], hf_config["linear_num_value_heads"]
-    dv = hf_config["linear_value_head_dim"]
-    if kind == "attn_qkv.weight":
-        qk = 2 * nk * hf_config["linear_key_head_dim"]
-        return torch.cat([raw[:qk], untile_value_heads(raw[qk:], 0, nk, nv, dv)])
-    if kind == "attn_gate.weight":
-        return untile_value_heads(raw, 0, nk, nv, dv).contiguous()
-    if kind in ("ssm_alpha.weight", "ssm_beta.weight"):
-        return untile_value_heads(raw, 0, nk, nv, 1).contiguous()
-    return raw
 
 
 def _tiled_value_order(hf_config: dict) -> torch.Tensor:
