@@ -19,7 +19,7 @@ from test_hybrid import random_model
 from ladle import LLM, SamplingParams
 from ladle.models.gguf import hf_config_from_gguf, iter_hf_tensors, open_gguf
 from ladle.models.gguf.quantized import _tiled_value_order
-from ladle.models.loader import load_model, read_hf_config
+from ladle.models.loader import ModelLoadError, load_model, read_hf_config
 from ladle.runner import quant as Q
 
 ARCHS = ("qwen3_5", "qwen3_5_moe")
@@ -170,3 +170,27 @@ def test_q8_0_blocks_keep_the_value_heads_in_order(converted):
     diffs = [abs(logprobs["gguf"][i][ids[i]].logprob - logprobs["none"][i][ids[i]].logprob)
              for i in range(1, len(ids))]
     assert sum(diffs) / len(diffs) < 0.5, diffs
+
+
+@pytest.mark.parametrize("change, fragments", [
+    ({"ssm.time_step_rank": 3}, ("ssm.group_count 2, ssm.time_step_rank 3",
+                                 "a multiple of the key heads")),
+    ({"ssm.inner_size": None}, ("metadata qwen35", ".ssm.inner_size is missing")),
+    ({"attention.recurrent_layers": [True, False]}, ("recurrent_layers must list the 4 layers",)),
+    ({"nextn_predict_layers": 5}, ("nextn_predict_layers is 5", "0 to block_count - 1 (4)")),
+], ids=["heads", "missing", "layers", "nextn"])
+def test_metadata_that_does_not_describe_the_model_is_refused(converted, change, fragments):
+    """A file whose linear-layer metadata cannot be a Qwen3.5 is a ModelLoadError naming the
+    file and the key, not a model built wrong."""
+    _, _, f32, _ = converted
+    g = open_gguf(f32)
+    for key, value in change.items():
+        if value is None:
+            del g.metadata[f"{g.architecture}.{key}"]
+        else:
+            g.metadata[f"{g.architecture}.{key}"] = value
+    with pytest.raises(ModelLoadError) as e:
+        hf_config_from_gguf(g)
+    assert str(f32) in str(e.value)
+    for fragment in fragments:
+        assert fragment in str(e.value)
