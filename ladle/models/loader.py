@@ -369,6 +369,22 @@ def _open_safetensors(file: Path):
             "download it again)") from e
 
 
+def meta_model(hf_config: dict, path: Path) -> torch.nn.Module:
+    """The checkpoint's model class built on the meta device (no memory, no init), for its
+    parameters' names and shapes; a config it cannot be built from is a ModelLoadError naming
+    the config file."""
+    cls = model_class(hf_config, path)
+    try:
+        with torch.device("meta"):
+            return cls(hf_config, None)
+    except ModelLoadError:
+        raise
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:  # a field missing or odd
+        raise ModelLoadError(f"{_config_file(path)}: does not describe a {cls.__name__} "
+                             f"({type(e).__name__}: {e}); accepted: the config these weights "
+                             "were saved with") from e
+
+
 def check_checkpoint(path: Path, hf_config: dict) -> None:
     """Everything about a checkpoint that can be checked without reading its weights (headers
     only), so that `ladle serve` refuses a broken one in seconds, not after a model load: every
@@ -376,16 +392,7 @@ def check_checkpoint(path: Path, hf_config: dict) -> None:
     missing, none the model has no place for, each of the shape the config gives).
     ModelLoadError names the file, and for a shape config.json and the field; the load itself
     raises the same errors."""
-    cls = model_class(hf_config, path)
-    try:
-        with torch.device("meta"):
-            model = cls(hf_config, None)
-    except ModelLoadError:
-        raise
-    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:  # a field missing or odd
-        raise ModelLoadError(f"{_config_file(path)}: does not describe a {cls.__name__} "
-                             f"({type(e).__name__}: {e}); accepted: the config these weights "
-                             "were saved with") from e
+    model = meta_model(hf_config, path)
     params = dict(model.named_parameters())
     from ladle.models import int8
 
@@ -502,8 +509,9 @@ def _loaded_key(pname: str, shard: int | None) -> str:
     return pname if shard is None else f"{pname}#{shard}"
 
 
-def _check_complete(model, params: dict, loaded: set[str], path: Path) -> None:
-    """ModelLoadError naming the checkpoint's tensors that no file holds."""
+def _expected_keys(model, params: dict) -> set[str]:
+    """The loaded-parameter key of every checkpoint tensor the model needs (one per shard of
+    a fused projection)."""
     expected = set()
     for pname in params:
         fused = pname.rsplit(".", 1)[0].rsplit(".", 1)[-1]
@@ -512,6 +520,24 @@ def _check_complete(model, params: dict, loaded: set[str], path: Path) -> None:
                          for i in range(len(model.shard_sizes(pname.rsplit(".", 1)[0])))}
         else:
             expected.add(pname)
+    return expected
+
+
+def checkpoint_shapes(model) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of the model's checkpoint as published (a model built on
+    the meta device will do), the names and shapes `check_checkpoint` accepts."""
+    params = dict(model.named_parameters())
+    out = {}
+    for key in sorted(_expected_keys(model, params)):
+        pname, _, shard = key.partition("#")
+        out[_checkpoint_name(key, model)] = _expected_shape(
+            model, params[pname], pname, int(shard) if shard else None)
+    return out
+
+
+def _check_complete(model, params: dict, loaded: set[str], path: Path) -> None:
+    """ModelLoadError naming the checkpoint's tensors that no file holds."""
+    expected = _expected_keys(model, params)
     missing = [_checkpoint_name(key, model) for key in sorted(expected - loaded)]
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")

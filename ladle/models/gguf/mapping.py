@@ -29,9 +29,11 @@ Qwen3-MoE's norm_topk_prob is not stored (llama.cpp renormalises always; a check
 not, transformers' default, runs as llama.cpp runs its file). A checkpoint with dense layers
 (mlp_only_layers) converts to a file llama.cpp refuses, and so does ladle (no place for them).
 
-HF names come from gguf-py's HF -> GGUF name map, inverted over the tensor names of the HF model
-class (built on the meta device, so nothing is allocated): exactly the names the converter read,
-save the experts, named as the converter stacked them.
+HF names come from gguf-py's HF -> GGUF name map, inverted over the checkpoint tensor names of
+ladle's own model class for the config (built on the meta device, so nothing is allocated): the
+names its safetensors loader accepts, which are the names the converter read, save the experts,
+named as the converter stacked them. (Not transformers' model classes: importing them costs
+each process that maps a file ~190 MB resident.)
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ def hf_tensor_names(gguf_file: GGUFFile, hf_config: dict[str, Any]) -> dict[str,
     arch = gguf_file.architecture
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     name_map = gguf.get_tensor_name_map(arch_id, hf_config["num_hidden_layers"])
-    hf_shapes = _stacked_experts(_hf_parameter_shapes(hf_config), hf_config)
+    hf_shapes = _hf_parameter_shapes(hf_config, gguf_file.path)
     gguf_to_hf: dict[str, str] = {}
     for hf_name in hf_shapes:
         module, _, suffix = hf_name.rpartition(".")  # "weight" or "bias"
@@ -422,48 +424,6 @@ def _moe_fields(gguf_file: GGUFFile, hp: _HParams, config: dict[str, Any]) -> di
             "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
-def _stacked_experts(shapes: dict[str, tuple[int, ...]],
-                     hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """The HF model's expert weights (transformers 5 holds a layer's as gate_up_proj (E, 2I, H)
-    and down_proj (E, H, I), 4.x one tensor per expert and projection) under the names and
-    shapes the converter stacks them to and moe.py's `unfused` splits per expert:
-    `{layer}.mlp.experts.{gate,up}_proj.weight` (E, I, H), `...down_proj.weight` (E, H, I)."""
-    experts = [name for name in shapes if ".experts." in name]
-    if not experts:
-        return shapes
-    if hf_config["model_type"] == "gpt_oss":
-        return _gpt_oss_experts(shapes, experts)
-    num = hf_config.get("num_experts") or hf_config["num_local_experts"]
-    size = hf_config.get("moe_intermediate_size") or hf_config["intermediate_size"]
-    hidden = hf_config["hidden_size"]
-    out = {name: shape for name, shape in shapes.items() if ".experts." not in name}
-    for layer in dict.fromkeys(n.split(".experts.")[0].rpartition(".")[0] for n in experts):
-        stem = f"{layer}.mlp.experts"
-        out[f"{stem}.gate_proj.weight"] = out[f"{stem}.up_proj.weight"] = (num, size, hidden)
-        out[f"{stem}.down_proj.weight"] = (num, hidden, size)
-    return out
-
-
-def _gpt_oss_experts(shapes: dict[str, tuple[int, ...]],
-                     experts: list[str]) -> dict[str, tuple[int, ...]]:
-    """gpt-oss's stacked experts (`experts.gate_up_proj` (E, H, 2I) interleaved, its bias
-    (E, 2I), `down_proj` (E, I, H), its bias (E, H)) as the converter stores them: gate, up and
-    down apart, weights (E, out, in), biases (E, out)."""
-    out = {name: shape for name, shape in shapes.items() if name not in experts}
-    for name in experts:
-        stem, _, kind = name.rpartition(".")
-        if kind == "gate_up_proj":
-            num, hidden, double = shapes[name]
-            for proj in ("gate_proj", "up_proj"):
-                out[f"{stem}.{proj}.weight"] = (num, double // 2, hidden)
-                out[f"{stem}.{proj}.bias"] = (num, double // 2)
-        elif kind == "down_proj":
-            num, inter, hidden = shapes[name]
-            out[f"{stem}.down_proj.weight"] = (num, hidden, inter)
-            out[f"{stem}.down_proj.bias"] = (num, hidden)
-    return out
-
-
 def _gpt_oss_fields(gguf_file: GGUFFile, hp: _HParams, config: dict[str, Any]) -> dict[str, Any]:
     """gpt-oss's attention as llama.cpp's loader reads it: q/k/v/o biases, the sliding window
     on every other layer from the first (its swa pattern 2, or the per-layer list when the file
@@ -566,13 +526,29 @@ def _gemma_fields(gguf_file: GGUFFile, hp: _HParams, config: dict[str, Any]) -> 
     return fields
 
 
-def _hf_parameter_shapes(hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in the HF model class's state dict, from a model built on
-    the meta device (no memory, no init)."""
-    import transformers
+def _hf_parameter_shapes(hf_config: dict[str, Any], path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of the HF checkpoint `path` was converted from, as ladle's
+    own model class (built on the meta device: no memory, no init) names what its loader
+    accepts, with the converter's layout of experts: a layer's stacked in one tensor per
+    projection (`{layer}.mlp.experts.gate_proj.weight` (E, I, H), `down_proj` (E, H, I),
+    gpt-oss's biases (E, out)), which moe.py's `unfused` splits again. A tied head's
+    `lm_head.weight` is listed as the embedding (a file may hold the copy; the loader skips
+    it). Transformers' model classes name the same tensors, at ~190 MB of imports (its
+    modeling, torch._dynamo, triton) in each process that maps a file."""
+    from ladle.models.loader import _renamed, checkpoint_shapes, meta_model
 
-    kwargs = {k: v for k, v in hf_config.items() if k != "model_type"}
-    config = transformers.AutoConfig.for_model(hf_config["model_type"], **kwargs)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    model = meta_model(hf_config, path)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, shape in checkpoint_shapes(model).items():
+        name = _renamed(name, model)  # Mixtral's w1/w2/w3 as gate/down/up_proj
+        stem, experts, rest = name.partition(".experts.")
+        expert, _, tail = rest.partition(".")
+        if experts and expert.isdecimal():
+            stacked = f"{stem}.experts.{tail}"
+            shapes[stacked] = (shapes.get(stacked, (0,))[0] + 1, *shape)
+        else:
+            shapes[name] = shape
+    if getattr(model, "lm_head", True) is None:
+        shapes["lm_head.weight"] = next(
+            shape for name, shape in shapes.items() if name.endswith("embed_tokens.weight"))
+    return shapes
