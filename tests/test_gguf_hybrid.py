@@ -1,9 +1,11 @@
-"""Qwen3.5 and Qwen3.5-MoE GGUF files (llama.cpp's qwen35 / qwen35moe): small random
-checkpoints converted by llama.cpp's own converter (tests/gguf_convert.py), with the
-multi-token-prediction layer it appends by default, come back as exactly the checkpoint's
-tensors (the converter's value-head reordering, A = -exp(A_log), the 1 + w norms and the
-squeezed conv undone), generate the checkpoint's greedy tokens, and as Q8_0 keep their blocks
-with the value-head rows moved back and out_proj's input put in the file's column order."""
+"""Qwen3.5, Qwen3.5-MoE and Qwen3-Next GGUF files (llama.cpp's qwen35 / qwen35moe /
+qwen3next): small random checkpoints converted by llama.cpp's own converter
+(tests/gguf_convert.py), with the multi-token-prediction layer it appends by default, come back
+as exactly the checkpoint's tensors (the converter's value-head reordering, A = -exp(A_log),
+the 1 + w norms and the squeezed conv undone; Qwen3-Next's in_proj_qkvz as the in_proj_qkv and
+in_proj_z it was split into), generate the checkpoint's greedy tokens, and as Q8_0 keep their
+blocks with the value-head rows moved back and out_proj's input put in the file's column
+order."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from ladle.models.gguf.quantized import _tiled_value_order
 from ladle.models.loader import ModelLoadError, load_model, read_hf_config
 from ladle.runner import quant as Q
 
-ARCHS = ("qwen3_5", "qwen3_5_moe")
+ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 # Fewer key heads than value heads, as every published Qwen3.5: the converter reorders the
 # value heads, which the load must undo.
 DIMS = dict(vocab_size=151936, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -42,6 +44,9 @@ def make_checkpoint(arch: str, path: Path) -> None:
 
     if arch == "qwen3_5":
         cfg, cls = tf.Qwen3_5TextConfig(**DIMS, intermediate_size=96), tf.Qwen3_5ForCausalLM
+    elif arch == "qwen3_next":  # every layer sparse, as every published Qwen3-Next
+        cfg = tf.Qwen3NextConfig(**DIMS, **EXPERTS, intermediate_size=96)
+        cls = tf.Qwen3NextForCausalLM
     else:
         cfg, cls = tf.Qwen3_5MoeTextConfig(**DIMS, **EXPERTS), tf.Qwen3_5MoeForCausalLM
     random_model(cls, cfg).save_pretrained(path)
@@ -84,6 +89,23 @@ def stacked_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
+def split_qkvz(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Qwen3-Next's in_proj_qkvz (rows grouped by key head: [q_j | k_j | v_j | z_j]) as the
+    converter splits it: in_proj_qkv [all q | all k | all v] and in_proj_z."""
+    nk, dk = DIMS["linear_num_key_heads"], DIMS["linear_key_head_dim"]
+    rv = DIMS["linear_num_value_heads"] // nk * DIMS["linear_value_head_dim"]
+    out = {}
+    for name, t in tensors.items():
+        if not name.endswith("in_proj_qkvz.weight"):
+            out[name] = t
+            continue
+        q, k, v, z = t.reshape(nk, 2 * dk + 2 * rv, -1).split([dk, dk, rv, rv], dim=1)
+        stem = name.removesuffix("in_proj_qkvz.weight")
+        out[f"{stem}in_proj_qkv.weight"] = torch.cat([x.reshape(-1, t.shape[1]) for x in (q, k, v)])
+        out[f"{stem}in_proj_z.weight"] = z.reshape(-1, t.shape[1])
+    return out
+
+
 def test_the_checkpoint_comes_back(converted):
     """The config (the linear layers' heads and pattern, partial rotary, experts and shared
     expert, the MTP block not counted) and every tensor: exactly, but the 1 + w norms, whose
@@ -100,8 +122,9 @@ def test_the_checkpoint_comes_back(converted):
         if key in want:
             assert config[key] == want[key], key
     assert config["partial_rotary_factor"] == want["rope_parameters"]["partial_rotary_factor"]
-    expected = stacked_experts({n: t for n, t in load_file(path / "model.safetensors").items()
-                                if not n.startswith("mtp.")})
+    expected = split_qkvz(stacked_experts({
+        n: t for n, t in load_file(path / "model.safetensors").items()
+        if not n.startswith("mtp.")}))
     got = {name: load() for name, load in iter_hf_tensors(g, config)}
     assert set(got) == set(expected)
     for name, t in got.items():
@@ -123,8 +146,11 @@ def greedy(path: Path, **kw) -> list[list[int]]:
 
 
 def test_the_gguf_generates_the_checkpoints_tokens(converted):
-    _, path, f32, _ = converted
-    assert greedy(f32) == greedy(path)
+    arch, path, f32, _ = converted
+    tokens = greedy(path)
+    assert greedy(f32) == tokens
+    if arch == "qwen3_next":  # its mixed layout's rows as each rank's share (checkpoint_slice)
+        assert greedy(f32, tensor_parallel_size=2) == tokens
 
 
 def test_q8_0_blocks_keep_the_value_heads_in_order(converted):
@@ -134,24 +160,33 @@ def test_q8_0_blocks_keep_the_value_heads_in_order(converted):
     (the dense weight's columns in that order are the blocks'); and the model's next-token
     log-probabilities stay within int8 activations' error of the dense load's: a mean
     |difference| of 0.05 (Qwen3.5) and 0.24 (Qwen3.5-MoE, whose routing int8 activations flip
-    at some positions) where out_proj's gather or the rows' reordering left out gives
-    1.0-1.2."""
+    at some positions; Qwen3-Next 0.23) where out_proj's gather or the rows' reordering left
+    out gives 1.0-1.2. (Qwen3-Next's converter reorders no value heads: its blocks stay in the
+    file's order, out_proj's columns too.)"""
     arch, _, _, q8 = converted
     config = read_hf_config(q8)
     kept = load_model(q8, config, torch.float32, torch.device("cpu"))
     dense = load_model(q8, config, torch.float32, torch.device("cpu"), quantization="none")
     dense_params = dict(dense.named_parameters())
-    order = _tiled_value_order(config)
+    tiled = arch != "qwen3_next"
+    order = _tiled_value_order(config) if tiled else None
+    projections = ("in_proj_qkv", "in_proj_z") + (
+        ("in_proj_b", "in_proj_a") if tiled else ("in_proj_ba",))
     checked = 0
     for name, module in kept.named_modules():
         if not name.endswith("linear_attn"):
             continue
-        for proj in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"):
+        for proj in projections:
             w = getattr(module, proj).weight
             assert isinstance(w, Q.QuantWeight) and w.describe().startswith("Q8_0"), proj
             assert torch.equal(w.dequantize(), dense_params[f"{name}.{proj}.weight"]), proj
         out = module.out_proj.weight
         assert isinstance(out, Q.QuantWeight)
+        if not tiled:
+            assert module.out_columns is None
+            assert torch.equal(out.dequantize(), dense_params[f"{name}.out_proj.weight"])
+            checked += 1
+            continue
         assert torch.equal(module.out_columns, order)
         assert torch.equal(out.dequantize(),
                            dense_params[f"{name}.out_proj.weight"].index_select(1, order))
@@ -175,13 +210,13 @@ def test_q8_0_blocks_keep_the_value_heads_in_order(converted):
 @pytest.mark.parametrize("change, fragments", [
     ({"ssm.time_step_rank": 3}, ("ssm.group_count 2, ssm.time_step_rank 3",
                                  "a multiple of the key heads")),
-    ({"ssm.inner_size": None}, ("metadata qwen35", ".ssm.inner_size is missing")),
+    ({"ssm.inner_size": None}, ("metadata {arch}", ".ssm.inner_size is missing")),
     ({"attention.recurrent_layers": [True, False]}, ("recurrent_layers must list the 4 layers",)),
     ({"nextn_predict_layers": 5}, ("nextn_predict_layers is 5", "0 to block_count - 1 (4)")),
 ], ids=["heads", "missing", "layers", "nextn"])
 def test_metadata_that_does_not_describe_the_model_is_refused(converted, change, fragments):
-    """A file whose linear-layer metadata cannot be a Qwen3.5 is a ModelLoadError naming the
-    file and the key, not a model built wrong."""
+    """A file whose linear-layer metadata cannot be a Qwen3.5 or Qwen3-Next is a
+    ModelLoadError naming the file and the key, not a model built wrong."""
     _, _, f32, _ = converted
     g = open_gguf(f32)
     for key, value in change.items():
@@ -193,4 +228,4 @@ def test_metadata_that_does_not_describe_the_model_is_refused(converted, change,
         hf_config_from_gguf(g)
     assert str(f32) in str(e.value)
     for fragment in fragments:
-        assert fragment in str(e.value)
+        assert fragment.format(arch=g.architecture) in str(e.value)

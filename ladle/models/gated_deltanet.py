@@ -25,6 +25,9 @@ The two families share that arithmetic and differ in the input projection only:
 - Qwen3.5 and Qwen3.5-MoE (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`): four
   matrices, each in plain order; in_proj_qkv's rows are [all q | all k | all v], the channel
   order of the conv, so no regrouping is needed.
+- Qwen3-Next as llama.cpp's converter stores it in a GGUF file (layout "qwen3_next_gguf"):
+  in_proj_qkvz split into in_proj_qkv and in_proj_z in Qwen3.5's plain order, in_proj_ba kept
+  fused and grouped by key head (an hf_config key from models/gguf/mapping.py picks it).
 
 Everything else is the same in transformers 5: conv1d.weight (conv_dim, 1, conv_kernel) without
 bias, dt_bias and A_log (num_v_heads,), the gated norm's weight of head_v_dim initialised to
@@ -61,6 +64,9 @@ LAYOUTS = {
     "qwen3_5_moe": "qwen3_5",
     "qwen3_5_moe_text": "qwen3_5",
 }
+# The hf_config key that overrides the layout: models/gguf/mapping.py sets it for a Qwen3-Next
+# GGUF file, whose converter split one projection and not the other.
+LAYOUT_KEY = "linear_attn_layout"
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +78,8 @@ class GatedDeltaNetConfig:
     head_v_dim: int  # linear_value_head_dim
     conv_kernel: int  # taps of the causal conv (linear_conv_kernel_dim)
     eps: float  # the gated RMSNorm's epsilon (rms_norm_eps)
-    layout: Literal["qwen3_next", "qwen3_5"]  # fused qkvz/ba, or split qkv/z/b/a projections
+    # fused qkvz/ba, split qkv/z/b/a, or split qkv/z with fused ba (a Qwen3-Next GGUF file)
+    layout: Literal["qwen3_next", "qwen3_5", "qwen3_next_gguf"]
 
     @property
     def key_dim(self) -> int:
@@ -108,8 +115,11 @@ class GatedDeltaNetConfig:
             head_v_dim=text.get("linear_value_head_dim", 128),
             conv_kernel=text.get("linear_conv_kernel_dim", 4),
             eps=text.get("rms_norm_eps", 1e-6),
-            layout=LAYOUTS[model_type],
+            layout=hf.get(LAYOUT_KEY, LAYOUTS[model_type]),
         )
+        if cfg.layout not in ("qwen3_next", "qwen3_5", "qwen3_next_gguf"):
+            raise ValueError(f"config: {LAYOUT_KEY} {cfg.layout!r}; accepted: qwen3_next, "
+                             "qwen3_5, qwen3_next_gguf")
         if cfg.num_k_heads < 1 or cfg.num_v_heads % cfg.num_k_heads:
             raise ValueError(f"config.json: linear_num_value_heads ({cfg.num_v_heads}) must be "
                              "a multiple of linear_num_key_heads "
@@ -386,12 +396,14 @@ class GatedDeltaNet(nn.Module):
         hidden, nv = cfg.hidden_size, cfg.num_v_heads
         if cfg.layout == "qwen3_next":
             self.in_proj_qkvz = nn.Linear(hidden, cfg.conv_dim + cfg.value_dim, bias=False)
-            self.in_proj_ba = nn.Linear(hidden, 2 * nv, bias=False)
         else:
             self.in_proj_qkv = nn.Linear(hidden, cfg.conv_dim, bias=False)
             self.in_proj_z = nn.Linear(hidden, cfg.value_dim, bias=False)
+        if cfg.layout == "qwen3_5":
             self.in_proj_b = nn.Linear(hidden, nv, bias=False)
             self.in_proj_a = nn.Linear(hidden, nv, bias=False)
+        else:
+            self.in_proj_ba = nn.Linear(hidden, 2 * nv, bias=False)
         self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.conv_kernel,
                                 groups=cfg.conv_dim, bias=False)  # only its weight is used
         self.dt_bias = nn.Parameter(torch.ones(nv))
@@ -407,6 +419,8 @@ class GatedDeltaNet(nn.Module):
     def _input_projections(self) -> list[nn.Linear]:
         if self.cfg.layout == "qwen3_5":
             return [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+        if self.cfg.layout == "qwen3_next_gguf":
+            return [self.in_proj_qkv, self.in_proj_z, self.in_proj_ba]
         return [self.in_proj_qkvz, self.in_proj_ba]
 
     def after_load(self) -> None:
@@ -469,15 +483,18 @@ class GatedDeltaNet(nn.Module):
             outs = linear(x, self.in_proj).split([m.weight.shape[0] for m in mods], dim=-1)
         else:
             outs = [linear(x, m.weight) for m in mods]
+        nk, r = cfg.num_k_heads, cfg.num_v_heads // cfg.num_k_heads
         if cfg.layout == "qwen3_5":
             qkv, z, b, a = outs
-        else:  # rows grouped by key head: regroup into [all q | all k | all v], z, b, a
-            nk, r = cfg.num_k_heads, cfg.num_v_heads // cfg.num_k_heads
+        elif cfg.layout == "qwen3_next_gguf":
+            qkv, z = outs[:2]
+        else:  # rows grouped by key head: regroup into [all q | all k | all v], z
             dk, dv = cfg.head_k_dim, cfg.head_v_dim
             qkvz = outs[0].reshape(num_tokens, nk, 2 * dk + 2 * r * dv)
             q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
             qkv = torch.cat([t.reshape(num_tokens, -1) for t in (q, k, v)], dim=-1)
-            ba = outs[1].reshape(num_tokens, nk, 2 * r)
+        if cfg.layout != "qwen3_5":  # in_proj_ba: [b | a] of each key head's r value heads
+            ba = outs[-1].reshape(num_tokens, nk, 2 * r)
             b, a = (t.reshape(num_tokens, -1) for t in ba.split([r, r], dim=-1))
         return qkv, z.reshape(num_tokens, cfg.num_v_heads, cfg.head_v_dim), b, a
 

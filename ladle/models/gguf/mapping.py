@@ -61,9 +61,15 @@ HF_ARCHITECTURES = {
     "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
     "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
     "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
+    "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next"),
 }
 # Qwen3.5's hybrids: Gated DeltaNet layers beside gated full attention (models/qwen3_next.py).
-HYBRID = ("qwen35", "qwen35moe")
+HYBRID = ("qwen35", "qwen35moe", "qwen3next")
+# Those whose converter reorders every value-head axis from grouped by key head to tiled (for
+# ggml's broadcast); Qwen3-Next's keeps HF's grouped order.
+TILED_VALUE_HEADS = ("qwen35", "qwen35moe")
+# MoE architectures whose files need no dense feed_forward_length.
+_EXPERT_ARCHS = ("qwen3moe", "gpt-oss", "qwen35moe", "qwen3next")
 # llama.cpp stores Mixtral as `llama` with `llama.expert_count` set.
 MIXTRAL = ("MixtralForCausalLM", "mixtral")
 GELU_TANH = "gelu_pytorch_tanh"  # Gemma's MLP activation (llama.cpp: LLM_FFN_GELU)
@@ -78,7 +84,7 @@ def hf_config_from_gguf(gguf_file: GGUFFile) -> dict[str, Any]:
     """config.json of the HF checkpoint, in the flat style of transformers 4.5x (top-level
     rope_theta, rope_scaling, rope_local_base_freq)."""
     arch, hp = gguf_file.architecture, _HParams(gguf_file)
-    has_experts = arch in ("qwen3moe", "gpt-oss", "qwen35moe") or \
+    has_experts = arch in _EXPERT_ARCHS or \
         (arch == "llama" and hp.get("expert_count"))
     hf_class, model_type = MIXTRAL if arch == "llama" and has_experts else HF_ARCHITECTURES[arch]
     embedding = gguf_file.tensors.get("token_embd.weight")
@@ -108,7 +114,7 @@ def hf_config_from_gguf(gguf_file: GGUFFile) -> dict[str, Any]:
     }
     # qwen3moe's dense MLP size is for layers without experts, which llama.cpp's qwen3moe does
     # not have: the key is optional there.
-    if arch not in ("qwen3moe", "gpt-oss", "qwen35moe") or \
+    if arch not in _EXPERT_ARCHS or \
             hp.get("feed_forward_length") is not None:
         config["intermediate_size"] = hp.uniform("feed_forward_length")
     for key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
@@ -243,24 +249,28 @@ def _load(tensor: GGUFTensor, arch: str, hf_config: dict[str, Any]) -> torch.Ten
     elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
         values = values - 1.0  # float32, as transformers' Gemma2TensorProcessor
     elif arch in HYBRID:
-        values = _hybrid_tensor(values, name, hf_config)
+        values = _hybrid_tensor(values, name, arch, hf_config)
     return values
 
 
-def _hybrid_tensor(values: torch.Tensor, name: str, hf_config: dict[str, Any]) -> torch.Tensor:
-    """Undo what the converter does to a Qwen3.5 tensor (conversion/qwen.py): the (1 + w)
-    norms stored as 1 + w, except the gated norm of the linear layers; A_log stored as
-    A = -exp(A_log); the conv weight squeezed; and where the linear layers have fewer key heads
-    than value heads, every value-head axis reordered from grouped by key head to tiled (for
-    ggml's broadcast): in_proj_qkv's v rows, in_proj_z's, in_proj_a's and in_proj_b's rows,
-    A_log, dt_bias, the conv's v channels and out_proj's columns."""
+def _hybrid_tensor(values: torch.Tensor, name: str, arch: str,
+                   hf_config: dict[str, Any]) -> torch.Tensor:
+    """Undo what the converter does to a Qwen3.5 or Qwen3-Next tensor (conversion/qwen.py):
+    the (1 + w) norms stored as 1 + w, except the gated norm of the linear layers; A_log stored
+    as A = -exp(A_log); the conv weight squeezed; and for Qwen3.5 (TILED_VALUE_HEADS), where the
+    linear layers have fewer key heads than value heads, every value-head axis reordered from
+    grouped by key head to tiled (for ggml's broadcast): in_proj_qkv's v rows, in_proj_z's,
+    in_proj_a's and in_proj_b's rows, A_log, dt_bias, the conv's v channels and out_proj's
+    columns. (Qwen3-Next's in_proj_qkvz comes as in_proj_qkv and in_proj_z in that plain order,
+    which the "qwen3_next_gguf" layout of models/gated_deltanet.py reads as they are.)"""
     if name.endswith("norm.weight") and not name.endswith("ssm_norm.weight"):
         return values - 1.0  # float32
     if not name.startswith("blk."):
         return values
     kind = name.split(".", 2)[2]
-    values = untile_value_rows(values, kind, hf_config)
-    if kind == "ssm_out.weight":
+    if arch in TILED_VALUE_HEADS:
+        values = untile_value_rows(values, kind, hf_config)
+    if kind == "ssm_out.weight" and arch in TILED_VALUE_HEADS:
         values = untile_value_heads(values, 1, hf_config["linear_num_key_heads"],
                                     hf_config["linear_num_value_heads"],
                                     hf_config["linear_value_head_dim"])
@@ -410,11 +420,13 @@ def _moe_fields(gguf_file: GGUFFile, hp: _HParams, config: dict[str, Any]) -> di
     if arch == "gpt-oss":  # top k by logit, then a softmax over those k: gpt-oss's own routing
         return {"num_local_experts": num_experts, "num_experts_per_tok": top_k,
                 "intermediate_size": hp.uniform("expert_feed_forward_length")}
-    if arch == "qwen35moe":  # every layer sparse, with a shared expert; top k renormalised
+    if arch in ("qwen35moe", "qwen3next"):  # every layer sparse, with a shared expert; top k
+        # renormalised (llama.cpp's qwen3next as its qwen35moe)
         return {"num_experts": num_experts, "num_experts_per_tok": top_k,
                 "moe_intermediate_size": hp.uniform("expert_feed_forward_length"),
                 "shared_expert_intermediate_size":
-                    hp.uniform("expert_shared_feed_forward_length")}
+                    hp.uniform("expert_shared_feed_forward_length"),
+                "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
     if hp.get("expert_feed_forward_length") is None and "intermediate_size" in config:
         expert_size = config["intermediate_size"] // top_k
     else:
@@ -476,7 +488,10 @@ def _hybrid_fields(gguf_file: GGUFFile, hp: _HParams, config: dict[str, Any]) ->
                              f"the {n} layers")
     rotary = hp.get("rope.dimension_count", config["head_dim"] // 4)
     factor = rotary / config["head_dim"]
-    return {"linear_num_key_heads": nk, "linear_num_value_heads": nv,
+    from ladle.models.gated_deltanet import LAYOUT_KEY
+
+    fields = {} if arch != "qwen3next" else {LAYOUT_KEY: "qwen3_next_gguf"}
+    return fields | {"linear_num_key_heads": nk, "linear_num_value_heads": nv,
             "linear_key_head_dim": hp.require("ssm.state_size"),
             "linear_value_head_dim": inner // nv,
             "linear_conv_kernel_dim": hp.require("ssm.conv_kernel"),

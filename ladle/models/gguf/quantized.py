@@ -22,7 +22,7 @@ import torch.nn as nn
 from gguf import GGMLQuantizationType
 
 from ladle.models.gguf.mapping import (
-    HYBRID,
+    TILED_VALUE_HEADS,
     _load,
     _unpermute_rotary,
     hf_tensor_names,
@@ -96,7 +96,7 @@ def install_gguf_blocks(model: nn.Module, gguf_file: GGUFFile, hf_config: dict,
                 name += " " + WIDENED[int(t.ggml_type)][2]
             (dense if p.kind == DENSE else kept).setdefault(name, set()).add(t.name)
         weight = QuantWeight(parts, param.shape[1], dtype)
-        if gguf_file.architecture in HYBRID and pname.endswith("linear_attn.out_proj.weight") \
+        if gguf_file.architecture in TILED_VALUE_HEADS and pname.endswith("linear_attn.out_proj.weight") \
                 and parts[0].kind != DENSE:
             # Its columns stay in the file's value-head order: the input is put in it instead.
             modules[owner.rpartition(".")[0]].out_columns = _tiled_value_order(hf_config)
@@ -130,7 +130,7 @@ def _part(tensor: GGUFTensor, index: Any, gguf_file: GGUFFile, hf_config: dict,
         num_rows = rows.size // rows.shape[-1]
         return QuantPart(DENSE, dequantize(rows, kind, (num_rows, tensor.shape[-1])).to(dtype))
     raw = torch.from_numpy(np.array(rows, copy=True)).reshape(-1, rows.shape[-1])
-    if gguf_file.architecture in HYBRID and tensor.name.startswith("blk."):
+    if gguf_file.architecture in TILED_VALUE_HEADS and tensor.name.startswith("blk."):
         # A linear layer's input projections: value-head rows back in HF's order.
         raw = untile_value_rows(raw, tensor.name.split(".", 2)[2], hf_config)
     if kind in WIDENED:

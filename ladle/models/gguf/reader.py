@@ -24,7 +24,7 @@ from ladle.models.gguf.quants import SUPPORTED_TYPES, dequantize
 from ladle.models.loader import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "gemma2", "qwen3moe",
-                           "gpt-oss", "qwen35", "qwen35moe")
+                           "gpt-oss", "qwen35", "qwen35moe", "qwen3next")
 SUPPORTED_VERSIONS = (2, 3)  # what llama.cpp reads; version 1 had 32-bit counts
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
