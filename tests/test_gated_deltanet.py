@@ -204,6 +204,7 @@ def test_config_from_hf_both_families():
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"linear_num_value_heads": 3}, "linear_num_value_heads"),
     ({"linear_conv_kernel_dim": 1}, "linear_conv_kernel_dim"),
+    ({"linear_attn_layout": "fused"}, "linear_attn_layout"),
 ])
 def test_config_errors_name_the_field(change, field):
     hf = {**SIZES, "model_type": "qwen3_next", **change}
@@ -244,4 +245,33 @@ def test_the_recurrent_step_kernel_equals_its_twin(dk, dv):
     want_out, want_new = gated_delta_step_torch(q, k, v, g, beta, state, rows, keep)
     torch.testing.assert_close(out, want_out, atol=ATOL, rtol=1e-5)
     torch.testing.assert_close(new, want_new, atol=ATOL, rtol=1e-5)
+    assert torch.equal(state, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nk,nv,dk,dv", [(2, 4, 16, 32), (4, 4, 32, 16)])
+def test_the_decode_step_kernel_equals_its_twin(dtype, nk, nv, dk, dv):
+    """A decode token's conv, SiLU, q/k norms and recurrent step in one C++ call against the
+    layer's torch ops (_step_torch): value heads sharing a key head, a fresh sequence, the
+    model's dtype. The new windows are equal; the rest within float32 rounding, and in
+    bfloat16 within the one rounding of a conv output that the last float32 bit can flip."""
+    assert load_cpu_kernels() is not None, "the CPU kernels did not build"
+    cfg = GatedDeltaNetConfig(hidden_size=64, num_k_heads=nk, num_v_heads=nv, head_k_dim=dk,
+                              head_v_dim=dv, conv_kernel=4, eps=1e-6, layout="qwen3_5")
+    torch.manual_seed(3)
+    layer = GatedDeltaNet(cfg).to(dtype)
+    for p in layer.parameters():
+        p.data.normal_(0, 0.5)
+    D, N = 3, 5
+    conv, state = torch.randn(D, cfg.conv_dim, 3), torch.randn(N, nv, dk, dv)
+    before = state.clone()
+    rows, keep = torch.tensor([4, 0, 2]), torch.tensor([True, False, True])
+    new = torch.randn(D, cfg.conv_dim).to(dtype)
+    g, beta = -torch.rand(D, nv), torch.rand(D, nv).to(dtype)
+    got = layer._step(conv, state, rows, keep, new, g, beta)
+    want = layer._step_torch(conv, state, rows, keep, new, g, beta)
+    tol = dict(rtol=1e-5, atol=ATOL) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(got[0], want[0], **tol)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[2], want[2], **tol)
     assert torch.equal(state, before)

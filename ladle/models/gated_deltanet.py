@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ladle.runner.cpu_kernels import batch_invariant, gated_delta_step, linear
+from ladle.runner.cpu_kernels import batch_invariant, gated_delta_step, kernels_for, linear
 
 # The prefill form's chunk length (transformers' default): long enough for matmuls to pay,
 # short enough that the (chunk, chunk) triangular solve stays cheap.
@@ -519,6 +519,17 @@ class GatedDeltaNet(nn.Module):
         keep[i] is False), the token's projected q|k|v (D, C), g and beta (D, H). Returns (core
         output (D, H, dv), the new conv window, the new recurrent state (D, H, dk, dv))."""
         weight = self.conv1d.weight.squeeze(1).float()  # (C, K)
+        kern = kernels_for(conv_state, weight, g, recurrent)
+        if kern is not None and new.dtype in (torch.float32, torch.bfloat16) \
+                and recurrent.is_contiguous():  # _step_torch's ops in one call (its twin)
+            return kern.gated_delta_conv_step(
+                conv_state.contiguous(), weight.contiguous(), new.contiguous(), g.contiguous(),
+                beta.float().contiguous(), recurrent, at, keep, self.cfg.num_k_heads,
+                self.cfg.head_k_dim)
+        return self._step_torch(conv_state, recurrent, at, keep, new, g, beta)
+
+    def _step_torch(self, conv_state, recurrent, at, keep, new, g, beta):
+        weight = self.conv1d.weight.squeeze(1).float()
         window = torch.cat([conv_state, new.float().unsqueeze(-1)], dim=-1)  # (D, C, K)
         mixed = F.silu((window * weight).sum(-1))  # (D, C): the conv's output for the new token
         q, k, v = self._heads(mixed, new.dtype)

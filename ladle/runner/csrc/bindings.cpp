@@ -157,6 +157,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("seeded_race", &seeded_race, "seeded exponential race over full rows, fused");
   m.def("gated_delta_step", &gated_delta_step,
         "Gated DeltaNet's recurrent step: each state read once, the new one written once");
+  m.def("gated_delta_conv_step", &gated_delta_conv_step,
+        "a decode token of a Gated DeltaNet layer: conv, SiLU, q/k norms and the step, fused");
   m.def("isa", &isa, "instruction set this build uses");
   m.def("to_huge_pages", &to_huge_pages,
         "storages moved in place into memory advised for 2 MiB pages (zero: zeroed, not copied)",

@@ -21,6 +21,11 @@ std::vector<at::Tensor> gated_delta_step(at::Tensor q, at::Tensor k, at::Tensor 
                                          at::Tensor g, at::Tensor beta,
                                          at::Tensor state, at::Tensor rows,
                                          at::Tensor keep);
+// and a whole decode token of a linear layer's recurrent part: (out, new windows, new states)
+std::vector<at::Tensor> gated_delta_conv_step(at::Tensor conv_state, at::Tensor w, at::Tensor x,
+                                              at::Tensor g, at::Tensor beta, at::Tensor state,
+                                              at::Tensor rows, at::Tensor keep, int64_t nk,
+                                              int64_t dk);
 
 // attention.cpp
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
