@@ -275,3 +275,47 @@ def test_the_decode_step_kernel_equals_its_twin(dtype, nk, nv, dk, dv):
     assert torch.equal(got[1], want[1])
     torch.testing.assert_close(got[2], want[2], **tol)
     assert torch.equal(state, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_step_in_one_call_equals_the_layers_ops(layers, dtype, monkeypatch):
+    """A step of decodes runs the layer between its projections in one call
+    (gated_delta_decode: beta, g, the conv, the step and the gated norm). Against the layer's
+    torch ops (the kernel refused): outputs and the states written within float32 rounding
+    (bfloat16: within the roundings the model's dtype makes, one ulp of it); and a decode row's
+    output and state are the same bits whether its step holds only decodes or a prompt too."""
+    assert load_cpu_kernels() is not None, "the CPU kernels did not build"
+    import ladle.models.gated_deltanet as gdn
+
+    _, _, ours = layers
+    layer = GatedDeltaNet(ours.cfg).to(dtype).eval()
+    layer.load_state_dict(ours.state_dict())
+    torch.manual_seed(5)
+    prompt = torch.randn(7, 64).to(dtype)
+    x = torch.randn(3, 64).to(dtype)
+    decodes = [Segment(0, 1, 1, False), Segment(1, 1, 2, True), Segment(2, 1, 3, False)]
+
+    start = GatedDeltaNetState.allocate(layer.cfg, NUM_SLOTS)
+    start.conv.normal_()
+    start.recurrent.normal_(0, 0.1)
+
+    def run(segments, tokens, fused=True):
+        state = GatedDeltaNetState(start.conv.clone(), start.recurrent.clone())
+        with torch.no_grad(), monkeypatch.context() as m:
+            if not fused:
+                m.setattr(gdn, "kernels_for", lambda *t: None)
+            out = layer(tokens, segments, state)
+        return out.float(), state
+
+    got, got_state = run(decodes, x)
+    want, want_state = run(decodes, x, fused=False)
+    # (bfloat16: 2^-8, one ulp, relative; measured equal)
+    tol = dict(rtol=1e-5, atol=ATOL) if dtype == torch.float32 else dict(rtol=4e-3, atol=1e-3)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(got_state.recurrent, want_state.recurrent, **tol)
+    assert torch.equal(got_state.conv, want_state.conv)
+    # the same decodes behind a prompt of another slot, in one step
+    mixed = [Segment(0, 7, 0, True)] + [s._replace(start=7 + s.start) for s in decodes]
+    out, state = run(mixed, torch.cat([prompt, x]))
+    assert torch.equal(out[7:], got)
+    assert torch.equal(state.recurrent[1:4], got_state.recurrent[1:4])

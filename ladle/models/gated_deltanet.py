@@ -272,6 +272,14 @@ class SegmentPlan:
     # state kept after every position until verification says which one holds.
     drafted: list[Segment] = field(default_factory=list)
 
+    @property
+    def decode_only(self) -> bool:
+        """Every token of the step is a decode row, in stream order (decode_rows = 0 .. T-1)."""
+        return self.decode_rows is not None and len(self.decode_rows) == self.num_tokens \
+            and self.rows_in_order
+
+    rows_in_order: bool = True  # decode_rows ascending (from_arrays: always)
+
     @classmethod
     def build(cls, segments: list[Segment], num_tokens: int, num_slots: int,
               device: torch.device | str | None = None) -> SegmentPlan:
@@ -282,7 +290,9 @@ class SegmentPlan:
             rows = torch.tensor([seg.start for seg in decodes], device=device)
             slots = torch.tensor([seg.slot for seg in decodes], device=device)
             keep = torch.tensor([not seg.fresh for seg in decodes], device=device)
-        return cls(num_tokens, rows, slots, keep, [seg for seg in segments if seg.length > 1])
+        starts = [seg.start for seg in decodes]
+        return cls(num_tokens, rows, slots, keep, [seg for seg in segments if seg.length > 1],
+                   rows_in_order=starts == sorted(starts))
 
     @classmethod
     def from_arrays(cls, starts, lengths, slots, fresh, drafted=None,
@@ -452,11 +462,15 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"segments: cover {plan.num_tokens} tokens of the step's "
                              f"{num_tokens}")
         qkv, z, b, a = self._project(x)
+        decoded = None if plan.decode_rows is None else self._decode_fused(qkv, z, b, a, plan,
+                                                                          state)
+        if decoded is not None and plan.decode_only:
+            return self._output(decoded)
         beta = b.sigmoid()  # (T, nv), in x's dtype as in transformers
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # (T, nv)
         core = torch.empty(num_tokens, cfg.num_v_heads, cfg.head_v_dim,
                            dtype=torch.float32, device=x.device)
-        if plan.decode_rows is not None:
+        if plan.decode_rows is not None and decoded is None:
             self._decode(qkv, g, beta, plan, state, core)
         if batch_invariant() and plan.prefills:
             # A token's numbers must not depend on how its prompt was chunked: prefill chunks
@@ -468,10 +482,40 @@ class GatedDeltaNet(nn.Module):
         if plan.drafted:
             self._by_position(qkv, g, beta, plan.drafted, state, core, drafted=True)
         out = self.norm(core.to(x.dtype), z).reshape(num_tokens, cfg.value_dim)
+        if decoded is not None:
+            out[plan.decode_rows] = decoded
+        return self._output(out)
+
+    def _output(self, out: torch.Tensor) -> torch.Tensor:
+        """The normalised, gated values (T, value_dim) through out_proj."""
         if self.out_columns is not None:
             out = out.index_select(-1, self.out_columns)
         out = linear(out, self.out_proj.weight)
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def _decode_fused(self, qkv, z, b, a, plan: SegmentPlan, state: GatedDeltaNetState):
+        """The decode rows' values between the projections (D, value_dim), each row's slot
+        read and its new state written, in one call (gated_delta_decode: _decode's work, with
+        beta, g and the gated norm), or None where the kernel cannot run (then _decode and the
+        torch ops, its twin). Every decode row takes this path whatever else the step holds,
+        so a row's numbers do not depend on its batch."""
+        cfg = self.cfg
+        weight = self.conv1d.weight.squeeze(1).float().contiguous()  # (C, K)
+        kern = kernels_for(qkv, z, b, a, self.norm.weight)
+        if kern is None or not state.recurrent.is_contiguous():
+            return None
+        rows, slots, keep = plan.decode_rows, plan.decode_slots, plan.decode_keep
+        z = z.reshape(z.shape[0], cfg.value_dim)
+        if not plan.decode_only:
+            qkv, z, b, a = qkv[rows], z[rows], b[rows], a[rows]
+        conv_state = state.conv[slots]  # (D, C, K - 1)
+        if not bool(keep.all()):  # a one-token prompt starts from zeros
+            conv_state = torch.where(keep[:, None, None], conv_state, 0)
+        y, conv, recurrent = kern.gated_delta_decode(
+            conv_state, weight, qkv, z, b, a, self.A_log, self.dt_bias, self.norm.weight,
+            self.norm.eps, state.recurrent, slots, keep, cfg.num_k_heads, cfg.head_k_dim)
+        state.write(slots, conv, recurrent)
+        return y
 
     def _project(self, x: torch.Tensor):
         """x (T, hidden) -> q|k|v (T, conv_dim) in the conv's channel order, z (T, nv, dv),

@@ -10,6 +10,7 @@
 // (recurrent_gated_delta_step) passes over it five times. The new states go to a fresh tensor:
 // the engine applies them only when the step succeeds. Pairs are independent, so a sequence's
 // numbers do not depend on the batch.
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -107,67 +108,29 @@ std::vector<at::Tensor> gated_delta_step(at::Tensor q, at::Tensor k, at::Tensor 
   return {out, next};
 }
 
-// One decode token of D sequences through a whole linear layer's recurrent part (the torch ops
-// of GatedDeltaNet._step in one call): the causal depthwise conv over each channel's window
-// (the K - 1 inputs kept, then the new one), SiLU, the result rounded through the projection's
-// dtype (transformers' conv returns it), q and k l2-normalised per key head (x / sqrt(sum x^2 +
-// 1e-6)), q scaled by dk^-1/2, then the step above with each key head read by its r value heads.
-// conv_state (D, C, K - 1) and w (C, K) float32, x (D, C) float32 or bfloat16 (C = 2 nk dk + H
-// dv), g and beta (D, H), state (N, H, dk, dv). Returns (out (D, H, dv), the new windows
-// (D, C, K - 1), the new states (D, H, dk, dv)).
-std::vector<at::Tensor> gated_delta_conv_step(at::Tensor conv_state, at::Tensor w, at::Tensor x,
-                                              at::Tensor g, at::Tensor beta, at::Tensor state,
-                                              at::Tensor rows, at::Tensor keep, int64_t nk,
-                                              int64_t dk) {
-  TORCH_CHECK(conv_state.dim() == 3 && x.dim() == 2 && x.size(0) == conv_state.size(0) &&
-                  x.size(1) == conv_state.size(1) && w.dim() == 2 &&
-                  w.size(0) == x.size(1) && w.size(1) == conv_state.size(2) + 1,
-              "gated_delta_conv_step: conv_state (D, C, K - 1), x (D, C), w (C, K)");
-  TORCH_CHECK(state.dim() == 4, "gated_delta_conv_step: state (N, H, dk, dv)");
-  const int64_t D = x.size(0), C = x.size(1), K = w.size(1);
-  const int64_t H = state.size(1), dv = state.size(3);
-  TORCH_CHECK(nk >= 1 && H % nk == 0 && state.size(2) == dk && C == 2 * nk * dk + H * dv,
-              "gated_delta_conv_step: C = 2 nk dk + H dv, H a multiple of nk");
-  TORCH_CHECK(g.dim() == 2 && g.size(0) == D && g.size(1) == H && beta.sizes() == g.sizes(),
-              "gated_delta_conv_step: g and beta (D, H)");
-  TORCH_CHECK(rows.numel() == D && keep.numel() == D, "gated_delta_conv_step: rows, keep (D,)");
-  for (const auto& t : {conv_state, w, g, beta, state})
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(),
-                "gated_delta_conv_step: float32 contiguous conv_state, w, g, beta, state");
-  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
-                  x.is_contiguous(), "gated_delta_conv_step: x float32 or bfloat16, contiguous");
-  TORCH_CHECK(rows.scalar_type() == at::kLong && keep.scalar_type() == at::kBool,
-              "gated_delta_conv_step: rows int64, keep bool");
-  auto rows_c = rows.contiguous();
-  auto keep_c = keep.contiguous();
-  const int64_t* row = rows_c.data_ptr<int64_t>();
-  const bool* keeps = keep_c.data_ptr<bool>();
-  for (int64_t d = 0; d < D; ++d)
-    TORCH_CHECK(!keeps[d] || (row[d] >= 0 && row[d] < state.size(0)),
-                "gated_delta_conv_step: row out of range");
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  auto windows = at::empty({D, C, K - 1}, conv_state.options());
-  auto mixed = at::empty({D, C}, conv_state.options());
-  const float *cs = conv_state.data_ptr<float>(), *wp = w.data_ptr<float>();
-  float *wn = windows.data_ptr<float>(), *mx = mixed.data_ptr<float>();
+// The conv part of a decode token for D rows (x: the projected q|k|v, row stride ldx): each
+// channel's window (its K - 1 kept inputs, then the new one) times the conv weight w (C, K),
+// SiLU, rounded through T (transformers' conv returns the model's dtype), into mixed (D, C);
+// the new windows (D, C, K - 1) into wn; then q and k of each row l2-normalised per key head
+// (x / sqrt(sum x^2 + 1e-6)), q scaled by dk^-1/2.
+template <typename T>
+static void conv_heads(const float* cs, const float* wp, const T* x, int64_t ldx, int64_t D,
+                       int64_t C, int64_t K, int64_t nk, int64_t dk, float* mx, float* wn) {
   at::parallel_for(0, D * C, 2048, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t d = i / C, c = i % C;
-      const float xi = bf16 ? float(x.data_ptr<at::BFloat16>()[i]) : x.data_ptr<float>()[i];
+      const float xi = float(x[d * ldx + c]);
       const float* win = cs + i * (K - 1);
       const float* wc = wp + c * K;
       float acc = 0.f;
       for (int64_t t = 0; t < K - 1; ++t) acc += win[t] * wc[t];
       acc += xi * wc[K - 1];
-      float y = acc / (1.f + std::exp(-acc));
-      if (bf16) y = float(at::BFloat16(y));
-      mx[d * C + c] = y;
+      mx[i] = float(T(acc / (1.f + std::exp(-acc))));
       float* wo = wn + i * (K - 1);
       for (int64_t t = 0; t + 1 < K - 1; ++t) wo[t] = win[t + 1];
       wo[K - 2] = xi;
     }
   });
-  // q and k normalised in place (each of the D x 2 nk heads of dk)
   const float q_scale = 1.f / std::sqrt(float(dk));
   at::parallel_for(0, D * 2 * nk, 16, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
@@ -179,11 +142,165 @@ std::vector<at::Tensor> gated_delta_conv_step(at::Tensor conv_state, at::Tensor 
       for (int64_t i = 0; i < dk; ++i) h[i] *= inv;
     }
   });
+}
+
+static void check_step_args(const at::Tensor& conv_state, const at::Tensor& w,
+                            const at::Tensor& x, const at::Tensor& state,
+                            const at::Tensor& rows, const at::Tensor& keep, int64_t nk,
+                            int64_t dk, const char* name) {
+  TORCH_CHECK(conv_state.dim() == 3 && x.dim() == 2 && x.size(0) == conv_state.size(0) &&
+                  x.size(1) == conv_state.size(1) && w.dim() == 2 &&
+                  w.size(0) == x.size(1) && w.size(1) == conv_state.size(2) + 1,
+              name, ": conv_state (D, C, K - 1), x (D, C), w (C, K)");
+  TORCH_CHECK(state.dim() == 4, name, ": state (N, H, dk, dv)");
+  const int64_t H = state.size(1), C = x.size(1), D = x.size(0);
+  TORCH_CHECK(nk >= 1 && H % nk == 0 && state.size(2) == dk &&
+                  C == 2 * nk * dk + H * state.size(3),
+              name, ": C = 2 nk dk + H dv, H a multiple of nk");
+  for (const auto& t : {conv_state, w, state})
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), name,
+                ": float32 contiguous conv_state, w, state");
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.stride(1) == 1, name, ": x float32 or bfloat16, rows contiguous");
+  TORCH_CHECK(rows.numel() == D && keep.numel() == D && rows.scalar_type() == at::kLong &&
+                  keep.scalar_type() == at::kBool, name, ": rows int64 and keep bool, (D,)");
+}
+
+static std::vector<int64_t> checked_rows(const at::Tensor& rows, const at::Tensor& keep,
+                                         std::vector<uint8_t>& keeps, int64_t N,
+                                         const char* name) {
+  auto r = rows.contiguous();
+  auto k = keep.contiguous();
+  std::vector<int64_t> out(r.data_ptr<int64_t>(), r.data_ptr<int64_t>() + r.numel());
+  keeps.assign(k.data_ptr<bool>(), k.data_ptr<bool>() + k.numel());
+  for (size_t d = 0; d < out.size(); ++d)
+    TORCH_CHECK(!keeps[d] || (out[d] >= 0 && out[d] < N), name, ": row out of range");
+  return out;
+}
+
+// One decode token of D sequences through a linear layer's recurrent part (the torch ops of
+// GatedDeltaNet._step_torch in one call): conv_heads, then the step above with each key head
+// read by its H / nk value heads. conv_state (D, C, K - 1), x (D, C) float32 or bfloat16, g and
+// beta (D, H) float32, state (N, H, dk, dv). Returns (out (D, H, dv), the new windows, the new
+// states (D, H, dk, dv)).
+std::vector<at::Tensor> gated_delta_conv_step(at::Tensor conv_state, at::Tensor w, at::Tensor x,
+                                              at::Tensor g, at::Tensor beta, at::Tensor state,
+                                              at::Tensor rows, at::Tensor keep, int64_t nk,
+                                              int64_t dk) {
+  const char* name = "gated_delta_conv_step";
+  check_step_args(conv_state, w, x, state, rows, keep, nk, dk, name);
+  const int64_t D = x.size(0), C = x.size(1), K = w.size(1);
+  const int64_t H = state.size(1), dv = state.size(3);
+  TORCH_CHECK(g.dim() == 2 && g.size(0) == D && g.size(1) == H && beta.sizes() == g.sizes() &&
+                  g.scalar_type() == at::kFloat && beta.scalar_type() == at::kFloat &&
+                  g.is_contiguous() && beta.is_contiguous(),
+              name, ": g and beta (D, H) float32");
+  std::vector<uint8_t> keeps;
+  const auto row = checked_rows(rows, keep, keeps, state.size(0), name);
+  auto windows = at::empty({D, C, K - 1}, conv_state.options());
+  auto mixed = at::empty({D, C}, conv_state.options());
+  float* mx = mixed.data_ptr<float>();
+  if (x.scalar_type() == at::kBFloat16)
+    conv_heads(conv_state.data_ptr<float>(), w.data_ptr<float>(), x.data_ptr<at::BFloat16>(),
+               x.stride(0), D, C, K, nk, dk, mx, windows.data_ptr<float>());
+  else
+    conv_heads(conv_state.data_ptr<float>(), w.data_ptr<float>(), x.data_ptr<float>(),
+               x.stride(0), D, C, K, nk, dk, mx, windows.data_ptr<float>());
   // row d of mixed: [q of nk heads | k of nk heads | v of H heads]
   auto out = at::empty({D, H, dv}, conv_state.options());
   auto next = at::empty({D, H, dk, dv}, conv_state.options());
   delta_pairs(mx, mx + nk * dk, C, H / nk, mx + 2 * nk * dk, C, g.data_ptr<float>(),
-              beta.data_ptr<float>(), state.data_ptr<float>(), row, keeps, D, H, dk, dv,
-              out.data_ptr<float>(), next.data_ptr<float>());
+              beta.data_ptr<float>(), state.data_ptr<float>(), row.data(),
+              reinterpret_cast<const bool*>(keeps.data()), D, H, dk, dv, out.data_ptr<float>(),
+              next.data_ptr<float>());
   return {out, windows, next};
+}
+
+// The gated RMSNorm of each (row, head) output of a decode token: see gated_delta_decode.
+template <typename T>
+static void gated_norm_rows(const float* out, const T* z, int64_t ldz, const float* nw,
+                            double eps, int64_t D, int64_t H, int64_t dv, T* y) {
+  at::parallel_for(0, D * H, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(dv);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t d = p / H, hd = p % H;
+      const float* o = out + p * dv;
+      float ss = 0.f;
+      for (int64_t j = 0; j < dv; ++j) {
+        h[j] = float(T(o[j]));
+        ss += h[j] * h[j];
+      }
+      const float r = 1.f / std::sqrt(ss / float(dv) + float(eps));
+      const T* zr = z + d * ldz + hd * dv;
+      T* yr = y + d * H * dv + hd * dv;
+      for (int64_t j = 0; j < dv; ++j) {
+        const float n = float(T(nw[j] * float(T(h[j] * r))));
+        const float gate = float(zr[j]);
+        yr[j] = T(n * (gate / (1.f + std::exp(-gate))));
+      }
+    }
+  });
+}
+
+// A whole decode token of the layer between its projections (GatedDeltaNet._decode_fused's
+// torch ops): beta = sigmoid(b) and g = -exp(A_log) softplus(a + dt_bias) from the projected b
+// and a, gated_delta_conv_step's work, then the gated RMSNorm of each head's output with the
+// model's roundings (the output rounded to T, normalised in float32, rounded, times the norm
+// weight in T, times SiLU(z) in float32, rounded). qkv (D, C), z (D, H dv), b and a (D, H):
+// T, rows contiguous; A_log and dt_bias (H,), norm_w (dv,). Returns (y (D, H dv) in T, the
+// new windows, the new states).
+std::vector<at::Tensor> gated_delta_decode(at::Tensor conv_state, at::Tensor w, at::Tensor qkv,
+                                           at::Tensor z, at::Tensor b, at::Tensor a,
+                                           at::Tensor A_log, at::Tensor dt_bias,
+                                           at::Tensor norm_w, double eps, at::Tensor state,
+                                           at::Tensor rows, at::Tensor keep, int64_t nk,
+                                           int64_t dk) {
+  const char* name = "gated_delta_decode";
+  check_step_args(conv_state, w, qkv, state, rows, keep, nk, dk, name);
+  const int64_t D = qkv.size(0), C = qkv.size(1), K = w.size(1);
+  const int64_t H = state.size(1), dv = state.size(3);
+  const auto dt = qkv.scalar_type();
+  TORCH_CHECK(z.dim() == 2 && z.size(0) == D && z.size(1) == H * dv && b.dim() == 2 &&
+                  b.size(0) == D && b.size(1) == H && a.sizes() == b.sizes(),
+              name, ": z (D, H dv), b and a (D, H)");
+  for (const auto& t : {z, b, a})
+    TORCH_CHECK(t.scalar_type() == dt && t.stride(1) == 1, name,
+                ": z, b and a in qkv's dtype, rows contiguous");
+  TORCH_CHECK(A_log.numel() == H && dt_bias.numel() == H && norm_w.numel() == dv &&
+                  norm_w.scalar_type() == dt,
+              name, ": A_log and dt_bias (H,), norm_w (dv,) in qkv's dtype");
+  std::vector<uint8_t> keeps;
+  const auto row = checked_rows(rows, keep, keeps, state.size(0), name);
+  auto fopt = conv_state.options();
+  auto A = A_log.to(at::kFloat).contiguous(), bias = dt_bias.to(at::kFloat).contiguous();
+  auto nwf = norm_w.to(at::kFloat).contiguous();
+  auto g = at::empty({D, H}, fopt), beta = at::empty({D, H}, fopt);
+  float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
+  const float *Ap = A.data_ptr<float>(), *bias_p = bias.data_ptr<float>();
+  auto windows = at::empty({D, C, K - 1}, fopt);
+  auto mixed = at::empty({D, C}, fopt);
+  float* mx = mixed.data_ptr<float>();
+  auto out = at::empty({D, H, dv}, fopt);
+  auto next = at::empty({D, H, dk, dv}, fopt);
+  auto y = at::empty({D, H * dv}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dt, "gated_delta_decode", [&] {
+    using T = scalar_t;
+    const T *bb = b.data_ptr<T>(), *aa = a.data_ptr<T>();
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t h = 0; h < H; ++h) {
+        const float bv = float(bb[d * b.stride(0) + h]);
+        bp[d * H + h] = float(T(1.f / (1.f + std::exp(-bv))));  // sigmoid in T
+        const float x = float(aa[d * a.stride(0) + h]) + bias_p[h];
+        const float sp = x > 20.f ? x : std::log1p(std::exp(x));  // torch's softplus
+        gp[d * H + h] = -std::exp(Ap[h]) * sp;
+      }
+    conv_heads(conv_state.data_ptr<float>(), w.data_ptr<float>(), qkv.data_ptr<T>(),
+               qkv.stride(0), D, C, K, nk, dk, mx, windows.data_ptr<float>());
+    delta_pairs(mx, mx + nk * dk, C, H / nk, mx + 2 * nk * dk, C, gp, bp,
+                state.data_ptr<float>(), row.data(), reinterpret_cast<const bool*>(keeps.data()),
+                D, H, dk, dv, out.data_ptr<float>(), next.data_ptr<float>());
+    gated_norm_rows(out.data_ptr<float>(), z.data_ptr<T>(), z.stride(0), nwf.data_ptr<float>(),
+                    eps, D, H, dv, y.data_ptr<T>());
+  });
+  return {y, windows, next};
 }

@@ -26,6 +26,13 @@ std::vector<at::Tensor> gated_delta_conv_step(at::Tensor conv_state, at::Tensor 
                                               at::Tensor g, at::Tensor beta, at::Tensor state,
                                               at::Tensor rows, at::Tensor keep, int64_t nk,
                                               int64_t dk);
+// and the whole token between the layer's projections: (y (D, H dv), new windows, new states)
+std::vector<at::Tensor> gated_delta_decode(at::Tensor conv_state, at::Tensor w, at::Tensor qkv,
+                                           at::Tensor z, at::Tensor b, at::Tensor a,
+                                           at::Tensor A_log, at::Tensor dt_bias,
+                                           at::Tensor norm_w, double eps, at::Tensor state,
+                                           at::Tensor rows, at::Tensor keep, int64_t nk,
+                                           int64_t dk);
 
 // attention.cpp
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
