@@ -251,10 +251,10 @@ def test_the_recurrent_step_kernel_equals_its_twin(dk, dv):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("nk,nv,dk,dv", [(2, 4, 16, 32), (4, 4, 32, 16)])
 def test_the_decode_step_kernel_equals_its_twin(dtype, nk, nv, dk, dv):
-    """A decode token's conv, SiLU, q/k norms and recurrent step in one C++ call against the
-    layer's torch ops (_step_torch): value heads sharing a key head, a fresh sequence, the
-    model's dtype. The new windows are equal; the rest within float32 rounding, and in
-    bfloat16 within the one rounding of a conv output that the last float32 bit can flip."""
+    """A decode token between the layer's projections in one C++ call (gates, conv, SiLU, q/k
+    norms, the recurrent step, the gated norm) against the layer's torch ops (_step_torch):
+    value heads sharing a key head, a fresh sequence, the model's dtype. The new windows are
+    equal; the rest within float32 rounding, in bfloat16 within one ulp (2^-8) of it."""
     assert load_cpu_kernels() is not None, "the CPU kernels did not build"
     cfg = GatedDeltaNetConfig(hidden_size=64, num_k_heads=nk, num_v_heads=nv, head_k_dim=dk,
                               head_v_dim=dv, conv_kernel=4, eps=1e-6, layout="qwen3_5")
@@ -266,12 +266,13 @@ def test_the_decode_step_kernel_equals_its_twin(dtype, nk, nv, dk, dv):
     conv, state = torch.randn(D, cfg.conv_dim, 3), torch.randn(N, nv, dk, dv)
     before = state.clone()
     rows, keep = torch.tensor([4, 0, 2]), torch.tensor([True, False, True])
-    new = torch.randn(D, cfg.conv_dim).to(dtype)
-    g, beta = -torch.rand(D, nv), torch.rand(D, nv).to(dtype)
-    got = layer._step(conv, state, rows, keep, new, g, beta)
-    want = layer._step_torch(conv, state, rows, keep, new, g, beta)
-    tol = dict(rtol=1e-5, atol=ATOL) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(got[0], want[0], **tol)
+    qkv, z = torch.randn(D, cfg.conv_dim).to(dtype), torch.randn(D, cfg.value_dim).to(dtype)
+    b, a = torch.randn(D, nv).to(dtype), torch.randn(D, nv).to(dtype)
+    got = layer._step(conv, state, rows, keep, qkv, z, b, a)
+    want = layer._step_torch(conv, state, rows, keep, qkv, z, b, a)
+    tol = dict(rtol=1e-5, atol=ATOL) if dtype == torch.float32 else dict(rtol=4e-3, atol=1e-3)
+    assert got[0].dtype == dtype
+    torch.testing.assert_close(got[0].float(), want[0].float(), **tol)
     assert torch.equal(got[1], want[1])
     torch.testing.assert_close(got[2], want[2], **tol)
     assert torch.equal(state, before)

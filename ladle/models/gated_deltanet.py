@@ -462,28 +462,21 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"segments: cover {plan.num_tokens} tokens of the step's "
                              f"{num_tokens}")
         qkv, z, b, a = self._project(x)
-        decoded = None if plan.decode_rows is None else self._decode_fused(qkv, z, b, a, plan,
-                                                                          state)
-        if decoded is not None and plan.decode_only:
-            return self._output(decoded)
-        beta = b.sigmoid()  # (T, nv), in x's dtype as in transformers
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # (T, nv)
-        core = torch.empty(num_tokens, cfg.num_v_heads, cfg.head_v_dim,
-                           dtype=torch.float32, device=x.device)
-        if plan.decode_rows is not None and decoded is None:
-            self._decode(qkv, g, beta, plan, state, core)
+        z = z.reshape(num_tokens, cfg.value_dim)
+        if plan.decode_only:  # the step's rows are its decodes', in order
+            return self._output(self._decode(qkv, z, b, a, plan, state))
+        out = torch.empty(num_tokens, cfg.value_dim, dtype=x.dtype, device=x.device)
+        if plan.decode_rows is not None:
+            out[plan.decode_rows] = self._decode(qkv, z, b, a, plan, state)
         if batch_invariant() and plan.prefills:
             # A token's numbers must not depend on how its prompt was chunked: prefill chunks
             # run a token at a time through the decode step, as if decoded.
-            self._by_position(qkv, g, beta, plan.prefills, state, core)
+            self._by_position(qkv, z, b, a, plan.prefills, state, out)
         else:
             for seg in plan.prefills:
-                self._prefill(qkv, g, beta, seg, state, core)
+                self._prefill(qkv, z, b, a, seg, state, out)
         if plan.drafted:
-            self._by_position(qkv, g, beta, plan.drafted, state, core, drafted=True)
-        out = self.norm(core.to(x.dtype), z).reshape(num_tokens, cfg.value_dim)
-        if decoded is not None:
-            out[plan.decode_rows] = decoded
+            self._by_position(qkv, z, b, a, plan.drafted, state, out, drafted=True)
         return self._output(out)
 
     def _output(self, out: torch.Tensor) -> torch.Tensor:
@@ -492,30 +485,6 @@ class GatedDeltaNet(nn.Module):
             out = out.index_select(-1, self.out_columns)
         out = linear(out, self.out_proj.weight)
         return out if self.tp is None else self.tp.all_reduce(out)
-
-    def _decode_fused(self, qkv, z, b, a, plan: SegmentPlan, state: GatedDeltaNetState):
-        """The decode rows' values between the projections (D, value_dim), each row's slot
-        read and its new state written, in one call (gated_delta_decode: _decode's work, with
-        beta, g and the gated norm), or None where the kernel cannot run (then _decode and the
-        torch ops, its twin). Every decode row takes this path whatever else the step holds,
-        so a row's numbers do not depend on its batch."""
-        cfg = self.cfg
-        weight = self.conv1d.weight.squeeze(1).float().contiguous()  # (C, K)
-        kern = kernels_for(qkv, z, b, a, self.norm.weight)
-        if kern is None or not state.recurrent.is_contiguous():
-            return None
-        rows, slots, keep = plan.decode_rows, plan.decode_slots, plan.decode_keep
-        z = z.reshape(z.shape[0], cfg.value_dim)
-        if not plan.decode_only:
-            qkv, z, b, a = qkv[rows], z[rows], b[rows], a[rows]
-        conv_state = state.conv[slots]  # (D, C, K - 1)
-        if not bool(keep.all()):  # a one-token prompt starts from zeros
-            conv_state = torch.where(keep[:, None, None], conv_state, 0)
-        y, conv, recurrent = kern.gated_delta_decode(
-            conv_state, weight, qkv, z, b, a, self.A_log, self.dt_bias, self.norm.weight,
-            self.norm.eps, state.recurrent, slots, keep, cfg.num_k_heads, cfg.head_k_dim)
-        state.write(slots, conv, recurrent)
-        return y
 
     def _project(self, x: torch.Tensor):
         """x (T, hidden) -> q|k|v (T, conv_dim) in the conv's channel order, z (T, nv, dv),
@@ -557,41 +526,62 @@ class GatedDeltaNet(nn.Module):
             q, k = q.repeat_interleave(r, dim=-2), k.repeat_interleave(r, dim=-2)
         return q, k, v.reshape(*lead, cfg.num_v_heads, cfg.head_v_dim)
 
-    def _step(self, conv_state, recurrent, at, keep, new, g, beta):
-        """One token of D sequences: conv window (D, C, K - 1) float32, recurrent states
+    def _gates(self, b: torch.Tensor, a: torch.Tensor):
+        """beta = sigmoid(b) in the model's dtype (as in transformers) and the log decay
+        g = -exp(A_log) * softplus(a + dt_bias) in float32, (L, nv) each."""
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return b.sigmoid(), g
+
+    def _gated_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The rule's output core (L, nv, dv) float32, normalised and gated by z (L,
+        value_dim): (L, value_dim) in z's dtype, out_proj's input."""
+        cfg, n = self.cfg, core.shape[0]
+        gate = z.reshape(n, cfg.num_v_heads, cfg.head_v_dim)
+        return self.norm(core.to(z.dtype), gate).reshape(n, cfg.value_dim)
+
+    def _step(self, conv_state, recurrent, at, keep, qkv, z, b, a):
+        """One token of D sequences: conv windows (D, C, K - 1) float32, recurrent states
         `recurrent` (N, H, dk, dv) float32 of which sequence i reads row at[i] (zeros where
-        keep[i] is False), the token's projected q|k|v (D, C), g and beta (D, H). Returns (core
-        output (D, H, dv), the new conv window, the new recurrent state (D, H, dk, dv))."""
+        keep[i] is False), the token's projections qkv (D, C), z (D, value_dim), b and a (D, H).
+        Returns (the outputs (D, value_dim), normalised and gated, in qkv's dtype; the new
+        windows; the new recurrent states (D, H, dk, dv)). One C++ call where the kernels run
+        (gated_delta_decode); _step_torch, the layer's torch ops, is its twin. Every token that
+        runs a step at a time (decodes, drafted rows, batch-invariant prompts) comes here, so
+        its numbers do not depend on what else its step holds."""
+        cfg = self.cfg
+        kern = kernels_for(qkv, z, b, a, self.norm.weight)
+        if kern is not None and recurrent.is_contiguous():
+            weight = self.conv1d.weight.squeeze(1).float().contiguous()  # (C, K)
+            return kern.gated_delta_decode(
+                conv_state.contiguous(), weight, qkv, z, b, a, self.A_log, self.dt_bias,
+                self.norm.weight, self.norm.eps, recurrent, at, keep, cfg.num_k_heads,
+                cfg.head_k_dim)
+        return self._step_torch(conv_state, recurrent, at, keep, qkv, z, b, a)
+
+    def _step_torch(self, conv_state, recurrent, at, keep, qkv, z, b, a):
+        beta, g = self._gates(b, a)
         weight = self.conv1d.weight.squeeze(1).float()  # (C, K)
-        kern = kernels_for(conv_state, weight, g, recurrent)
-        if kern is not None and new.dtype in (torch.float32, torch.bfloat16) \
-                and recurrent.is_contiguous():  # _step_torch's ops in one call (its twin)
-            return kern.gated_delta_conv_step(
-                conv_state.contiguous(), weight.contiguous(), new.contiguous(), g.contiguous(),
-                beta.float().contiguous(), recurrent, at, keep, self.cfg.num_k_heads,
-                self.cfg.head_k_dim)
-        return self._step_torch(conv_state, recurrent, at, keep, new, g, beta)
-
-    def _step_torch(self, conv_state, recurrent, at, keep, new, g, beta):
-        weight = self.conv1d.weight.squeeze(1).float()
-        window = torch.cat([conv_state, new.float().unsqueeze(-1)], dim=-1)  # (D, C, K)
+        window = torch.cat([conv_state, qkv.float().unsqueeze(-1)], dim=-1)  # (D, C, K)
         mixed = F.silu((window * weight).sum(-1))  # (D, C): the conv's output for the new token
-        q, k, v = self._heads(mixed, new.dtype)
+        q, k, v = self._heads(mixed, qkv.dtype)
         out, recurrent = gated_delta_step(q, k, v, g, beta.float(), recurrent, at, keep)
-        return out, window[..., 1:], recurrent
+        return self._gated_norm(out, z), window[..., 1:], recurrent
 
-    def _decode(self, qkv, g, beta, plan: SegmentPlan, state: GatedDeltaNetState, core):
-        """One token for each of D sequences, read from their slots."""
+    def _decode(self, qkv, z, b, a, plan: SegmentPlan, state: GatedDeltaNetState):
+        """One token for each of D sequences, read from their slots: their outputs (D,
+        value_dim)."""
         rows, slots, keep = plan.decode_rows, plan.decode_slots, plan.decode_keep
+        if not plan.decode_only:
+            qkv, z, b, a = qkv[rows], z[rows], b[rows], a[rows]
         conv_state = state.conv[slots]  # (D, C, K - 1)
         if not bool(keep.all()):  # a one-token prompt starts from zeros
             conv_state = torch.where(keep[:, None, None], conv_state, 0)
-        core[rows], conv, recurrent = self._step(conv_state, state.recurrent, slots, keep,
-                                                 qkv[rows], g[rows], beta[rows])
+        y, conv, recurrent = self._step(conv_state, state.recurrent, slots, keep, qkv, z, b, a)
         state.write(slots, conv, recurrent)
+        return y
 
-    def _by_position(self, qkv, g, beta, segments: list[Segment], state: GatedDeltaNetState,
-                     core, drafted: bool = False):
+    def _by_position(self, qkv, z, b, a, segments: list[Segment], state: GatedDeltaNetState,
+                     out, drafted: bool = False):
         """Segments run position by position, each position a decode step over the rows that
         reach it: the arithmetic of decoding those tokens one step at a time. Speculative rows
         (`drafted`) keep the state after every position until verification says which one
@@ -613,8 +603,9 @@ class GatedDeltaNet(nn.Module):
         for i in range(num):
             live = torch.nonzero(lengths > i).squeeze(1)  # rows with an i-th token
             rows = starts[live] + i
-            core[rows], conv, rec = self._step(conv_state[live], recurrent, live,
-                                               keep[:len(live)], qkv[rows], g[rows], beta[rows])
+            out[rows], conv, rec = self._step(conv_state[live], recurrent, live,
+                                              keep[:len(live)], qkv[rows], z[rows], b[rows],
+                                              a[rows])
             conv_state[live], recurrent[live] = conv, rec
             if drafted:
                 convs[live, i], recurrents[live, i] = conv, rec
@@ -627,7 +618,7 @@ class GatedDeltaNet(nn.Module):
         else:
             state.write(slots, conv_state, recurrent)
 
-    def _prefill(self, qkv, g, beta, seg: Segment, state: GatedDeltaNetState, core):
+    def _prefill(self, qkv, z, b, a, seg: Segment, state: GatedDeltaNetState, out):
         """A run of seg.length > 1 tokens of one sequence. With a snapshot (prefix caching),
         the rule runs in two parts split after seg.snap_len tokens, and the state between them
         is written to seg.snap_slot as well."""
@@ -639,13 +630,16 @@ class GatedDeltaNet(nn.Module):
         mixed = F.conv1d(window.unsqueeze(0), self.conv1d.weight.float(),
                          groups=self.cfg.conv_dim)  # (1, C, L): one output per new token
         q, k, v = self._heads(F.silu(mixed[0].T), qkv.dtype)  # (L, nv, d)
-        g, beta = g[rows], beta[rows].float()
+        beta, g = self._gates(b[rows], a[rows])
+        beta = beta.float()
+        core = torch.empty(seg.length, *v.shape[1:], dtype=torch.float32, device=v.device)
         keep = self.cfg.conv_kernel - 1
         cuts = [0, seg.snap_len, seg.length] if 0 < seg.snap_len < seg.length else \
             [0, seg.length]
-        for a, b in itertools.pairwise(cuts):
-            core[seg.start + a:seg.start + b], recurrent = chunked_gated_delta_rule(
-                q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], recurrent)
-            if b == seg.snap_len:  # the window after token b holds inputs b .. b + K - 2
-                state.write(seg.snap_slot, window[:, b:b + keep].clone(), recurrent)
+        for lo, hi in itertools.pairwise(cuts):
+            core[lo:hi], recurrent = chunked_gated_delta_rule(
+                q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], recurrent)
+            if hi == seg.snap_len:  # the window after token hi holds inputs hi .. hi + K - 2
+                state.write(seg.snap_slot, window[:, hi:hi + keep].clone(), recurrent)
         state.write(seg.slot, window[:, -keep:], recurrent)
+        out[rows] = self._gated_norm(core, z[rows])

@@ -157,8 +157,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("seeded_race", &seeded_race, "seeded exponential race over full rows, fused");
   m.def("gated_delta_step", &gated_delta_step,
         "Gated DeltaNet's recurrent step: each state read once, the new one written once");
-  m.def("gated_delta_conv_step", &gated_delta_conv_step,
-        "a decode token of a Gated DeltaNet layer: conv, SiLU, q/k norms and the step, fused");
   m.def("gated_delta_decode", &gated_delta_decode,
         "a decode token of a Gated DeltaNet layer between its projections, fused");
   m.def("isa", &isa, "instruction set this build uses");

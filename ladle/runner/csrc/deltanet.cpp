@@ -178,44 +178,6 @@ static std::vector<int64_t> checked_rows(const at::Tensor& rows, const at::Tenso
   return out;
 }
 
-// One decode token of D sequences through a linear layer's recurrent part (the torch ops of
-// GatedDeltaNet._step_torch in one call): conv_heads, then the step above with each key head
-// read by its H / nk value heads. conv_state (D, C, K - 1), x (D, C) float32 or bfloat16, g and
-// beta (D, H) float32, state (N, H, dk, dv). Returns (out (D, H, dv), the new windows, the new
-// states (D, H, dk, dv)).
-std::vector<at::Tensor> gated_delta_conv_step(at::Tensor conv_state, at::Tensor w, at::Tensor x,
-                                              at::Tensor g, at::Tensor beta, at::Tensor state,
-                                              at::Tensor rows, at::Tensor keep, int64_t nk,
-                                              int64_t dk) {
-  const char* name = "gated_delta_conv_step";
-  check_step_args(conv_state, w, x, state, rows, keep, nk, dk, name);
-  const int64_t D = x.size(0), C = x.size(1), K = w.size(1);
-  const int64_t H = state.size(1), dv = state.size(3);
-  TORCH_CHECK(g.dim() == 2 && g.size(0) == D && g.size(1) == H && beta.sizes() == g.sizes() &&
-                  g.scalar_type() == at::kFloat && beta.scalar_type() == at::kFloat &&
-                  g.is_contiguous() && beta.is_contiguous(),
-              name, ": g and beta (D, H) float32");
-  std::vector<uint8_t> keeps;
-  const auto row = checked_rows(rows, keep, keeps, state.size(0), name);
-  auto windows = at::empty({D, C, K - 1}, conv_state.options());
-  auto mixed = at::empty({D, C}, conv_state.options());
-  float* mx = mixed.data_ptr<float>();
-  if (x.scalar_type() == at::kBFloat16)
-    conv_heads(conv_state.data_ptr<float>(), w.data_ptr<float>(), x.data_ptr<at::BFloat16>(),
-               x.stride(0), D, C, K, nk, dk, mx, windows.data_ptr<float>());
-  else
-    conv_heads(conv_state.data_ptr<float>(), w.data_ptr<float>(), x.data_ptr<float>(),
-               x.stride(0), D, C, K, nk, dk, mx, windows.data_ptr<float>());
-  // row d of mixed: [q of nk heads | k of nk heads | v of H heads]
-  auto out = at::empty({D, H, dv}, conv_state.options());
-  auto next = at::empty({D, H, dk, dv}, conv_state.options());
-  delta_pairs(mx, mx + nk * dk, C, H / nk, mx + 2 * nk * dk, C, g.data_ptr<float>(),
-              beta.data_ptr<float>(), state.data_ptr<float>(), row.data(),
-              reinterpret_cast<const bool*>(keeps.data()), D, H, dk, dv, out.data_ptr<float>(),
-              next.data_ptr<float>());
-  return {out, windows, next};
-}
-
 // The gated RMSNorm of each (row, head) output of a decode token: see gated_delta_decode.
 template <typename T>
 static void gated_norm_rows(const float* out, const T* z, int64_t ldz, const float* nw,
@@ -242,13 +204,15 @@ static void gated_norm_rows(const float* out, const T* z, int64_t ldz, const flo
   });
 }
 
-// A whole decode token of the layer between its projections (GatedDeltaNet._decode_fused's
-// torch ops): beta = sigmoid(b) and g = -exp(A_log) softplus(a + dt_bias) from the projected b
-// and a, gated_delta_conv_step's work, then the gated RMSNorm of each head's output with the
-// model's roundings (the output rounded to T, normalised in float32, rounded, times the norm
-// weight in T, times SiLU(z) in float32, rounded). qkv (D, C), z (D, H dv), b and a (D, H):
-// T, rows contiguous; A_log and dt_bias (H,), norm_w (dv,). Returns (y (D, H dv) in T, the
-// new windows, the new states).
+// A whole decode token of D sequences between a linear layer's projections, in one call (the
+// torch ops of GatedDeltaNet._step_torch, its twin): beta = sigmoid(b) and g = -exp(A_log)
+// softplus(a + dt_bias) from the projected b and a; conv_heads; the step above, each key head
+// read in place by its H / nk value heads; then the gated RMSNorm of each head's output with
+// the model's roundings (the output rounded to T, normalised in float32, rounded, times the
+// norm weight in T, times SiLU(z) in float32, rounded). conv_state (D, C, K - 1) float32, qkv
+// (D, C), z (D, H dv), b and a (D, H): T, rows contiguous; A_log and dt_bias (H,), norm_w (dv,)
+// in T; state (N, H, dk, dv) float32, sequence d reading row rows[d] (zeros where keep[d] is
+// false). Returns (y (D, H dv) in T, the new windows (D, C, K - 1), the new states).
 std::vector<at::Tensor> gated_delta_decode(at::Tensor conv_state, at::Tensor w, at::Tensor qkv,
                                            at::Tensor z, at::Tensor b, at::Tensor a,
                                            at::Tensor A_log, at::Tensor dt_bias,

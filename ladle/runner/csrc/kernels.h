@@ -21,12 +21,7 @@ std::vector<at::Tensor> gated_delta_step(at::Tensor q, at::Tensor k, at::Tensor 
                                          at::Tensor g, at::Tensor beta,
                                          at::Tensor state, at::Tensor rows,
                                          at::Tensor keep);
-// and a whole decode token of a linear layer's recurrent part: (out, new windows, new states)
-std::vector<at::Tensor> gated_delta_conv_step(at::Tensor conv_state, at::Tensor w, at::Tensor x,
-                                              at::Tensor g, at::Tensor beta, at::Tensor state,
-                                              at::Tensor rows, at::Tensor keep, int64_t nk,
-                                              int64_t dk);
-// and the whole token between the layer's projections: (y (D, H dv), new windows, new states)
+// and a whole decode token between a linear layer's projections: (y (D, H dv), new windows, new states)
 std::vector<at::Tensor> gated_delta_decode(at::Tensor conv_state, at::Tensor w, at::Tensor qkv,
                                            at::Tensor z, at::Tensor b, at::Tensor a,
                                            at::Tensor A_log, at::Tensor dt_bias,
