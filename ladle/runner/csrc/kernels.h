@@ -21,7 +21,7 @@ std::vector<at::Tensor> gated_delta_step(at::Tensor q, at::Tensor k, at::Tensor 
                                          at::Tensor g, at::Tensor beta,
                                          at::Tensor state, at::Tensor rows,
                                          at::Tensor keep);
-// and a whole decode token between a linear layer's projections: (y (D, H dv), new windows, new states)
+// and a whole decode token between a linear layer's projections: (y, new windows, states)
 std::vector<at::Tensor> gated_delta_decode(at::Tensor conv_state, at::Tensor w, at::Tensor qkv,
                                            at::Tensor z, at::Tensor b, at::Tensor a,
                                            at::Tensor A_log, at::Tensor dt_bias,
