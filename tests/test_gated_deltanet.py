@@ -320,3 +320,28 @@ def test_a_decode_step_in_one_call_equals_the_layers_ops(layers, dtype, monkeypa
     out, state = run(mixed, torch.cat([prompt, x]))
     assert torch.equal(out[7:], got)
     assert torch.equal(state.recurrent[1:4], got_state.recurrent[1:4])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length", [1, 3, 70])
+def test_the_prompt_conv_kernel_equals_its_twin(dtype, length):
+    """A prompt's conv part in one C++ call (the causal conv over the kept window and the new
+    inputs, SiLU, the round trip through the model's dtype, q/k norms) against the layer's
+    torch ops: q, k, v within float32 rounding (bfloat16: one ulp of a conv output), the
+    window after the last token equal, prompts shorter than the window included."""
+    assert load_cpu_kernels() is not None, "the CPU kernels did not build"
+    cfg = GatedDeltaNetConfig(hidden_size=64, num_k_heads=2, num_v_heads=4, head_k_dim=16,
+                              head_v_dim=32, conv_kernel=4, eps=1e-6, layout="qwen3_5")
+    torch.manual_seed(4)
+    layer = GatedDeltaNet(cfg).to(dtype)
+    for p in layer.parameters():
+        p.data.normal_(0, 0.5)
+    conv_state = torch.randn(cfg.conv_dim, 3)
+    x = torch.randn(length, cfg.conv_dim + 8).to(dtype)[:, 4:cfg.conv_dim + 4]  # strided rows
+    got = layer._conv_prompt(conv_state, x)
+    want = layer._conv_prompt_torch(conv_state, x)
+    tol = dict(rtol=1e-5, atol=ATOL) if dtype == torch.float32 else dict(rtol=4e-3, atol=4e-3)
+    for g, w in zip(got[:3], want[:3], strict=True):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, **tol)
+    assert torch.equal(got[3], want[3])

@@ -511,17 +511,21 @@ class GatedDeltaNet(nn.Module):
             b, a = (t.reshape(num_tokens, -1) for t in ba.split([r, r], dim=-1))
         return qkv, z.reshape(num_tokens, cfg.num_v_heads, cfg.head_v_dim), b, a
 
-    def _heads(self, mixed: torch.Tensor, dtype: torch.dtype):
+    def _heads(self, mixed: torch.Tensor, dtype: torch.dtype | None):
         """Conv output (..., conv_dim) float32 -> q, k (..., nv, dk) normalised, q scaled, each
         key head repeated for its value heads; v (..., nv, dv); all float32 after a round trip
-        through the model's dtype (transformers' conv returns that dtype)."""
+        through the model's dtype (transformers' conv returns that dtype). dtype None: mixed
+        comes from a kernel that made the round trip and the norms already."""
         cfg = self.cfg
-        mixed = mixed.to(dtype).float()
+        if dtype is not None:
+            mixed = mixed.to(dtype).float()
         q, k, v = mixed.split([cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
         lead = mixed.shape[:-1]
         r = cfg.num_v_heads // cfg.num_k_heads
-        q = l2_normalize(q.reshape(*lead, cfg.num_k_heads, cfg.head_k_dim)) * cfg.head_k_dim**-0.5
-        k = l2_normalize(k.reshape(*lead, cfg.num_k_heads, cfg.head_k_dim))
+        q = q.reshape(*lead, cfg.num_k_heads, cfg.head_k_dim)
+        k = k.reshape(*lead, cfg.num_k_heads, cfg.head_k_dim)
+        if dtype is not None:
+            q, k = l2_normalize(q) * cfg.head_k_dim**-0.5, l2_normalize(k)
         if r > 1:
             q, k = q.repeat_interleave(r, dim=-2), k.repeat_interleave(r, dim=-2)
         return q, k, v.reshape(*lead, cfg.num_v_heads, cfg.head_v_dim)
@@ -626,10 +630,8 @@ class GatedDeltaNet(nn.Module):
         conv_state, recurrent = state.conv[seg.slot], state.recurrent[seg.slot]
         if seg.fresh:
             conv_state, recurrent = torch.zeros_like(conv_state), torch.zeros_like(recurrent)
-        window = torch.cat([conv_state, qkv[rows].float().T], dim=-1)  # (C, K - 1 + L)
-        mixed = F.conv1d(window.unsqueeze(0), self.conv1d.weight.float(),
-                         groups=self.cfg.conv_dim)  # (1, C, L): one output per new token
-        q, k, v = self._heads(F.silu(mixed[0].T), qkv.dtype)  # (L, nv, d)
+        x = qkv[rows]
+        q, k, v, last = self._conv_prompt(conv_state, x)  # (L, nv, d)
         beta, g = self._gates(b[rows], a[rows])
         beta = beta.float()
         core = torch.empty(seg.length, *v.shape[1:], dtype=torch.float32, device=v.device)
@@ -639,7 +641,29 @@ class GatedDeltaNet(nn.Module):
         for lo, hi in itertools.pairwise(cuts):
             core[lo:hi], recurrent = chunked_gated_delta_rule(
                 q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], recurrent)
-            if hi == seg.snap_len:  # the window after token hi holds inputs hi .. hi + K - 2
-                state.write(seg.snap_slot, window[:, hi:hi + keep].clone(), recurrent)
-        state.write(seg.slot, window[:, -keep:], recurrent)
+            if hi == seg.snap_len:  # the window after token hi: its last K - 1 inputs
+                before = torch.cat([conv_state, x[max(0, hi - keep):hi].float().T], dim=-1)
+                state.write(seg.snap_slot, before[:, -keep:].clone(), recurrent)
+        state.write(seg.slot, last, recurrent)
         out[rows] = self._gated_norm(core, z[rows])
+
+    def _conv_prompt(self, conv_state: torch.Tensor, x: torch.Tensor):
+        """A prompt's conv part: conv_state (C, K - 1) float32 (the inputs kept before it) and
+        x (L, C) its projected q|k|v -> _heads' q, k, v (L, nv, d) and the window after its
+        last token. One C++ call where the kernels run (gated_delta_conv_prefill: the conv, SiLU,
+        the round trip through the model's dtype and the q/k norms, reading x as it lies);
+        _conv_prompt_torch is its twin."""
+        cfg = self.cfg
+        kern = kernels_for(x)
+        if kern is not None:
+            weight = self.conv1d.weight.squeeze(1).float().contiguous()  # (C, K)
+            mixed, last = kern.gated_delta_conv_prefill(conv_state.contiguous(), weight, x,
+                                                        cfg.num_k_heads, cfg.head_k_dim)
+            return (*self._heads(mixed, None), last)
+        return self._conv_prompt_torch(conv_state, x)
+
+    def _conv_prompt_torch(self, conv_state: torch.Tensor, x: torch.Tensor):
+        window = torch.cat([conv_state, x.float().T], dim=-1)  # (C, K - 1 + L)
+        mixed = F.conv1d(window.unsqueeze(0), self.conv1d.weight.float(),
+                         groups=self.cfg.conv_dim)  # (1, C, L): one output per new token
+        return (*self._heads(F.silu(mixed[0].T), x.dtype), window[:, 1 - self.cfg.conv_kernel:])

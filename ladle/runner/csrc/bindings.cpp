@@ -159,6 +159,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Gated DeltaNet's recurrent step: each state read once, the new one written once");
   m.def("gated_delta_decode", &gated_delta_decode,
         "a decode token of a Gated DeltaNet layer between its projections, fused");
+  m.def("gated_delta_conv_prefill", &gated_delta_conv_prefill,
+        "a prompt's causal conv, SiLU and q/k norms for a Gated DeltaNet layer");
   m.def("isa", &isa, "instruction set this build uses");
   m.def("to_huge_pages", &to_huge_pages,
         "storages moved in place into memory advised for 2 MiB pages (zero: zeroed, not copied)",

@@ -113,6 +113,8 @@ std::vector<at::Tensor> gated_delta_step(at::Tensor q, at::Tensor k, at::Tensor 
 // SiLU, rounded through T (transformers' conv returns the model's dtype), into mixed (D, C);
 // the new windows (D, C, K - 1) into wn; then q and k of each row l2-normalised per key head
 // (x / sqrt(sum x^2 + 1e-6)), q scaled by dk^-1/2.
+static void normalize_qk(float* mx, int64_t R, int64_t C, int64_t nk, int64_t dk);
+
 template <typename T>
 static void conv_heads(const float* cs, const float* wp, const T* x, int64_t ldx, int64_t D,
                        int64_t C, int64_t K, int64_t nk, int64_t dk, float* mx, float* wn) {
@@ -131,8 +133,14 @@ static void conv_heads(const float* cs, const float* wp, const T* x, int64_t ldx
       wo[K - 2] = xi;
     }
   });
+  normalize_qk(mx, D, C, nk, dk);
+}
+
+// q and k of each of the R rows of mixed (R, C) l2-normalised per key head in place (x /
+// sqrt(sum x^2 + 1e-6)), q also scaled by dk^-1/2.
+static void normalize_qk(float* mx, int64_t R, int64_t C, int64_t nk, int64_t dk) {
   const float q_scale = 1.f / std::sqrt(float(dk));
-  at::parallel_for(0, D * 2 * nk, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, R * 2 * nk, 16, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t d = p / (2 * nk), j = p % (2 * nk);
       float* h = mx + d * C + j * dk;
@@ -267,4 +275,68 @@ std::vector<at::Tensor> gated_delta_decode(at::Tensor conv_state, at::Tensor w, 
                     eps, D, H, dv, y.data_ptr<T>());
   });
   return {y, windows, next};
+}
+
+// The conv part of a prompt's L tokens of one sequence: each channel's causal conv over the K - 1
+// inputs kept before it (conv_state (C, K - 1)) and the new ones x (L, C, row stride ldx), SiLU,
+// rounded through T, into mixed (L, C) with q and k normalised as conv_heads does; the window
+// after the last token into wn (C, K - 1). Channels in blocks of 64, each a pass over the
+// tokens (x read row by row, no transposes).
+template <typename T>
+static void conv_seq(const float* cs, const float* wp, const T* x, int64_t ldx, int64_t L,
+                     int64_t C, int64_t K, float* mx, float* wn) {
+  constexpr int64_t kBlock = 64;
+  at::parallel_for(0, (C + kBlock - 1) / kBlock, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> hist(size_t((K - 1) * kBlock));  // [tap][channel]: oldest first
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t c0 = blk * kBlock, n = std::min(kBlock, C - c0);
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t t = 0; t < K - 1; ++t) hist[t * kBlock + j] = cs[(c0 + j) * (K - 1) + t];
+      for (int64_t t = 0; t < L; ++t) {
+        const T* xr = x + t * ldx + c0;
+        float* out = mx + t * C + c0;
+        for (int64_t j = 0; j < n; ++j) {
+          const float* wc = wp + (c0 + j) * K;
+          const float xi = float(xr[j]);
+          float acc = 0.f;
+          for (int64_t k = 0; k < K - 1; ++k) acc += hist[k * kBlock + j] * wc[k];
+          acc += xi * wc[K - 1];
+          out[j] = float(T(acc / (1.f + std::exp(-acc))));
+          for (int64_t k = 0; k + 1 < K - 1; ++k) hist[k * kBlock + j] = hist[(k + 1) * kBlock + j];
+          hist[(K - 2) * kBlock + j] = xi;
+        }
+      }
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t t = 0; t < K - 1; ++t) wn[(c0 + j) * (K - 1) + t] = hist[t * kBlock + j];
+    }
+  });
+}
+
+// A prompt's conv part (GatedDeltaNet._prefill's torch conv, SiLU, round trip and q/k norms):
+// conv_state (C, K - 1) and w (C, K) float32, x (L, C) float32 or bfloat16 (rows contiguous).
+// Returns (mixed (L, C) float32: q and k normalised, q scaled, then v; the window after the
+// last token (C, K - 1)).
+std::vector<at::Tensor> gated_delta_conv_prefill(at::Tensor conv_state, at::Tensor w,
+                                                 at::Tensor x, int64_t nk, int64_t dk) {
+  TORCH_CHECK(conv_state.dim() == 2 && w.dim() == 2 && x.dim() == 2 &&
+                  w.size(0) == conv_state.size(0) && w.size(1) == conv_state.size(1) + 1 &&
+                  x.size(1) == w.size(0) && w.size(1) >= 2,
+              "gated_delta_conv_prefill: conv_state (C, K - 1), w (C, K), x (L, C)");
+  TORCH_CHECK(conv_state.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
+                  conv_state.is_contiguous() && w.is_contiguous(),
+              "gated_delta_conv_prefill: float32 contiguous conv_state and w");
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.stride(1) == 1, "gated_delta_conv_prefill: x float32 or bfloat16");
+  const int64_t L = x.size(0), C = x.size(1), K = w.size(1);
+  TORCH_CHECK(nk >= 1 && dk >= 1 && 2 * nk * dk <= C, "gated_delta_conv_prefill: 2 nk dk <= C");
+  auto mixed = at::empty({L, C}, conv_state.options());
+  auto window = at::empty({C, K - 1}, conv_state.options());
+  if (x.scalar_type() == at::kBFloat16)
+    conv_seq(conv_state.data_ptr<float>(), w.data_ptr<float>(), x.data_ptr<at::BFloat16>(),
+             x.stride(0), L, C, K, mixed.data_ptr<float>(), window.data_ptr<float>());
+  else
+    conv_seq(conv_state.data_ptr<float>(), w.data_ptr<float>(), x.data_ptr<float>(),
+             x.stride(0), L, C, K, mixed.data_ptr<float>(), window.data_ptr<float>());
+  normalize_qk(mixed.data_ptr<float>(), L, C, nk, dk);
+  return {mixed, window};
 }

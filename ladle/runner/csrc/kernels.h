@@ -28,6 +28,9 @@ std::vector<at::Tensor> gated_delta_decode(at::Tensor conv_state, at::Tensor w, 
                                            at::Tensor norm_w, double eps, at::Tensor state,
                                            at::Tensor rows, at::Tensor keep, int64_t nk,
                                            int64_t dk);
+// and a prompt's conv part, q and k normalised: (mixed (L, C), the last window (C, K - 1))
+std::vector<at::Tensor> gated_delta_conv_prefill(at::Tensor conv_state, at::Tensor w,
+                                                 at::Tensor x, int64_t nk, int64_t dk);
 
 // attention.cpp
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
