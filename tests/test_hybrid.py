@@ -37,8 +37,11 @@ PROMPTS = [torch.randint(3, 500, (n,), generator=_gen).tolist() for n in (20, 77
 NUM_DECODE = 32
 CHUNK = 32
 # float32: the chunked delta rule associates its sums differently from transformers' chunked
-# reference (a solve per chunk of 64 against its loop), a few 1e-5 relative on logits of ~20.
-FP32_TOL = 5e-4
+# reference (a solve per chunk of 64 against its loop), a few 1e-5 relative on logits of ~20,
+# growing with the prompt: Qwen3.5-MoE's 300-token prompt measured 4.6e-4 on AVX-512 kernels,
+# 5.6e-4 on kernels built for AVX2 and 7.6e-4 for x86-64-v2 (the linears' sums associate by
+# vector width), before and after the fused C++ decode and prompt conv alike.
+FP32_TOL = 1e-3
 BF16_SLACK = 1.5  # mean |logit error| of ladle bf16 against transformers' own bf16 error
 
 
