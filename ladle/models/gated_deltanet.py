@@ -271,14 +271,13 @@ class SegmentPlan:
     # Speculative rows (a last token and its drafts): run a token at a time as decodes, their
     # state kept after every position until verification says which one holds.
     drafted: list[Segment] = field(default_factory=list)
+    rows_in_order: bool = True  # decode_rows ascending (from_arrays: always)
 
     @property
     def decode_only(self) -> bool:
         """Every token of the step is a decode row, in stream order (decode_rows = 0 .. T-1)."""
         return self.decode_rows is not None and len(self.decode_rows) == self.num_tokens \
             and self.rows_in_order
-
-    rows_in_order: bool = True  # decode_rows ascending (from_arrays: always)
 
     @classmethod
     def build(cls, segments: list[Segment], num_tokens: int, num_slots: int,
