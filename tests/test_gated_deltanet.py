@@ -345,3 +345,27 @@ def test_the_prompt_conv_kernel_equals_its_twin(dtype, length):
         assert g.shape == w.shape
         torch.testing.assert_close(g, w, **tol)
     assert torch.equal(got[3], want[3])
+
+
+def test_states_are_written_into_their_slots_by_rows():
+    """A step's new states land in their slots (copy_rows: a memcpy per row where the kernels
+    run) exactly as torch's indexed assignment puts them, a slot out of range refused, and a
+    failed step's writes dropped."""
+    assert load_cpu_kernels() is not None, "the CPU kernels did not build"
+    cfg = GatedDeltaNetConfig(hidden_size=64, num_k_heads=2, num_v_heads=4, head_k_dim=16,
+                              head_v_dim=32, conv_kernel=4, eps=1e-6, layout="qwen3_5")
+    state = GatedDeltaNetState.allocate(cfg, NUM_SLOTS, deferred=True)
+    want = GatedDeltaNetState.allocate(cfg, NUM_SLOTS)
+    slots = torch.tensor([4, 0, 2])
+    conv, rec = torch.randn(3, cfg.conv_dim, 3), torch.randn(3, 4, 16, 32)
+    state.write(slots, conv, rec)
+    state.discard()
+    assert not state.recurrent.any() and not state.conv.any()
+    state.write(slots, conv, rec)
+    state.write(5, conv[0], rec[0])
+    state.commit()
+    want.conv[slots], want.recurrent[slots] = conv, rec
+    want.conv[5], want.recurrent[5] = conv[0], rec[0]
+    assert torch.equal(state.conv, want.conv) and torch.equal(state.recurrent, want.recurrent)
+    with pytest.raises(RuntimeError, match="out of 0..5"):
+        load_cpu_kernels().copy_rows(state.recurrent, torch.tensor([6]), rec[:1].contiguous())

@@ -49,7 +49,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ladle.runner.cpu_kernels import batch_invariant, gated_delta_step, kernels_for, linear
+from ladle.runner.cpu_kernels import (
+    batch_invariant,
+    copy_rows,
+    gated_delta_step,
+    kernels_for,
+    linear,
+)
 
 # The prefill form's chunk length (transformers' default): long enough for matmuls to pay,
 # short enough that the (chunk, chunk) triangular solve stays cheap.
@@ -171,10 +177,13 @@ class GatedDeltaNetState:
     def write(self, slots, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         """The new state of `slots` (an index or a (D,) tensor of them)."""
         if self.pending is None:
-            self.conv[slots] = conv
-            self.recurrent[slots] = recurrent
+            self._put(slots, conv, recurrent)
         else:
             self.pending.append((slots, conv, recurrent))
+
+    def _put(self, slots, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        copy_rows(self.conv, slots, conv)
+        copy_rows(self.recurrent, slots, recurrent)
 
     def write_positions(self, slots: torch.Tensor, conv: torch.Tensor,
                         recurrent: torch.Tensor) -> None:
@@ -194,8 +203,7 @@ class GatedDeltaNetState:
             if positions:
                 self.drafted.append((slots, conv, recurrent))
             else:
-                self.conv[slots] = conv
-                self.recurrent[slots] = recurrent
+                self._put(slots, conv, recurrent)
         self.discard()
 
     def settle(self, kept: dict[int, int]) -> None:

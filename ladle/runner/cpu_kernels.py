@@ -535,6 +535,17 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_blocks, slot_offsets) -> None:
     v_cache[slot_blocks, :, slot_offsets] = v
 
 
+def copy_rows(dst: torch.Tensor, rows: torch.Tensor | int, src: torch.Tensor) -> None:
+    """dst[rows] = src (rows a (D,) int64 tensor, or one index): a memcpy per row where the
+    kernels run (torch's indexed assignment, the twin, goes element by element)."""
+    kern = None if isinstance(rows, int) else kernels_for(dst, src)
+    if kern is not None and dst.is_contiguous() and src.is_contiguous() \
+            and rows.dtype == torch.int64:
+        kern.copy_rows(dst, rows, src)
+    else:
+        dst[rows] = src
+
+
 def gated_delta_step(q, k, v, g, beta, state, rows, keep):
     """Gated DeltaNet's recurrent step for D sequences (models/gated_deltanet.py): q, k
     (D, H, dk), v (D, H, dv), g and beta (D, H), float32; sequence i starts from

@@ -162,6 +162,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_delta_conv_prefill", &gated_delta_conv_prefill,
         "a prompt's causal conv, SiLU and q/k norms for a Gated DeltaNet layer");
   m.def("isa", &isa, "instruction set this build uses");
+  m.def("copy_rows", &copy_rows, "dst[rows[i]] = src[i], a memcpy per row");
   m.def("to_huge_pages", &to_huge_pages,
         "storages moved in place into memory advised for 2 MiB pages (zero: zeroed, not copied)",
         py::arg("tensors"), py::arg("zero") = false);

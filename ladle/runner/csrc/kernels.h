@@ -117,3 +117,5 @@ at::Tensor seeded_race(at::Tensor logits, at::Tensor token_key, at::Tensor k1,
 // instead of copied (a KV cache allocated empty). Returns the bytes moved (0 where the mapping
 // cannot be had).
 int64_t to_huge_pages(const std::vector<at::Tensor>& tensors, bool zero);
+// dst[rows[i]] = src[i], a memcpy per row
+void copy_rows(at::Tensor dst, at::Tensor rows, at::Tensor src);

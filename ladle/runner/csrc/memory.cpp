@@ -11,6 +11,9 @@
 #include <malloc.h>
 #endif
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <unordered_set>
@@ -87,4 +90,36 @@ int64_t to_huge_pages(const std::vector<at::Tensor>& tensors, bool zero) {
   (void)tensors, (void)zero;
   return 0;
 #endif
+}
+
+// dst[rows[i]] = src[i] for each of src's D rows (dst (N, ...), src (D, ...), one dtype, both
+// contiguous): each row one memcpy, rows split over the threads. A hybrid model's commit writes
+// each sequence's new recurrent state (1 MiB a layer at Qwen3.5's shapes) into its slot this
+// way; torch's indexed assignment copied it element by element through its index kernel at a
+// third of memcpy's speed (44 against 15 us a MiB, warm).
+void copy_rows(at::Tensor dst, at::Tensor rows, at::Tensor src) {
+  TORCH_CHECK(dst.dim() >= 1 && src.dim() == dst.dim() && src.size(0) == rows.numel() &&
+                  dst.is_contiguous() && src.is_contiguous() &&
+                  dst.scalar_type() == src.scalar_type() && rows.scalar_type() == at::kLong,
+              "copy_rows: dst (N, ...) and src (D, ...) contiguous of one dtype, rows (D,) int64");
+  for (int64_t d = 1; d < dst.dim(); ++d)
+    TORCH_CHECK(dst.size(d) == src.size(d), "copy_rows: dst and src rows of one shape");
+  auto r = rows.contiguous();
+  const int64_t* row = r.data_ptr<int64_t>();
+  const int64_t D = rows.numel(), N = dst.size(0);
+  for (int64_t i = 0; i < D; ++i)
+    TORCH_CHECK(row[i] >= 0 && row[i] < N, "copy_rows: row ", row[i], " out of 0..", N - 1);
+  const size_t bytes = size_t(src.numel() / std::max<int64_t>(D, 1)) * src.element_size();
+  auto* out = static_cast<char*>(dst.data_ptr());
+  const auto* in = static_cast<const char*>(src.data_ptr());
+  // pieces of at most 256 KiB, so one row's copy spreads over the threads too
+  const size_t piece = std::min<size_t>(bytes, 256 << 10);
+  const int64_t per_row = bytes == 0 ? 0 : int64_t((bytes + piece - 1) / piece);
+  at::parallel_for(0, D * per_row, 1, [&](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p) {
+      const int64_t i = p / per_row;
+      const size_t off = size_t(p % per_row) * piece, n = std::min(piece, bytes - off);
+      std::memcpy(out + size_t(row[i]) * bytes + off, in + size_t(i) * bytes + off, n);
+    }
+  });
 }
