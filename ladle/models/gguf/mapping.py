@@ -38,9 +38,10 @@ each process that maps a file ~190 MB resident.)
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Iterator
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 import gguf
@@ -143,7 +144,7 @@ def hf_tensor_names(gguf_file: GGUFFile, hf_config: dict[str, Any]) -> dict[str,
     arch = gguf_file.architecture
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     name_map = gguf.get_tensor_name_map(arch_id, hf_config["num_hidden_layers"])
-    hf_shapes = _hf_parameter_shapes(hf_config, gguf_file.path)
+    hf_shapes = _hf_parameter_shapes(json.dumps(hf_config, sort_keys=True), gguf_file.path)
     gguf_to_hf: dict[str, str] = {}
     for hf_name in hf_shapes:
         module, _, suffix = hf_name.rpartition(".")  # "weight" or "bias"
@@ -541,7 +542,8 @@ def _gemma_fields(gguf_file: GGUFFile, hp: _HParams, config: dict[str, Any]) -> 
     return fields
 
 
-def _hf_parameter_shapes(hf_config: dict[str, Any], path) -> dict[str, tuple[int, ...]]:
+@lru_cache(maxsize=4)
+def _hf_parameter_shapes(config_json: str, path) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor of the HF checkpoint `path` was converted from, as ladle's
     own model class (built on the meta device: no memory, no init) names what its loader
     accepts, with the converter's layout of experts: a layer's stacked in one tensor per
@@ -549,10 +551,13 @@ def _hf_parameter_shapes(hf_config: dict[str, Any], path) -> dict[str, tuple[int
     gpt-oss's biases (E, out)), which moe.py's `unfused` splits again. A tied head's
     `lm_head.weight` is listed as the embedding (a file may hold the copy; the loader skips
     it). Transformers' model classes name the same tensors, at ~190 MB of imports (its
-    modeling, torch._dynamo, triton) in each process that maps a file."""
+    modeling, torch._dynamo, triton) in each process that maps a file. Cached by the config
+    (as JSON): the engine maps a file twice in one load (the blocks it keeps, the tensors it
+    dequantizes), and building ladle's class with every expert a module takes seconds for the
+    largest MoE files (4 s for a Qwen3-Next-80B config). Callers must not modify the result."""
     from ladle.models.loader import _renamed, checkpoint_shapes, meta_model
 
-    model = meta_model(hf_config, path)
+    model = meta_model(json.loads(config_json), path)
     shapes: dict[str, tuple[int, ...]] = {}
     for name, shape in checkpoint_shapes(model).items():
         name = _renamed(name, model)  # Mixtral's w1/w2/w3 as gate/down/up_proj
