@@ -6,12 +6,12 @@ Models (--models, any subset, in this order by default):
     by ladle and llama.cpp from that same file; gemma-q5_k_m, gemma-iq4_xs: that file requantized
     to Q5_K_M or IQ4_XS by llama.cpp's quantize API (allow_requantize; its 640-value rows get the
     fallbacks Q5_1 and IQ4_NL);
-  - 0.6b-q8_0, 0.6b-q4_k_m, 0.6b-q5_k_m, 0.6b-q3_k_m, 0.6b-iq4_xs: the random Qwen3-0.6B-shaped
-    checkpoint converted to a bf16 GGUF by llama.cpp's own converter, then quantized by llama.cpp's
-    quantize API (llama-cpp-python's `llama_model_quantize`, its default tensor-type mix for the
-    type); ladle and llama.cpp both load the quantized file (ladle's default for a .gguf:
-    --quantization gguf, the blocks kept; Q3_K's as the Q6_K blocks of the same values, IQ4_XS's in
-    blocks of 32);
+  - 0.6b-q8_0, 0.6b-q4_k_m, 0.6b-q5_k_m, 0.6b-q3_k_m, 0.6b-q2_k, 0.6b-iq4_xs: the random
+    Qwen3-0.6B-shaped checkpoint converted to a bf16 GGUF by llama.cpp's own converter, then
+    quantized by llama.cpp's quantize API (llama-cpp-python's `llama_model_quantize`, its
+    default tensor-type mix for the type); ladle and llama.cpp both load the quantized file
+    (ladle's default for a .gguf: --quantization gguf, the blocks kept; Q3_K's as the Q6_K
+    blocks of the same values, IQ4_XS's in blocks of 32);
   - 0.6b: that checkpoint in bfloat16 (ladle and transformers load the safetensors, llama.cpp
     its bf16 conversion), plus a `ladle int8` column: ladle with --quantization int8 (W8A8) on
     the same bf16 checkpoint (shown "n/a" while this ladle does not accept int8);
@@ -21,7 +21,7 @@ The random checkpoints carry Qwen's tokenizer, so llama.cpp's HF -> GGUF convert
 the llama-cpp-python sdist that benchmarks/build_llama_cpp.sh builds) converts them; every file
 is made once, beside its checkpoint in the ladle cache directory (~/.cache/ladle,
 $LADLE_CACHE_DIR): model-bf16.gguf, model-q8_0.gguf, model-q4_k_m.gguf, model-q5_k_m.gguf,
-model-q3_k_m.gguf, model-iq4_xs.gguf, model-f32.gguf.
+model-q3_k_m.gguf, model-q2_k.gguf, model-iq4_xs.gguf, model-f32.gguf.
 Cases:
   - single-stream decode tok/s and TTFT of a 128-token prompt, every model (in process: ladle's
     LLM, transformers' generate, llama-cpp-python's Llama);
@@ -168,6 +168,7 @@ MODELS = {
     "0.6b-q4_k_m": Spec("0.6b", "bfloat16", "q4_k_m", True, ("single",)),
     "0.6b-q5_k_m": Spec("0.6b", "bfloat16", "q5_k_m", True, ("single",)),
     "0.6b-q3_k_m": Spec("0.6b", "bfloat16", "q3_k_m", True, ("single",)),
+    "0.6b-q2_k": Spec("0.6b", "bfloat16", "q2_k", True, ("single",)),
     "0.6b-iq4_xs": Spec("0.6b", "bfloat16", "iq4_xs", True, ("single",)),
     "0.6b": Spec("0.6b", "bfloat16", "bf16", False, ("single", "batch", "server"), hf=True,
                  int8=True),
@@ -176,7 +177,7 @@ MODELS = {
 # llama.cpp's quantize API: our file-name suffix -> llama_cpp's llama_ftype constant.
 QUANT_FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
                 "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "q3_k_m": "LLAMA_FTYPE_MOSTLY_Q3_K_M",
-                "iq4_xs": "LLAMA_FTYPE_MOSTLY_IQ4_XS"}
+                "q2_k": "LLAMA_FTYPE_MOSTLY_Q2_K", "iq4_xs": "LLAMA_FTYPE_MOSTLY_IQ4_XS"}
 PACKAGED_GEMMA = "gemma-3-270m"
 
 

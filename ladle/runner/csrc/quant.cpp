@@ -1,8 +1,8 @@
 // Quantized linears: y (M, N) = x (M, K) @ W (N, K)^T where W's rows are parts, each in GGUF blocks
-// (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, IQ4_NL, IQ4_XS, Q4_K, Q5_K, Q6_K) or int8 with a scale per
-// row, and x is quantized to int8 once per call for all parts. One call, one parallel region: a
-// decode step's small matmuls (0.2-2 MB of weights, 10-100 us) would otherwise spend a third of
-// their time in Python and in the threads' wake-ups and joins. The pure-torch twin is in
+// (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, IQ4_NL, IQ4_XS, Q2_K, Q4_K, Q5_K, Q6_K) or int8 with a
+// scale per row, and x is quantized to int8 once per call for all parts. One call, one parallel
+// region: a decode step's small matmuls (0.2-2 MB of weights, 10-100 us) would otherwise spend a
+// third of their time in Python and in the threads' wake-ups and joins. The pure-torch twin is in
 // ladle/runner/quant.py; the tests compare the two.
 //
 // The scheme (ggml's, written afresh): the activations are int8 per block of 32 values with a float
@@ -14,7 +14,8 @@
 // go in unsigned (Q4_K's nibbles, Q6_K's q before its -32), their sub-block scales multiply the
 // integer sums in the vpmaddwd, and what the unsigned form adds comes off per sub-block from the
 // activations' sums kept beside their scales (Q6_K's offset in integers, Q4_K's and Q5_K's mins as
-// one FMA; Q4_1's and Q5_1's values go in as stored, their min m per block of 32 the same FMA). An
+// one FMA; Q4_1's and Q5_1's values go in as stored, their min m per block of 32 the same FMA;
+// Q2_K's mins per 16 values an integer of their own, then one FMA). An
 // int8 row is read as Q8_0 blocks with scale 1, and its row scale multiplies the sum at the end.
 // Everything is exact in integers up to the float32 scaling: the result equals the float64 product
 // of the dequantized weights and activations to ~1e-6 relative.
@@ -65,8 +66,8 @@
 
 namespace {
 
-constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13,
-              kQ6_K = 14, kIQ4NL = 20, kMXFP4 = 39;
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ4_K = 12,
+              kQ5_K = 13, kQ6_K = 14, kIQ4NL = 20, kMXFP4 = 39;
 constexpr int kI8 = -1;  // int8 rows with a float scale per row (quant.py's INT8_ROW)
 // IQ4_XS's sub-blocks as blocks of 32 (quant.py's IQ4_XS_32): a float32 scale, d times the
 // sub-block's 6-bit scale (exact), then IQ4_NL's 16 bytes of nibbles.
@@ -99,6 +100,12 @@ template <int TYPE> constexpr int64_t kK4Qs = TYPE == kQ5_K ? 48 : 16;  // its n
 template <int TYPE> constexpr bool kMin32 = TYPE == kQ4_1 || TYPE == kQ5_1;
 // Whether a type's sums take a min step (acc -= min * dx * sum(x)).
 template <int TYPE> constexpr bool kHasMin = kK4<TYPE> || kMin32<TYPE>;
+// Q2_K (Q2_K files' bulk, the 2-3 bit files of large MoE models): 84 bytes per 256 values,
+// scales[16] (per 16 values a 4-bit scale, low nibble, and 4-bit min, high nibble), qs[64],
+// d, dmin; w = d * sc * q - dmin * m, q 0 .. 3. Sub-block j (0 .. 7) of 32 values is bits 2(j %
+// 4) of the 32 bytes qs[32 (j / 4) ..], its halves scales 2j and 2j + 1 (Q6_K's order). Its
+// mins change every 16 values, so its min step is its own, in integers (below: Mi).
+constexpr int64_t kQ2KBytes = 84;
 // The repacked types the tile unit's paths (AMX-INT8, AMX-BF16) take; Q5_0_R16 runs on the
 // vector kernel only (quant.py repacks Q5_0 only where AMX-BF16 does not take its blocks).
 inline bool tile_r16(int type) { return is_r16(type) && type != kQ5R; }
@@ -128,14 +135,15 @@ inline void with_type(int type, F&& f) {
     case kQ4_K: return f(std::integral_constant<int, kQ4_K>{});
     case kQ5_K: return f(std::integral_constant<int, kQ5_K>{});
     case kQ6_K: return f(std::integral_constant<int, kQ6_K>{});
+    case kQ2_K: return f(std::integral_constant<int, kQ2_K>{});
     default: return f(std::integral_constant<int, kI8>{});
   }
 }
 
 // (values per block, bytes per block), as gguf's GGML_QUANT_SIZES.
 inline int64_t block_values(int type) {
-  return (type == kQ4_K || type == kQ5_K || type == kQ6_K || type == kQ4KR || type == kQ5KR ||
-          type == kQ6KR) ? 256 : 32;
+  return (type == kQ2_K || type == kQ4_K || type == kQ5_K || type == kQ6_K || type == kQ4KR ||
+          type == kQ5KR || type == kQ6KR) ? 256 : 32;
 }
 inline int64_t block_bytes(int type) {
   switch (type) {
@@ -150,6 +158,7 @@ inline int64_t block_bytes(int type) {
     case kQ4_K: return 144;
     case kQ5_K: return 176;
     case kQ6_K: return 210;
+    case kQ2_K: return 84;
     case kI8: return 32;
     case kQ4KR: return 148;  // per row: 16 rows' 2368 bytes
     case kQ6KR: return 210;  // 16 rows' 3360
@@ -227,10 +236,11 @@ inline void k4_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
   }
 }
 
-// One sub-block of 32 values of a weight row: w[i] = (i < 16 ? s0 : s1) * q[i] - minv.
+// One sub-block of 32 values of a weight row: w[i] = (i < 16 ? s0 : s1) * q[i] - (i < 16 ? minv
+// : minv_hi) (minv_hi = minv except Q2_K's).
 struct Sub {
-  int8_t q[32];  // signed, except Q4_K, Q4_1: 0..15, Q5_K, Q5_1: 0..31
-  float s0, s1, minv;
+  int8_t q[32];  // signed, except Q4_K, Q4_1: 0..15, Q5_K, Q5_1: 0..31, Q2_K: 0..3
+  float s0, s1, minv, minv_hi;
 };
 
 // The scales of sub-block `sb` of a row of `type` blocks (Sub's s0, s1, minv; q untouched).
@@ -261,13 +271,24 @@ inline void sub_scales(const uint8_t* row, int64_t sb, Sub& o) {
     k4_scale_min(b + 4, int(sb & 7), sc, mn);
     o.s0 = o.s1 = f16(b) * float(sc);
     o.minv = f16(b + 2) * float(mn);
-  } else {  // Q6_K: ql[128], qh[64], int8 scales[16], d
+  } else if constexpr (TYPE == kQ6_K) {  // ql[128], qh[64], int8 scales[16], d
     const uint8_t* b = row + (sb >> 3) * 210;
     const int j = int(sb & 7);
     const float d = f16(b + 208);
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 2 * j;
     o.s0 = d * float(sc[0]);
     o.s1 = d * float(sc[1]);
+  }
+  if constexpr (TYPE == kQ2_K) {
+    const uint8_t* b = row + (sb >> 3) * kQ2KBytes;
+    const uint8_t* sc = b + 2 * (sb & 7);
+    const float d = f16(b + 80), dmin = f16(b + 82);
+    o.s0 = d * float(sc[0] & 0xF);
+    o.s1 = d * float(sc[1] & 0xF);
+    o.minv = dmin * float(sc[0] >> 4);
+    o.minv_hi = dmin * float(sc[1] >> 4);
+  } else {
+    o.minv_hi = o.minv;
   }
 }
 
@@ -322,6 +343,10 @@ inline void unpack_scalar(const uint8_t* row, int64_t sb, Sub& o) {
       o.q[i] = int8_t((j & 1) ? (qs[i] >> 4) : (qs[i] & 0xF));
       if constexpr (TYPE == kQ5_K) o.q[i] = int8_t(o.q[i] | (((b[16 + i] >> j) & 1) << 4));
     }
+  } else if constexpr (TYPE == kQ2_K) {
+    const uint8_t* qs = row + (sb >> 3) * kQ2KBytes + 16 + ((sb & 7) >> 2) * 32;
+    const int shift = 2 * int(sb & 3);
+    for (int i = 0; i < 32; i++) o.q[i] = int8_t((qs[i] >> shift) & 3);
   } else {  // Q6_K
     const uint8_t* b = row + (sb >> 3) * 210;
     const int j = int(sb & 7), half = j >> 2, g = j & 3;
@@ -697,6 +722,19 @@ inline __m256i q6k_values(const uint8_t* b, int j) {
   return _mm256_or_si256(l, _mm256_slli_epi16(h, 4));
 }
 
+// Sub-block j of the Q2_K super-block b: its 32 values q (0..3).
+inline __m256i q2k_values(const uint8_t* b, int j) {
+  const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + (j >> 2) * 32));
+  return _mm256_and_si256(_mm256_srli_epi16(qs, 2 * (j & 3)), _mm256_set1_epi8(3));
+}
+
+// A Q2_K super-block's 16 scales (low nibbles) or mins (high nibbles) as int16.
+inline __m256i q2k_nibbles16(const uint8_t* b, bool high) {
+  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  return _mm256_cvtepu8_epi16(
+      _mm_and_si128(high ? _mm_srli_epi16(sc, 4) : sc, _mm_set1_epi8(0x0F)));
+}
+
 // vpshufb's control that picks Q6_K scale 2j (as int16) into the low 128-bit lane's int16s and
 // 2j + 1 into the high lane's (the two halves of sub-block j), from scales 8 * (j / 4) on.
 inline __m256i q6k_pick(int j) {
@@ -716,7 +754,7 @@ inline void kquant_pairs(const __m256i* q, const __m256i* s16, const __m256i* xv
 }
 
 // Sub-block j (sb of the row) of a K-quant tile's 8 super-blocks b[n], whose scales as int16
-// are sc16[n] (Q4_K: [0], the eight in both 128-bit lanes; Q6_K: scales 0-7 and 8-15), times
+// are sc16[n] (Q4_K: [0], the eight in both 128-bit lanes; Q6_K, Q2_K: scales 0-7 and 8-15), times
 // the MR activation rows: h[m], the lane sums of each row pair (row_sums adds them up).
 template <int TYPE, int MR>
 inline void ksub_tile(const uint8_t* const* b, const __m256i (*sc16)[2], int j, const Act& a,
@@ -731,6 +769,7 @@ inline void ksub_tile(const uint8_t* const* b, const __m256i (*sc16)[2], int j, 
     __m256i q[2], s16[2];
     for (int r = 0; r < 2; r++) {
       if constexpr (kK4<TYPE>) q[r] = k4_values<TYPE>(b[2 * k + r], j);
+      else if constexpr (TYPE == kQ2_K) q[r] = q2k_values(b[2 * k + r], j);
       else q[r] = q6k_values(b[2 * k + r], j);
       s16[r] = _mm256_shuffle_epi8(sc16[2 * k + r][kK4<TYPE> ? 0 : j >> 2], pick);
     }
@@ -815,6 +854,50 @@ inline void tile_q6k(const uint8_t* const* w, const Act& a, __m256* acc) {
             row_sums(h[m]), _mm256_load_si256(reinterpret_cast<const __m256i*>(offset[m][j])));
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I),
                                  _mm256_mul_ps(d, _mm256_broadcast_ss(a.d + m * nsub + sb)), acc[m]);
+      }
+    }
+  }
+}
+
+// Q2_K: as Q6_K with q 0..3 and no offset, and a min per 16 values instead: per sub-block the
+// integer Mi = m_lo * sum(x_lo) + m_hi * sum(x_hi) (the activations' int16 sums per 16), so
+//   acc = fma(float(I), d * dx, acc);  acc = fnmadd(float(Mi), dmin * dx, acc)
+// in every path (|Mi| <= 2 x 15 x 16 x 127: exact as a float however it was summed).
+template <int MR>
+inline void tile_q2k(const uint8_t* const* w, const Act& a, __m256* acc) {
+  const int64_t K = a.K, nsub = K / 32, nblocks = K / 256;
+  alignas(32) float mins[MR][8][kNR];  // [m][sub-block j][row n]: float(Mi)
+  for (int64_t blk = 0; blk < nblocks; blk++) {
+    const uint8_t* b[kNR];
+    __m256i sc16[kNR][2];  // scales 0-7 and 8-15 as int16, each in both 128-bit lanes
+    __m256i mn16[kNR];  // the 16 mins as int16
+    for (int n = 0; n < kNR; n++) {
+      b[n] = w[n] + blk * kQ2KBytes;
+      for (int64_t off = 0; off < kQ2KBytes; off += 64)  // the row's stream, kPrefetchBytes ahead
+        _mm_prefetch(reinterpret_cast<const char*>(b[n]) + kPrefetchBytes + off, _MM_HINT_T0);
+      const __m256i sc = q2k_nibbles16(b[n], false);
+      sc16[n][0] = _mm256_permute2x128_si256(sc, sc, 0x00);
+      sc16[n][1] = _mm256_permute2x128_si256(sc, sc, 0x11);
+      mn16[n] = q2k_nibbles16(b[n], true);
+    }
+    for (int m = 0; m < MR; m++) {
+      const __m256i hx =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.h + m * 2 * nsub + blk * 16));
+      __m256 o[kNR], t[8];  // lane j of o[n]: row n's Mi of sub-block j
+      for (int n = 0; n < kNR; n++) o[n] = _mm256_cvtepi32_ps(_mm256_madd_epi16(mn16[n], hx));
+      transpose8(o, t);
+      for (int j = 0; j < 8; j++) _mm256_store_ps(mins[m][j], t[j]);
+    }
+    const __m256 d = f16_rows(b, 80), dmin = f16_rows(b, 82);
+#pragma GCC unroll 8  // every j's constants (shuffle picks, shifts) fixed at compile time
+    for (int j = 0; j < 8; j++) {
+      const int64_t sb = blk * 8 + j;
+      __m256i h[MR][4];
+      ksub_tile<kQ2_K, MR>(b, sc16, j, a, sb, h);
+      for (int m = 0; m < MR; m++) {
+        const __m256 dx = _mm256_broadcast_ss(a.d + m * nsub + sb);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(row_sums(h[m])), _mm256_mul_ps(d, dx), acc[m]);
+        acc[m] = _mm256_fnmadd_ps(_mm256_load_ps(mins[m][j]), _mm256_mul_ps(dmin, dx), acc[m]);
       }
     }
   }
@@ -924,7 +1007,9 @@ inline float row_q6k(const uint8_t* w, const Act& a) {
 }
 
 // The types whose one-row products take row_blocks / row_q6k (MXFP4, IQ4_NL, Q4_K, Q5_K, Q4_1,
-// Q5_1 stay in tiles). IQ4_XS's blocks of 32, the 0.6B's IQ4_XS file, decode ms a token,
+// Q5_1 stay in tiles; so does Q2_K, whose two float steps per sub-block made a row a chain of 16
+// dependent FMAs per super-block: the 0.6B's Q2_K file, decode ms a token, rows / tiles, 15.3 /
+// 11.0). IQ4_XS's blocks of 32, the 0.6B's IQ4_XS file, decode ms a token,
 // processes alternating, tiles / rows: 20.0 / 18.5 (medians of 5); Gemma 3 270M's IQ4_XS file
 // (mostly IQ4_NL, 640-value rows whose last blocks a row takes one at a time) 7.5 / 7.5, and
 // with IQ4_NL in rows too 5.9-6.0 / 6.7-7.1.
@@ -944,6 +1029,7 @@ inline void tile(const uint8_t* const* w, const Act& a, float (*out)[kNR]) {
   for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_ps();
   if constexpr (kK4<TYPE>) tile_k4<TYPE, MR>(w, a, acc);
   else if constexpr (TYPE == kQ6_K) tile_q6k<MR>(w, a, acc);
+  else if constexpr (TYPE == kQ2_K) tile_q2k<MR>(w, a, acc);
   else tile_blocks<TYPE, MR>(w, a, acc);
   for (int m = 0; m < MR; m++) _mm256_storeu_ps(out[m], acc[m]);
 }
@@ -970,8 +1056,15 @@ inline void tile(const uint8_t* const* w, const Act& a, float (*out)[kNR]) {
         int32_t lo = 0, hi = 0;
         for (int i = 0; i < 16; i++) lo += int32_t(ws[n].q[i]) * x[i];
         for (int i = 16; i < 32; i++) hi += int32_t(ws[n].q[i]) * x[i];
-        acc[m][n] += dx[m * nsub + sb] * (ws[n].s0 * float(lo) + ws[n].s1 * float(hi)) -
-                     ws[n].minv * sx[m * nsub + sb];
+        const float dxm = dx[m * nsub + sb];
+        if constexpr (TYPE == kQ2_K) {  // a min per 16 values: the activations' sums per 16
+          const int16_t* hx = a.h + m * (K / 16) + 2 * sb;
+          acc[m][n] += dxm * (ws[n].s0 * float(lo) + ws[n].s1 * float(hi)) -
+                       dxm * (ws[n].minv * float(hx[0]) + ws[n].minv_hi * float(hx[1]));
+        } else {
+          acc[m][n] += dxm * (ws[n].s0 * float(lo) + ws[n].s1 * float(hi)) -
+                       ws[n].minv * sx[m * nsub + sb];
+        }
       }
     }
   }
@@ -2055,6 +2148,8 @@ inline __m256i panel_bytes(const uint8_t* row, int64_t sb) {
     return k4_values<TYPE>(row + (sb >> 3) * kK4Bytes<TYPE>, int(sb & 7));
   } else if constexpr (TYPE == kQ6_K) {
     return q6k_values(row + (sb >> 3) * 210, int(sb & 7));
+  } else if constexpr (TYPE == kQ2_K) {
+    return q2k_values(row + (sb >> 3) * kQ2KBytes, int(sb & 7));
   } else if constexpr (TYPE == kQ4_0) {
     return nibbles(row + sb * 18 + 2);
   } else if constexpr (TYPE == kQ5_0) {
@@ -2071,12 +2166,12 @@ inline __m256i panel_bytes(const uint8_t* row, int64_t sb) {
 
 // Sub-block sb's float factors: dw (the block's scale; a K-quant's d), the integer scales of
 // its halves as floats (K-quants; 1 otherwise) and the min (Q4_K's / Q5_K's dmin * min, Q4_1's /
-// Q5_1's -m): the tiles' values.
+// Q5_1's -m; Q2_K's dmin, its halves' integer mins in m0, m1): the tiles' values.
 template <int TYPE>
 inline void panel_scales(const uint8_t* row, int64_t sb, float& dw, float& s0, float& s1,
-                         float& mn) {
+                         float& mn, float& m0, float& m1) {
   s0 = s1 = 1.f;
-  mn = 0.f;
+  mn = m0 = m1 = 0.f;
   if constexpr (kK4<TYPE>) {
     const uint8_t* b = row + (sb >> 3) * kK4Bytes<TYPE>;
     int sc, m;
@@ -2090,6 +2185,15 @@ inline void panel_scales(const uint8_t* row, int64_t sb, float& dw, float& s0, f
     dw = f16(b + 208);
     s0 = float(sc[0]);
     s1 = float(sc[1]);
+  } else if constexpr (TYPE == kQ2_K) {
+    const uint8_t* b = row + (sb >> 3) * kQ2KBytes;
+    const uint8_t* sc = b + 2 * (sb & 7);
+    dw = f16(b + 80);
+    mn = f16(b + 82);
+    s0 = float(sc[0] & 0xF);
+    s1 = float(sc[1] & 0xF);
+    m0 = float(sc[0] >> 4);
+    m1 = float(sc[1] >> 4);
   } else {
     dw = block_scale<TYPE>(row + sb * kBlockBytes<TYPE>);
     if constexpr (kMin32<TYPE>) mn = -f16(row + sb * kBlockBytes<TYPE> + 2);
@@ -2119,15 +2223,15 @@ inline void transpose_panel(const __m512i* r, __m512i* out) {
 }
 
 // A task's panel (one at a time, of this K): v (K/32 sub-blocks x 8 dwords x 16 rows), per
-// sub-block and row dw, the halves' integer scales s (K/32 x 2 x 16) and Q4_K's min mn; rs:
-// the int8 rows' scales.
+// sub-block and row dw, the halves' integer scales s (K/32 x 2 x 16), Q4_K's min mn (Q2_K's
+// dmin) and Q2_K's halves' integer mins m2 (as s); rs: the int8 rows' scales.
 struct PanelBuffers {
   std::vector<uint8_t> v;
-  std::vector<float> dw, s, mn;
+  std::vector<float> dw, s, mn, m2;
   float rs[kPanelRows];
   bool row_scale = false;
   explicit PanelBuffers(int64_t K)
-      : v(K / 32 * 512), dw(K / 32 * 16), s(K / 32 * 32), mn(K / 32 * 16) {}
+      : v(K / 32 * 512), dw(K / 32 * 16), s(K / 32 * 32), mn(K / 32 * 16), m2(K / 32 * 32) {}
 };
 
 // Weight rows n0 .. n0 + 15 of part p (rows past its end: zero) into the buffers.
@@ -2143,10 +2247,10 @@ void pack_panel(const Part& p, int64_t n0, int64_t K, PanelBuffers& pb) {
   for (int64_t sb = 0; sb < nsub; sb++) {
     __m256i b[kPanelRows];
     for (int64_t r = 0; r < kPanelRows; r++) {
-      float dw = 0.f, s0 = 0.f, s1 = 0.f, mn = 0.f;
+      float dw = 0.f, s0 = 0.f, s1 = 0.f, mn = 0.f, m0 = 0.f, m1 = 0.f;
       if (row[r]) {
         b[r] = panel_bytes<TYPE>(row[r], sb);
-        panel_scales<TYPE>(row[r], sb, dw, s0, s1, mn);
+        panel_scales<TYPE>(row[r], sb, dw, s0, s1, mn, m0, m1);
       } else {
         b[r] = _mm256_setzero_si256();
       }
@@ -2154,6 +2258,8 @@ void pack_panel(const Part& p, int64_t n0, int64_t K, PanelBuffers& pb) {
       pb.s[sb * 32 + r] = s0;
       pb.s[sb * 32 + 16 + r] = s1;
       pb.mn[sb * 16 + r] = mn;
+      pb.m2[sb * 32 + r] = m0;
+      pb.m2[sb * 32 + 16 + r] = m1;
     }
     __m512i z[8], out[8];
     for (int k = 0; k < 8; k++)
@@ -2195,7 +2301,7 @@ inline void panel_rows(const PanelBuffers& pb, const Act& a, int64_t m0, float (
     for (int t = 0; t < 8; t++) w[t] = _mm512_loadu_si512(v + sb * 512 + t * 64);
     const int16_t* hx = a.h + m0 * (K / 16) + sb * 2;  // row m's: hx[m * K / 16], [.. + 1]
     __m512 f[MR];
-    if constexpr (TYPE == kQ6_K) {  // f = s_lo * I_lo + s_hi * I_hi, each half's sum exact
+    if constexpr (TYPE == kQ6_K || TYPE == kQ2_K) {  // f = s_lo * I_lo + s_hi * I_hi, exact
       for (int hf = 0; hf < 2; hf++) {
         __m512i i[MR];
         for (int m = 0; m < MR; m++) i[m] = _mm512_set1_epi32(-bias * hx[m * (K / 16) + hf]);
@@ -2235,6 +2341,14 @@ inline void panel_rows(const PanelBuffers& pb, const Act& a, int64_t m0, float (
       if constexpr (kHasMin<TYPE>)
         acc[m] = _mm512_fnmadd_ps(_mm512_loadu_ps(pb.mn.data() + sb * 16),
                                   _mm512_set1_ps(a.s[row * nsub + sb]), acc[m]);
+      if constexpr (TYPE == kQ2_K) {  // Mi = m_lo * sum(x_lo) + m_hi * sum(x_hi), exact
+        const int16_t* hm = hx + m * (K / 16);
+        const __m512 mi = _mm512_fmadd_ps(
+            _mm512_loadu_ps(pb.m2.data() + sb * 32 + 16), _mm512_set1_ps(float(hm[1])),
+            _mm512_mul_ps(_mm512_loadu_ps(pb.m2.data() + sb * 32), _mm512_set1_ps(float(hm[0]))));
+        acc[m] = _mm512_fnmadd_ps(mi, _mm512_mul_ps(_mm512_loadu_ps(pb.mn.data() + sb * 16),
+                                                    _mm512_set1_ps(a.d[row * nsub + sb])), acc[m]);
+      }
     }
   }
   for (int m = 0; m < MR; m++) _mm512_storeu_ps(out[m], acc[m]);
@@ -2282,8 +2396,8 @@ constexpr bool kHasR16 =
 #endif
 
 bool is_kernel_type(int64_t t) {
-  return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ5_1 || t == kQ8_0 || t == kMXFP4 ||
-         t == kIQ4NL || t == kIQ4XS32 || t == kQ4_K || t == kQ5_K || t == kQ6_K ||
+  return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ5_1 || t == kQ8_0 || t == kQ2_K ||
+         t == kMXFP4 || t == kIQ4NL || t == kIQ4XS32 || t == kQ4_K || t == kQ5_K || t == kQ6_K ||
          t == kI8 || (is_r16(int(t)) && kHasR16);
 }
 
@@ -3360,7 +3474,8 @@ void dequantize_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, a
         Sub s;
         unpack_any(base, row, sb, s);
         for (int i = 0; i < 32; i++)
-          op[t * K + sb * 32 + i] = scalar_t((i < 16 ? s.s0 : s.s1) * float(s.q[i]) - s.minv);
+          op[t * K + sb * 32 + i] =
+              scalar_t((i < 16 ? s.s0 : s.s1) * float(s.q[i]) - (i < 16 ? s.minv : s.minv_hi));
       }
     }
   });
