@@ -337,7 +337,7 @@ R16_KINDS = sorted(Q.R16_OF)
 # The repacked kinds the tile unit takes (Q5_0's repacked rows run on the vector kernel only),
 # and what AMX-BF16 takes dequantized (test_bf16_tiles_*): those, and Q4_0 and Q5_0 blocks.
 TILE_KINDS = [k for k in R16_KINDS if k != Q.Q5_0]
-BF16_KINDS = TILE_KINDS + [Q.Q4_0, Q.Q5_0, Q.Q4_1, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS_32]
+BF16_KINDS = TILE_KINDS + [Q.Q4_0, Q.Q5_0, Q.Q4_1, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS_32, Q.Q2_K]
 R16_ID = {Q.INT8_ROW: "int8", **Q.BLOCK_TYPES}.get
 
 

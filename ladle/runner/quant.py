@@ -29,7 +29,7 @@ So a kernel's result equals, up to float32 rounding, the float64 product of the 
 with the quantized-then-dequantized activations: `linear_reference` below, which the tests compare
 the kernels with. One exception, on CPUs with AMX-BF16 outside batch-invariant mode: a call of
 enough bfloat16 rows (`quant_bf16_min_rows(type)`, 8-20 by type) whose parts are all repacked (Q4_K,
-Q5_K, Q6_K, Q8_0, INT8_ROW) or Q4_0/Q5_0/Q4_1/Q5_1/IQ4 of whole sixteens of rows dequantizes the
+Q5_K, Q6_K, Q8_0, INT8_ROW) or Q4_0/Q5_0/Q4_1/Q5_1/IQ4/Q2_K of whole sixteens of rows dequantizes the
 weights to bfloat16 tiles instead and multiplies the activations as they are (prefill, decode
 batches; `bf16_tiles_reference`). And on CPUs with AVX-512 VNNI (on AMX-INT8's tiles where present),
 also outside that mode: a call of 4 or more rows (`quant_token_min_rows()`) of a rotated weight of
@@ -347,10 +347,10 @@ def linear_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 
 def bf16_tiles_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """float64: what the kernel computes on AMX-BF16 (a call of `quant_bf16_min_rows(type)`
-    rows or more of bfloat16 activations, every part repacked or Q4_0/Q5_0/Q4_1/Q5_1/IQ4 of
-    whole sixteens of rows, outside batch-invariant mode): the activations as given times the
+    rows or more of bfloat16 activations, every part repacked or Q4_0/Q5_0/Q4_1/Q5_1/IQ4/Q2_K
+    of whole sixteens of rows, outside batch-invariant mode): the activations as given times the
     dequantized weights rounded to bfloat16 (each formed in float32 first, exactly or with the
-    one rounding of Q4_1's and Q5_1's d q + m; int8 rows: q exactly, the row scale applied to
+    one rounding of Q4_1's and Q5_1's d q + m, Q2_K's d sc q - dmin m; int8 rows: q exactly, the row scale applied to
     the sum); activations rotated first where the weight is."""
     if w.rotation:
         x = rotate_rows(x.contiguous(), w.rotation)

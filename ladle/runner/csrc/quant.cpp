@@ -112,7 +112,7 @@ inline bool tile_r16(int type) { return is_r16(type) && type != kQ5R; }
 // Types not repacked whose 16-row panels can also become bfloat16 B tiles (bf16_group).
 constexpr bool bf16_panel_type(int type) {
   return type == kQ4_0 || type == kQ5_0 || type == kQ4_1 || type == kQ5_1 || type == kIQ4NL ||
-         type == kIQ4XS32;
+         type == kIQ4XS32 || type == kQ2_K;
 }
 inline int r16_base(int type) {
   return type == kQ4KR ? kQ4_K : type == kQ6KR ? kQ6_K : type == kQ5R ? kQ5_0
@@ -1744,7 +1744,8 @@ void amx_q6k_rows(const uint8_t* g, const uint8_t* wb, const Act& a, int64_t m0,
 // 31 47.6 / 73.8; Q6_K (20 layers) 8 31.8 / 33.6, 16 31.3 / 41.0, 31 34.6 / 82.5; Q5_0 (its
 // panels) 4 51.9 / 31.9, 16 57.0 / 72.9, 128 104.8 / 246.5; Q4_0 128 105.3 / 242.4. Since Q4_0
 // and Q5_0 tiles take their values unsigned: Q5_0 8 59.2 / 49.4, 9 59.0 / 59.8, 11 59.3 / 69.9,
-// 12 59.7 / 71.6; Q4_0 8 41.9 / 41.4, 12 56.9 / 65.1.
+// 12 59.7 / 71.6; Q4_0 8 41.9 / 41.4, 12 56.9 / 65.1. Q2_K (its panels from 12 rows): 8 41.3 /
+// 41.3, 12 48.6 / 45.5, 14 48.2 / 48.7-49.3, 16 48.6 / 51.7, 24 51.4 / 67.5, 128 90.5 / 241.2.
 constexpr int64_t bf16_min_rows(int type) {
   switch (type) {
     case kQ6KR: return 8;
@@ -1754,6 +1755,7 @@ constexpr int64_t bf16_min_rows(int type) {
     case kQ4_0: return 12;
     case kIQ4NL: return 12;  // (as Q4_0: not measured apart)
     case kIQ4XS32: return 12;
+    case kQ2_K: return 14;
     case kQ4KR: return 16;
     case kQ5KR: return 16;  // (as Q4_K: not measured apart)
     default: return 20;  // Q8_0, int8 rows
@@ -1819,18 +1821,27 @@ inline __m512 bf16_bytes(__m512i v, int j) {
 // 4t .. 4t + 3 at bytes 4n .. 4n + 3 of slot t), each stored unsigned as u = (w - c) / d, with
 // output n's scale d in lane n of d16 and its offset c in lane n of c16: f = u d + c, rounded
 // once to bfloat16. With c = -bias d (a bias of 8 bits, d 11 for a half-precision scale) u d
-// + c is exact; with a block's min m as c (Q4_1, Q5_1), u d is, and the sum rounds once.
-inline void bf16_slots(const uint8_t* v, __m512 d16, __m512 c16, uint16_t* out) {
-  __m512 d[4], c[4], f[4];
-  bf16_quarters(d16, d);
-  bf16_quarters(c16, c);
+// + c is exact; with a block's min m as c (Q4_1, Q5_1; Q2_K's dmin * m), u d is, and the sum
+// rounds once. Types with a scale per 16 values (Q2_K) give each half its own d and c
+// (slots 0-3: d16, c16; 4-7: d16_hi, c16_hi).
+inline void bf16_slots(const uint8_t* v, __m512 d16, __m512 c16, __m512 d16_hi, __m512 c16_hi,
+                       uint16_t* out) {
+  __m512 d[2][4], c[2][4], f[4];
+  bf16_quarters(d16, d[0]);
+  bf16_quarters(c16, c[0]);
+  bf16_quarters(d16_hi, d[1]);
+  bf16_quarters(c16_hi, c[1]);
   for (int t = 0; t < 8; t++) {
     for (int j = 0; j < 4; j++) {
       const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + t * 64 + j * 16));
-      f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x)), d[j], c[j]);
+      f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x)), d[t >> 2][j],
+                             c[t >> 2][j]);
     }
     bf16_slot(f, t, out);
   }
+}
+inline void bf16_slots(const uint8_t* v, __m512 d16, __m512 c16, uint16_t* out) {
+  bf16_slots(v, d16, c16, d16, c16, out);
 }
 
 // One repacked block of 16 rows at b (kR16Subs<TYPE> sub-blocks) into out.
@@ -2270,15 +2281,27 @@ void pack_panel(const Part& p, int64_t n0, int64_t K, PanelBuffers& pb) {
 }
 
 #if defined(LADLE_QUANT_BF16)
-// Rows n0 .. n0 + 15 of a Q4_0, Q5_0, Q4_1 or Q5_1 part as bf16_group's B tiles: its panel (u = q
-// + bias, the block scale per row; Q4_1's and Q5_1's -m as the panel's min), then each sub-block
-// through bf16_slots.
+// Rows n0 .. n0 + 15 of a Q4_0, Q5_0, Q4_1, Q5_1, IQ4 or Q2_K part as bf16_group's B tiles: its
+// panel (u = q + bias, the block scale per row; Q4_1's and Q5_1's -m as the panel's min; Q2_K's
+// d, sub-block scales, dmin and mins), then each sub-block through bf16_slots.
 template <int TYPE>
 void bf16_panel(const Part& p, int64_t n0, int64_t K, uint16_t* out) {
   thread_local std::unique_ptr<PanelBuffers> pb;
   if (!pb || int64_t(pb->v.size()) != K / 32 * 512) pb = std::make_unique<PanelBuffers>(K);
   pack_panel<TYPE>(p, n0, K, *pb);
   for (int64_t sb = 0; sb < K / 32; sb++) {
+    if constexpr (TYPE == kQ2_K) {  // per half: d * sc, -dmin * m (both exact)
+      const __m512 d = _mm512_loadu_ps(pb->dw.data() + sb * 16);
+      const __m512 dmin = _mm512_loadu_ps(pb->mn.data() + sb * 16);
+      const float* s = pb->s.data() + sb * 32;
+      const float* m = pb->m2.data() + sb * 32;
+      auto neg = [](__m512 v) { return _mm512_sub_ps(_mm512_setzero_ps(), v); };
+      bf16_slots(pb->v.data() + sb * 512, _mm512_mul_ps(d, _mm512_loadu_ps(s)),
+                 neg(_mm512_mul_ps(dmin, _mm512_loadu_ps(m))),
+                 _mm512_mul_ps(d, _mm512_loadu_ps(s + 16)),
+                 neg(_mm512_mul_ps(dmin, _mm512_loadu_ps(m + 16))), out + sb * 512);
+      continue;
+    }
     const __m512 d = _mm512_loadu_ps(pb->dw.data() + sb * 16);
     const __m512 mn = _mm512_loadu_ps(pb->mn.data() + sb * 16);  // (Q4_1, Q5_1: -m)
     const __m512 c = kMin32<TYPE> ? _mm512_sub_ps(_mm512_setzero_ps(), mn)
@@ -3153,6 +3176,7 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
               case kQ5_1: bf16_group<kQ5_1>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               case kIQ4NL: bf16_group<kIQ4NL>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               case kIQ4XS32: bf16_group<kIQ4XS32>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
+              case kQ2_K: bf16_group<kQ2_K>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               default: bf16_group<kI8R>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
             }
           }
