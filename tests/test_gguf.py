@@ -28,7 +28,7 @@ from ladle.models.gguf import (
     iter_hf_tensors,
     open_gguf,
 )
-from ladle.models.gguf.quants import iq4_xs_as_32, q3_k_as_q6_k
+from ladle.models.gguf.quants import iq4_xs_as_32
 from ladle.models.loader import ModelLoadError
 from ladle.runner.quant import IQ4_XS_32
 
@@ -106,26 +106,6 @@ def test_iq4_xs_in_blocks_of_32_keeps_every_value():
     edge = edge.reshape(24, -1)
     assert torch.equal(dequantize(iq4_xs_as_32(torch.from_numpy(edge)), IQ4_XS_32, (24, 512)),
                        reference(edge, T.IQ4_XS))
-
-
-def test_q3_k_widened_to_q6_k_keeps_every_value():
-    """Q3_K has no kernel of its own: its blocks run as the Q6_K blocks of the same values, so
-    those must dequantize to exactly the file's values (gguf-py's), in any leading shape,
-    every scale (-32..31), every q (-4..3) and fp16 subnormals included."""
-    rng = np.random.default_rng(3)
-    raw = random_rows(T.Q3_K, num_rows=24, blocks_per_row=4, rng=rng)
-    widened = q3_k_as_q6_k(torch.from_numpy(raw))
-    assert widened.dtype == torch.uint8 and widened.shape == (24, 4 * 210)
-    assert torch.equal(dequantize(widened, T.Q6_K, (24, 1024)), reference(raw, T.Q3_K))
-    as_3d = q3_k_as_q6_k(torch.from_numpy(raw.copy()).reshape(2, 12, -1))
-    assert torch.equal(as_3d.reshape(24, -1), widened)
-    # The extremes: all scale bytes 0x00 and 0xFF, all hmask bits clear and set.
-    for fill in (0x00, 0xFF):
-        edge = raw.copy().reshape(-1, 110)
-        edge[:, :108] = fill
-        edge = edge.reshape(24, -1)
-        assert torch.equal(dequantize(q3_k_as_q6_k(torch.from_numpy(edge)), T.Q6_K, (24, 1024)),
-                           reference(edge, T.Q3_K))
 
 
 def test_dequantize_refuses_a_byte_count_that_does_not_fit_the_shape():

@@ -270,7 +270,7 @@ def test_k_quant_experts_keep_each_experts_rows(tmp_path, k4):
     """A Q4_K_M-style layer (gate and up Q4_K, down Q6_K, rows of 256 values so the K-quant
     super-blocks fit; a Q8_0 router), a Q5_K_M-style one (Q5_K gate and up, and Q5_K
     attention, the type a Q4_K_M file gives an 8-expert model's attn_output) and a Q3_K_M-style
-    one (Q3_K gate, up and attention, kept as the Q6_K blocks of the same values), an
+    one (Q3_K gate, up and attention), an
     IQ4_XS one (kept as blocks of 32 with a float32 scale each) and a Q2_K one: each expert's
     linears hold exactly its rows of the stacked tensors, in their blocks, and so do the
     attention's; the router is dequantized, since its logits choose the experts."""
@@ -307,7 +307,7 @@ def test_k_quant_experts_keep_each_experts_rows(tmp_path, k4):
 # expert gets several rows (prefill tiles) and threads share experts, and enough that experts
 # get 12 or more rows (the panels of AVX-512 VNNI builds); a Q4_K_M layer, Q5_K_M ones, a Q8_0
 # one, mixed 32-value types (Q5_1 and Q4_1: the fallbacks of Q5_K_M files and of 8-expert
-# Q4_0 files, with a min per block), a Q3_K_M one (Q3_K run as Q6_K blocks), IQ4 ones
+# Q4_0 files, with a min per block), a Q3_K_M one (a scale per 16 values, as Q6_K), IQ4 ones
 # (IQ4_XS in blocks of 32, IQ4_NL: table values), and Q2_K ones (a min per 16 values).
 QUANT_CASES = [(1, (T.Q4_K, T.Q4_K, T.Q6_K)), (3, (T.Q4_K, T.Q4_K, T.Q6_K)),
                (37, (T.Q4_K, T.Q4_K, T.Q6_K)), (1, (T.Q5_K, T.Q5_K, T.Q6_K)),

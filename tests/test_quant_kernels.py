@@ -24,7 +24,7 @@ needs_kernels = pytest.mark.skipif(kernels is None or not hasattr(kernels, "quan
 
 # Byte offsets of each type's fp16 scale fields (d; Q4_K also dmin), as gguf-py lays blocks out.
 F16_FIELDS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2],
-              Q.Q2_K: [80, 82], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.IQ4_NL: [0],
+              Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.IQ4_NL: [0],
               Q.IQ4_XS_32: [], Q.MXFP4: []}
 
 
@@ -173,6 +173,28 @@ def test_rows_dequantize_exactly(kind):
     assert torch.equal(Q.quant_rows(w, ids), dequantize(raw[ids], kind, (5, 512)))
     emb = Q.QuantEmbedding(w)
     assert torch.equal(emb(ids.view(1, 5)), dequantize(raw[ids], kind, (5, 512)).view(1, 5, 512))
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", [Q.Q3_K, Q.Q2_K], ids=lambda k: Q.BLOCK_TYPES[k])
+def test_k_quant_scales_and_high_bits_at_their_extremes(kind):
+    """Q3_K's packed 6-bit scales (-32 and 31) and hmask bits (all clear: every q - 4; all set)
+    and Q2_K's scale and min nibbles (0 and 15), every byte 0x00 or 0xFF but the fp16 fields:
+    rows looked up exactly as gguf-py's, and the linear (rows, tiles, panels) equal to the
+    dequantized product."""
+    g = torch.Generator().manual_seed(5)
+    k, n = 512, 24
+    head = slice(0, 108) if kind == Q.Q3_K else slice(0, 80)  # all but d (and dmin)
+    for fill in (0x00, 0xFF):
+        raw = random_blocks(kind, n, k, g).reshape(n, k // 256, -1)
+        raw[::2, :, head] = fill
+        raw = raw.reshape(n, -1).contiguous()
+        want = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), kind)).reshape(n, k)
+        w = Q.QuantWeight([Q.QuantPart(kind, raw)], k, torch.float32)
+        assert torch.equal(Q.quant_rows(w, torch.arange(n)), want)
+        for m in (1, 3, 16):
+            x = torch.randn(m, k, generator=g)
+            assert relative_error(Q.quant_linear(x, w), x, w) < 1e-5, (fill, m)
 
 
 @needs_kernels
@@ -337,7 +359,7 @@ R16_KINDS = sorted(Q.R16_OF)
 # The repacked kinds the tile unit takes (Q5_0's repacked rows run on the vector kernel only),
 # and what AMX-BF16 takes dequantized (test_bf16_tiles_*): those, and Q4_0 and Q5_0 blocks.
 TILE_KINDS = [k for k in R16_KINDS if k != Q.Q5_0]
-BF16_KINDS = TILE_KINDS + [Q.Q4_0, Q.Q5_0, Q.Q4_1, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS_32, Q.Q2_K]
+BF16_KINDS = TILE_KINDS + [Q.Q4_0, Q.Q5_0, Q.Q4_1, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS_32, Q.Q2_K, Q.Q3_K]
 R16_ID = {Q.INT8_ROW: "int8", **Q.BLOCK_TYPES}.get
 
 
@@ -589,8 +611,8 @@ def test_bf16_tiles_run_where_the_cpu_has_them():
 @pytest.mark.parametrize("kind", BF16_KINDS, ids=R16_ID)
 def test_bf16_tiles_compute_the_bf16_weights_product(kind):
     """From quant_bf16_min_rows(type) bfloat16 rows outside batch-invariant mode, repacked
-    parts (Q4_K, Q5_K, Q6_K, Q8_0, int8 rows) and Q4_0, Q5_0, Q4_1, Q5_1, IQ4_NL and IQ4_XS parts of
-    whole sixteens of rows run dequantized on AMX-BF16: each output equals the float64 product of
+    parts (Q4_K, Q5_K, Q6_K, Q8_0, int8 rows) and Q4_0, Q5_0, Q4_1, Q5_1, IQ4_NL, IQ4_XS, Q2_K and
+    Q3_K parts of whole sixteens of rows run dequantized on AMX-BF16: each output equals the float64 product of
     the activations as given and the weights rounded to bfloat16 (bf16 of the dequantized weight;
     int8 rows: q, then the row scale) within 1e-6 of the sum of |products| (float32 sums: no room
     for a misplaced value, sub-block scale or min), every column written once (out starts as NaN),

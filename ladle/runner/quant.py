@@ -4,7 +4,7 @@ A `QuantWeight` stands where a linear's (N, K) weight tensor would be. Its rows 
 `QuantPart`s, because a fused projection (q|k|v, gate|up) may hold tensors of different types
 (a Q4_K_M file stores attn_v as Q6_K beside a Q4_K attn_q). A part is one of:
   - GGUF blocks kept as they are in the file (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, IQ4_NL,
-    Q2_K, Q4_K, Q5_K, Q6_K; IQ4_XS's sub-blocks as blocks of 32, IQ4_XS_32): uint8 (rows,
+    Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; IQ4_XS's sub-blocks as blocks of 32, IQ4_XS_32): uint8 (rows,
     row_bytes);
   - INT8_ROW: symmetric int8 per output channel, int8 (rows, K) with a float32 scale per row
     (`--quantization int8`, compressed-tensors W8A8 checkpoints);
@@ -29,8 +29,8 @@ So a kernel's result equals, up to float32 rounding, the float64 product of the 
 with the quantized-then-dequantized activations: `linear_reference` below, which the tests compare
 the kernels with. One exception, on CPUs with AMX-BF16 outside batch-invariant mode: a call of
 enough bfloat16 rows (`quant_bf16_min_rows(type)`, 8-20 by type) whose parts are all repacked (Q4_K,
-Q5_K, Q6_K, Q8_0, INT8_ROW) or Q4_0/Q5_0/Q4_1/Q5_1/IQ4/Q2_K of whole sixteens of rows dequantizes the
-weights to bfloat16 tiles instead and multiplies the activations as they are (prefill, decode
+Q5_K, Q6_K, Q8_0, INT8_ROW) or Q4_0/Q5_0/Q4_1/Q5_1/IQ4/Q2_K/Q3_K of whole sixteens of rows
+dequantizes the weights to bfloat16 tiles instead and multiplies the activations as they are (prefill, decode
 batches; `bf16_tiles_reference`). And on CPUs with AVX-512 VNNI (on AMX-INT8's tiles where present),
 also outside that mode: a call of 4 or more rows (`quant_token_min_rows()`) of a rotated weight of
 int8 rows quantizes the rotated activations per token (row) instead of per block, and sums all of K
@@ -48,18 +48,18 @@ import torch
 import torch.nn as nn
 
 # GGML type ids of the block formats the kernels run (gguf's GGMLQuantizationType values).
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4 = (2, 3, 6, 7, 8, 10, 12, 13,
-                                                                     14, 20, 39)
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4 = (2, 3, 6, 7, 8, 10, 11,
+                                                                           12, 13, 14, 20, 39)
 # IQ4_XS as the kernels run it (gguf/quants.py's iq4_xs_as_32): each sub-block of 32 a block of
 # its own, a float32 scale and IQ4_NL's nibbles. Counted as IQ4_XS.
 IQ4_XS_32 = -9
 BLOCK_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0",
-               Q2_K: "Q2_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_NL: "IQ4_NL",
-               IQ4_XS_32: "IQ4_XS", MXFP4: "MXFP4"}
+               Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K",
+               IQ4_NL: "IQ4_NL", IQ4_XS_32: "IQ4_XS", MXFP4: "MXFP4"}
 # (values per block, bytes per block): gguf's GGML_QUANT_SIZES for the types above.
 BLOCK_SIZES = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
-               Q2_K: (256, 84), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
-               IQ4_NL: (32, 18), IQ4_XS_32: (32, 20), MXFP4: (32, 17)}
+               Q2_K: (256, 84), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176),
+               Q6_K: (256, 210), IQ4_NL: (32, 18), IQ4_XS_32: (32, 20), MXFP4: (32, 17)}
 INT8_ROW = -1  # int8 rows with a float32 scale per row
 DENSE = -2  # the model dtype
 # Blocks (and int8 rows) repacked at load by 16 rows for the AVX-512 VNNI kernels (repack_r16):
@@ -347,8 +347,8 @@ def linear_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 
 def bf16_tiles_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """float64: what the kernel computes on AMX-BF16 (a call of `quant_bf16_min_rows(type)`
-    rows or more of bfloat16 activations, every part repacked or Q4_0/Q5_0/Q4_1/Q5_1/IQ4/Q2_K
-    of whole sixteens of rows, outside batch-invariant mode): the activations as given times the
+    rows or more of bfloat16 activations, every part repacked or Q4_0/Q5_0/Q4_1/Q5_1/IQ4/Q2_K/
+    Q3_K of whole sixteens of rows, outside batch-invariant mode): the activations as given times the
     dequantized weights rounded to bfloat16 (each formed in float32 first, exactly or with the
     one rounding of Q4_1's and Q5_1's d q + m, Q2_K's d sc q - dmin m; int8 rows: q exactly, the row scale applied to
     the sum); activations rotated first where the weight is."""

@@ -1,7 +1,7 @@
 """A GGUF file's weights kept in their blocks: every linear (and the embedding) whose tensors are
 of a type the quantized kernels run (runner/quant.py: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, IQ4_NL,
-Q2_K, Q4_K, Q5_K, Q6_K) becomes a QuantWeight holding the file's bytes (Q3_K's rewritten as the Q6_K
-blocks of the same values, IQ4_XS's sub-blocks as blocks of 32: `WIDENED`), installed on the
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) becomes a QuantWeight holding the file's bytes (IQ4_XS's sub-blocks
+rewritten as blocks of 32: `WIDENED`), installed on the
 meta-device model before any dense memory is allocated. A fused projection takes one part per file
 tensor (a Q4_K_M file stores attn_v as Q6_K beside Q4_K attn_q and attn_k). A tensor of another type
 inside such a projection is dequantized to the model dtype as a dense part; a projection with no
@@ -28,14 +28,13 @@ from ladle.models.gguf.mapping import (
     hf_tensor_names,
     untile_value_rows,
 )
-from ladle.models.gguf.quants import dequantize, iq4_xs_as_32, q3_k_as_q6_k
+from ladle.models.gguf.quants import dequantize, iq4_xs_as_32
 from ladle.models.gguf.reader import GGUFFile, GGUFTensor
 from ladle.models.loader import ModelLoadError, _target
 from ladle.runner.quant import (
     BLOCK_SIZES,
     DENSE,
     IQ4_XS_32,
-    Q6_K,
     QuantEmbedding,
     QuantPart,
     QuantWeight,
@@ -46,10 +45,8 @@ logger = logging.getLogger(__name__)
 
 # ggml types whose blocks are rewritten at load, exactly, as blocks of a kernel type (their bytes
 # grow, but far less than dequantized): type -> (kernel type, rewrite, how, for the log line).
-# Q3_K runs as Q6_K (1.9x its bytes); IQ4_XS's sub-blocks as IQ4_NL-style blocks with a float32
-# scale each (1.18x).
-WIDENED = {int(GGMLQuantizationType.Q3_K): (Q6_K, q3_k_as_q6_k, "as Q6_K"),
-           int(GGMLQuantizationType.IQ4_XS): (IQ4_XS_32, iq4_xs_as_32, "in blocks of 32")}
+# IQ4_XS's sub-blocks run as IQ4_NL-style blocks with a float32 scale each (1.18x its bytes).
+WIDENED = {int(GGMLQuantizationType.IQ4_XS): (IQ4_XS_32, iq4_xs_as_32, "in blocks of 32")}
 
 
 def install_gguf_blocks(model: nn.Module, gguf_file: GGUFFile, hf_config: dict,

@@ -254,33 +254,6 @@ def _dequantize_q3_k(b: torch.Tensor) -> torch.Tensor:
     return (dl * _q3_k_values(b).float()).reshape(n, QK_K)
 
 
-def _pack_fields(values: torch.Tensor, width: int) -> torch.Tensor:
-    """_fields' inverse: (..., 8 // width * m) values below 2^width -> (..., m) bytes."""
-    fields = values.reshape(*values.shape[:-1], 8 // width, -1)
-    shifts = torch.arange(0, 8, width, dtype=torch.uint8).view(-1, 1)
-    return (fields << shifts).sum(-2, dtype=torch.uint8)
-
-
-def q3_k_as_q6_k(raw: torch.Tensor) -> torch.Tensor:
-    """Q3_K rows (..., 110 * blocks) uint8 as Q6_K rows (..., 210 * blocks) of the same values,
-    exactly: Q6_K's value is (d * scale) * (q - 32) with an int8 scale per 16 values, as Q3_K's
-    is (d * scale) * q with a 6-bit one (-32..31) per 16, so each block keeps its d and scales
-    and its q (-4..3) becomes Q6_K's q + 32 (28..35). The quantized kernels run Q3_K this way
-    (1.9x the bytes, against 4.6x as bfloat16)."""
-    _, q3_size = GGML_QUANT_SIZES[GGMLQuantizationType.Q3_K]
-    _, q6_size = GGML_QUANT_SIZES[GGMLQuantizationType.Q6_K]
-    lead = raw.shape[:-1]
-    b = raw.reshape(-1, q3_size)
-    n = b.shape[0]
-    q = (_q3_k_values(b) + 32).to(torch.uint8).reshape(n, 2, 128)  # the two halves of Q6_K
-    out = torch.empty(n, q6_size, dtype=torch.uint8)
-    out[:, :128] = _pack_fields(q & 15, 4).reshape(n, 128)  # ql: low 4 bits
-    out[:, 128:192] = _pack_fields(q >> 4, 2).reshape(n, 64)  # qh: high 2 bits
-    out[:, 192:208] = _scales_q3_k(b[:, 96:108]).view(torch.uint8)
-    out[:, 208:210] = b[:, 108:110]
-    return out.reshape(*lead, -1)
-
-
 def _scales_mins_k4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """12 bytes -> 8 scales and 8 mins of 6 bits (ggml's get_scale_min_k4): sub-blocks 0-3
     keep theirs in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7 have

@@ -66,8 +66,8 @@
 
 namespace {
 
-constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ4_K = 12,
-              kQ5_K = 13, kQ6_K = 14, kIQ4NL = 20, kMXFP4 = 39;
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11,
+              kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4NL = 20, kMXFP4 = 39;
 constexpr int kI8 = -1;  // int8 rows with a float scale per row (quant.py's INT8_ROW)
 // IQ4_XS's sub-blocks as blocks of 32 (quant.py's IQ4_XS_32): a float32 scale, d times the
 // sub-block's 6-bit scale (exact), then IQ4_NL's 16 bytes of nibbles.
@@ -106,13 +106,69 @@ template <int TYPE> constexpr bool kHasMin = kK4<TYPE> || kMin32<TYPE>;
 // 4) of the 32 bytes qs[32 (j / 4) ..], its halves scales 2j and 2j + 1 (Q6_K's order). Its
 // mins change every 16 values, so its min step is its own, in integers (below: Mi).
 constexpr int64_t kQ2KBytes = 84;
+// Q3_K (Q3_K_S/M/L files' bulk): 110 bytes per 256 values, hmask[32], qs[64] (the low 2 bits,
+// laid out as Q2_K's), scales[12] (16 six-bit scales, stored + 32), d; w = d * sc * q with q
+// -4 .. 3: its low 2 bits, minus 4 where its hmask bit (bit j of byte i for value 32j + i) is
+// clear. Q6_K's form with q + 4 (0 .. 7) for Q6_K's q (0 .. 63) and 4 for its offset 32: the
+// two share every path.
+constexpr int64_t kQ3KBytes = 110;
+// The scale-per-16 types, run alike: Q6_K and Q3_K (bytes per super-block, where d is, the
+// offset of their unsigned values).
+template <int TYPE> constexpr bool kS16 = TYPE == kQ6_K || TYPE == kQ3_K;
+template <int TYPE> constexpr int64_t kS16Bytes = TYPE == kQ3_K ? kQ3KBytes : 210;
+template <int TYPE> constexpr int64_t kS16D = TYPE == kQ3_K ? 108 : 208;
+template <int TYPE> constexpr int kS16Shift = TYPE == kQ3_K ? 2 : 5;  // offset 4, 32
+
+// Q3_K's 16 scales (signed) from its 12 bytes: the low 4 bits of scale i in the low nibble of
+// byte i (i < 8) or the high nibble of byte i - 8, the high 2 bits at bits 2 (i / 4) of byte 8 +
+// i % 4. Each 32-bit word of the result takes four of them at once.
+inline void q3k_scales(const uint8_t* p, int8_t* sc) {
+  uint32_t a[3], w[4];
+  std::memcpy(a, p, 12);
+  const uint32_t nib = 0x0F0F0F0F, two = 0x03030303;
+  w[0] = (a[0] & nib) | ((a[2] & two) << 4);
+  w[1] = (a[1] & nib) | (((a[2] >> 2) & two) << 4);
+  w[2] = ((a[0] >> 4) & nib) | (((a[2] >> 4) & two) << 4);
+  w[3] = ((a[1] >> 4) & nib) | (((a[2] >> 6) & two) << 4);
+  std::memcpy(sc, w, 16);
+  for (int i = 0; i < 16; i++) sc[i] = int8_t(sc[i] - 32);
+}
+
+// Q3_K's scale i alone (what a panel's sub-block needs: two of them).
+inline int q3k_scale(const uint8_t* p, int i) {
+  const int low = i < 8 ? p[i] & 0xF : p[i - 8] >> 4;
+  return (low | (((p[8 + (i & 3)] >> (2 * (i >> 2))) & 3) << 4)) - 32;
+}
+
+// The scales of sub-block j's halves (2j, 2j + 1) of a Q6_K or Q3_K super-block b.
+template <int TYPE>
+inline void s16_pair(const uint8_t* b, int j, float& s0, float& s1) {
+  if constexpr (TYPE == kQ3_K) {
+    s0 = float(q3k_scale(b + 96, 2 * j));
+    s1 = float(q3k_scale(b + 96, 2 * j + 1));
+  } else {
+    s0 = float(int8_t(b[192 + 2 * j]));
+    s1 = float(int8_t(b[193 + 2 * j]));
+  }
+}
+
+// The 16 int8 scales of a Q6_K or Q3_K super-block b (Q3_K's unpacked into tmp).
+template <int TYPE>
+inline const int8_t* s16_scales(const uint8_t* b, int8_t* tmp) {
+  if constexpr (TYPE == kQ3_K) {
+    q3k_scales(b + 96, tmp);
+    return tmp;
+  } else {
+    return reinterpret_cast<const int8_t*>(b + 192);
+  }
+}
 // The repacked types the tile unit's paths (AMX-INT8, AMX-BF16) take; Q5_0_R16 runs on the
 // vector kernel only (quant.py repacks Q5_0 only where AMX-BF16 does not take its blocks).
 inline bool tile_r16(int type) { return is_r16(type) && type != kQ5R; }
 // Types not repacked whose 16-row panels can also become bfloat16 B tiles (bf16_group).
 constexpr bool bf16_panel_type(int type) {
   return type == kQ4_0 || type == kQ5_0 || type == kQ4_1 || type == kQ5_1 || type == kIQ4NL ||
-         type == kIQ4XS32 || type == kQ2_K;
+         type == kIQ4XS32 || type == kQ2_K || type == kQ3_K;
 }
 inline int r16_base(int type) {
   return type == kQ4KR ? kQ4_K : type == kQ6KR ? kQ6_K : type == kQ5R ? kQ5_0
@@ -136,14 +192,15 @@ inline void with_type(int type, F&& f) {
     case kQ5_K: return f(std::integral_constant<int, kQ5_K>{});
     case kQ6_K: return f(std::integral_constant<int, kQ6_K>{});
     case kQ2_K: return f(std::integral_constant<int, kQ2_K>{});
+    case kQ3_K: return f(std::integral_constant<int, kQ3_K>{});
     default: return f(std::integral_constant<int, kI8>{});
   }
 }
 
 // (values per block, bytes per block), as gguf's GGML_QUANT_SIZES.
 inline int64_t block_values(int type) {
-  return (type == kQ2_K || type == kQ4_K || type == kQ5_K || type == kQ6_K || type == kQ4KR ||
-          type == kQ5KR || type == kQ6KR) ? 256 : 32;
+  return (type == kQ2_K || type == kQ3_K || type == kQ4_K || type == kQ5_K || type == kQ6_K ||
+          type == kQ4KR || type == kQ5KR || type == kQ6KR) ? 256 : 32;
 }
 inline int64_t block_bytes(int type) {
   switch (type) {
@@ -159,6 +216,7 @@ inline int64_t block_bytes(int type) {
     case kQ5_K: return 176;
     case kQ6_K: return 210;
     case kQ2_K: return 84;
+    case kQ3_K: return 110;
     case kI8: return 32;
     case kQ4KR: return 148;  // per row: 16 rows' 2368 bytes
     case kQ6KR: return 210;  // 16 rows' 3360
@@ -271,13 +329,14 @@ inline void sub_scales(const uint8_t* row, int64_t sb, Sub& o) {
     k4_scale_min(b + 4, int(sb & 7), sc, mn);
     o.s0 = o.s1 = f16(b) * float(sc);
     o.minv = f16(b + 2) * float(mn);
-  } else if constexpr (TYPE == kQ6_K) {  // ql[128], qh[64], int8 scales[16], d
-    const uint8_t* b = row + (sb >> 3) * 210;
+  } else if constexpr (kS16<TYPE>) {  // Q6_K: ql[128], qh[64], int8 scales[16], d
+    const uint8_t* b = row + (sb >> 3) * kS16Bytes<TYPE>;
     const int j = int(sb & 7);
-    const float d = f16(b + 208);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 2 * j;
-    o.s0 = d * float(sc[0]);
-    o.s1 = d * float(sc[1]);
+    const float d = f16(b + kS16D<TYPE>);
+    float s0, s1;
+    s16_pair<TYPE>(b, j, s0, s1);
+    o.s0 = d * s0;
+    o.s1 = d * s1;
   }
   if constexpr (TYPE == kQ2_K) {
     const uint8_t* b = row + (sb >> 3) * kQ2KBytes;
@@ -347,6 +406,12 @@ inline void unpack_scalar(const uint8_t* row, int64_t sb, Sub& o) {
     const uint8_t* qs = row + (sb >> 3) * kQ2KBytes + 16 + ((sb & 7) >> 2) * 32;
     const int shift = 2 * int(sb & 3);
     for (int i = 0; i < 32; i++) o.q[i] = int8_t((qs[i] >> shift) & 3);
+  } else if constexpr (TYPE == kQ3_K) {
+    const uint8_t* b = row + (sb >> 3) * kQ3KBytes;
+    const int j = int(sb & 7);
+    const uint8_t* qs = b + 32 + (j >> 2) * 32;
+    for (int i = 0; i < 32; i++)
+      o.q[i] = int8_t(((qs[i] >> (2 * (j & 3))) & 3) - (((b[i] >> j) & 1) ? 0 : 4));
   } else {  // Q6_K
     const uint8_t* b = row + (sb >> 3) * 210;
     const int j = int(sb & 7), half = j >> 2, g = j & 3;
@@ -728,6 +793,23 @@ inline __m256i q2k_values(const uint8_t* b, int j) {
   return _mm256_and_si256(_mm256_srli_epi16(qs, 2 * (j & 3)), _mm256_set1_epi8(3));
 }
 
+// Sub-block j of the Q3_K super-block b: its 32 values q + 4 (0..7): the low 2 bits (as Q2_K's,
+// from byte 32 on) and bit j of hmask's bytes moved to bit 2.
+inline __m256i q3k_values(const uint8_t* b, int j) {
+  const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 + (j >> 2) * 32));
+  const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+  const __m256i low = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * (j & 3)), _mm256_set1_epi8(3));
+  const __m256i at2 = j >= 2 ? _mm256_srli_epi16(hm, j - 2) : _mm256_slli_epi16(hm, 2 - j);
+  const __m256i high = _mm256_and_si256(at2, _mm256_set1_epi8(4));
+  return _mm256_or_si256(low, high);
+}
+
+template <int TYPE>
+inline __m256i s16_values(const uint8_t* b, int j) {
+  if constexpr (TYPE == kQ3_K) return q3k_values(b, j);
+  else return q6k_values(b, j);
+}
+
 // A Q2_K super-block's 16 scales (low nibbles) or mins (high nibbles) as int16.
 inline __m256i q2k_nibbles16(const uint8_t* b, bool high) {
   const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
@@ -770,7 +852,7 @@ inline void ksub_tile(const uint8_t* const* b, const __m256i (*sc16)[2], int j, 
     for (int r = 0; r < 2; r++) {
       if constexpr (kK4<TYPE>) q[r] = k4_values<TYPE>(b[2 * k + r], j);
       else if constexpr (TYPE == kQ2_K) q[r] = q2k_values(b[2 * k + r], j);
-      else q[r] = q6k_values(b[2 * k + r], j);
+      else q[r] = s16_values<TYPE>(b[2 * k + r], j);
       s16[r] = _mm256_shuffle_epi8(sc16[2 * k + r][kK4<TYPE> ? 0 : j >> 2], pick);
     }
     kquant_pairs<MR>(q, s16, xv, k, h);
@@ -816,39 +898,44 @@ inline void tile_k4(const uint8_t* const* w, const Act& a, __m256* acc) {
 // 16 with a signed int8 scale. q goes in unsigned (0..63: no sign moves), the scales multiply
 // the integer sums in the vpmaddwd, and the offset 32 * (scale_lo * sum(x_lo) + scale_hi *
 // sum(x_hi)) comes off each sub-block's integer sum, from the activations' int16 sums per 16.
-template <int MR>
-inline void tile_q6k(const uint8_t* const* w, const Act& a, __m256* acc) {
+// Q3_K the same with q + 4 and 4 (kS16Shift).
+template <int TYPE, int MR>
+inline void tile_s16(const uint8_t* const* w, const Act& a, __m256* acc) {
+  constexpr int64_t BB = kS16Bytes<TYPE>;
   const int64_t K = a.K, nsub = K / 32, nblocks = K / 256;
   alignas(32) int32_t offset[MR][8][kNR];  // [m][sub-block j][row n]
   for (int64_t blk = 0; blk < nblocks; blk++) {
     const uint8_t* b[kNR];
     __m256i sc16[kNR][2];  // scales 0-7 and 8-15 as int16, each in both 128-bit lanes
+    __m256i all16[kNR];  // the 16 scales as int16
     for (int n = 0; n < kNR; n++) {
-      b[n] = w[n] + blk * 210;
-      for (int64_t off = 0; off < 210; off += 64)  // the row's stream, kPrefetchBytes ahead
+      b[n] = w[n] + blk * BB;
+      for (int64_t off = 0; off < BB; off += 64)  // the row's stream, kPrefetchBytes ahead
         _mm_prefetch(reinterpret_cast<const char*>(b[n]) + kPrefetchBytes + off, _MM_HINT_T0);
-      const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b[n] + 192));
-      sc16[n][0] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc));
-      sc16[n][1] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(sc, 8)));
+      int8_t tmp[16];
+      const __m128i sc =
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(s16_scales<TYPE>(b[n], tmp)));
+      all16[n] = _mm256_cvtepi8_epi16(sc);
+      sc16[n][0] = _mm256_permute2x128_si256(all16[n], all16[n], 0x00);
+      sc16[n][1] = _mm256_permute2x128_si256(all16[n], all16[n], 0x11);
     }
     for (int m = 0; m < MR; m++) {
       // lane j of o[n]: 32 * (scale_2j * sum(x of half 2j) + scale_2j+1 * sum(x of half 2j+1))
-      const __m256i hx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.h + m * 2 * nsub + blk * 16));
+      const __m256i hx =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.h + m * 2 * nsub + blk * 16));
       __m256 o[kNR], t[8];
-      for (int n = 0; n < kNR; n++) {
-        const __m256i all16 = _mm256_cvtepi8_epi16(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(b[n] + 192)));
-        o[n] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_madd_epi16(all16, hx), 5));
-      }
+      for (int n = 0; n < kNR; n++)
+        o[n] = _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_madd_epi16(all16[n], hx), kS16Shift<TYPE>));
       transpose8(o, t);
       for (int j = 0; j < 8; j++) _mm256_store_ps(reinterpret_cast<float*>(offset[m][j]), t[j]);
     }
-    const __m256 d = f16_rows(b, 208);
+    const __m256 d = f16_rows(b, kS16D<TYPE>);
 #pragma GCC unroll 8  // every j's constants (shuffle picks, shifts) fixed at compile time
     for (int j = 0; j < 8; j++) {
       const int64_t sb = blk * 8 + j;
       __m256i h[MR][4];
-      ksub_tile<kQ6_K, MR>(b, sc16, j, a, sb, h);
+      ksub_tile<TYPE, MR>(b, sc16, j, a, sb, h);
       for (int m = 0; m < MR; m++) {
         const __m256i I = _mm256_sub_epi32(
             row_sums(h[m]), _mm256_load_si256(reinterpret_cast<const __m256i*>(offset[m][j])));
@@ -980,37 +1067,43 @@ inline float row_blocks(const uint8_t* w, const Act& a) {
   return _mm_cvtss_f32(acc);
 }
 
-inline float row_q6k(const uint8_t* w, const Act& a) {
+template <int TYPE>
+inline float row_s16(const uint8_t* w, const Act& a) {
+  constexpr int64_t BB = kS16Bytes<TYPE>;
   const int64_t nblocks = a.K / 256;
   __m128 acc = _mm_setzero_ps();
   for (int64_t blk = 0; blk < nblocks; blk++) {
-    const uint8_t* b = w + blk * 210;
-    for (int64_t off = 0; off < 210; off += 64)
+    const uint8_t* b = w + blk * BB;
+    for (int64_t off = 0; off < BB; off += 64)
       _mm_prefetch(reinterpret_cast<const char*>(b) + kPrefetchBytes + off, _MM_HINT_T0);
-    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    int8_t tmp[16];
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s16_scales<TYPE>(b, tmp)));
     const __m256i sc16[2] = {_mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc)),
                              _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(sc, 8)))};
     const __m256i hx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.h + blk * 16));
-    const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(sc), hx), 5);
+    const __m256i offset =
+        _mm256_slli_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(sc), hx), kS16Shift<TYPE>);
     __m256i h[4], p[2];
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j++) {
-      const __m256i q = q6k_values(b, j);
+      const __m256i q = s16_values<TYPE>(b, j);
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (blk * 8 + j) * 32));
       p[j & 1] = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_shuffle_epi8(sc16[j >> 2], q6k_pick(j)));
       if (j & 1) h[j >> 1] = pair_sums(p[0], p[1]);
     }
     acc = chain8(acc, _mm256_cvtepi32_ps(_mm256_sub_epi32(row_sums(h), offset)),
-                 _mm256_mul_ps(_mm256_set1_ps(f16(b + 208)), _mm256_loadu_ps(a.d + blk * 8)));
+                 _mm256_mul_ps(_mm256_set1_ps(f16(b + kS16D<TYPE>)),
+                               _mm256_loadu_ps(a.d + blk * 8)));
   }
   return _mm_cvtss_f32(acc);
 }
 
-// The types whose one-row products take row_blocks / row_q6k (MXFP4, IQ4_NL, Q4_K, Q5_K, Q4_1,
+// The types whose one-row products take row_blocks / row_s16 (MXFP4, IQ4_NL, Q4_K, Q5_K, Q4_1,
 // Q5_1 stay in tiles; so does Q2_K, whose two float steps per sub-block made a row a chain of 16
 // dependent FMAs per super-block: the 0.6B's Q2_K file, decode ms a token, rows / tiles, 15.3 /
-// 11.0). IQ4_XS's blocks of 32, the 0.6B's IQ4_XS file, decode ms a token,
-// processes alternating, tiles / rows: 20.0 / 18.5 (medians of 5); Gemma 3 270M's IQ4_XS file
+// 11.0; and Q3_K, whose values take more unpacking than Q6_K's: Q3_K_M file 19.3 / 14.8).
+// IQ4_XS's blocks of 32, the 0.6B's IQ4_XS file, decode ms a token, processes alternating,
+// tiles / rows: 20.0 / 18.5 (medians of 5); Gemma 3 270M's IQ4_XS file
 // (mostly IQ4_NL, 640-value rows whose last blocks a row takes one at a time) 7.5 / 7.5, and
 // with IQ4_NL in rows too 5.9-6.0 / 6.7-7.1.
 template <int TYPE> constexpr bool kRowAtATime =
@@ -1018,7 +1111,7 @@ template <int TYPE> constexpr bool kRowAtATime =
     TYPE == kIQ4XS32;
 template <int TYPE>
 inline float row_dot(const uint8_t* w, const Act& a) {
-  if constexpr (TYPE == kQ6_K) return row_q6k(w, a);
+  if constexpr (kS16<TYPE>) return row_s16<TYPE>(w, a);
   else return row_blocks<TYPE>(w, a);
 }
 
@@ -1028,7 +1121,7 @@ inline void tile(const uint8_t* const* w, const Act& a, float (*out)[kNR]) {
   __m256 acc[MR];
   for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_ps();
   if constexpr (kK4<TYPE>) tile_k4<TYPE, MR>(w, a, acc);
-  else if constexpr (TYPE == kQ6_K) tile_q6k<MR>(w, a, acc);
+  else if constexpr (kS16<TYPE>) tile_s16<TYPE, MR>(w, a, acc);
   else if constexpr (TYPE == kQ2_K) tile_q2k<MR>(w, a, acc);
   else tile_blocks<TYPE, MR>(w, a, acc);
   for (int m = 0; m < MR; m++) _mm256_storeu_ps(out[m], acc[m]);
@@ -1745,7 +1838,8 @@ void amx_q6k_rows(const uint8_t* g, const uint8_t* wb, const Act& a, int64_t m0,
 // panels) 4 51.9 / 31.9, 16 57.0 / 72.9, 128 104.8 / 246.5; Q4_0 128 105.3 / 242.4. Since Q4_0
 // and Q5_0 tiles take their values unsigned: Q5_0 8 59.2 / 49.4, 9 59.0 / 59.8, 11 59.3 / 69.9,
 // 12 59.7 / 71.6; Q4_0 8 41.9 / 41.4, 12 56.9 / 65.1. Q2_K (its panels from 12 rows): 8 41.3 /
-// 41.3, 12 48.6 / 45.5, 14 48.2 / 48.7-49.3, 16 48.6 / 51.7, 24 51.4 / 67.5, 128 90.5 / 241.2.
+// 41.3, 12 48.6 / 45.5, 14 48.2 / 48.7-49.3, 16 48.6 / 51.7, 24 51.4 / 67.5, 128 90.5 / 241.2;
+// Q3_K 8 51.4 / 52.9, 12 51.8 / 49.7, 14 51.6 / 53.2, 16 51.5 / 54.4, 128 95.7 / 221.0.
 constexpr int64_t bf16_min_rows(int type) {
   switch (type) {
     case kQ6KR: return 8;
@@ -1756,6 +1850,7 @@ constexpr int64_t bf16_min_rows(int type) {
     case kIQ4NL: return 12;  // (as Q4_0: not measured apart)
     case kIQ4XS32: return 12;
     case kQ2_K: return 14;
+    case kQ3_K: return 14;
     case kQ4KR: return 16;
     case kQ5KR: return 16;  // (as Q4_K: not measured apart)
     default: return 20;  // Q8_0, int8 rows
@@ -2149,7 +2244,7 @@ constexpr int64_t kPanelMinRows = 12;
 
 template <int TYPE> constexpr int kPanelBias =
     (TYPE == kQ8_0 || TYPE == kI8 || kLut4<TYPE>) ? 128 : TYPE == kQ4_0 ? 8
-    : TYPE == kQ5_0 ? 16 : TYPE == kQ6_K ? 32 : 0;
+    : TYPE == kQ5_0 ? 16 : TYPE == kQ6_K ? 32 : TYPE == kQ3_K ? 4 : 0;
 
 // Sub-block sb of a row as 32 unsigned bytes w + bias.
 template <int TYPE>
@@ -2157,8 +2252,8 @@ inline __m256i panel_bytes(const uint8_t* row, int64_t sb) {
   const __m256i flip = _mm256_set1_epi8(char(0x80));
   if constexpr (kK4<TYPE>) {
     return k4_values<TYPE>(row + (sb >> 3) * kK4Bytes<TYPE>, int(sb & 7));
-  } else if constexpr (TYPE == kQ6_K) {
-    return q6k_values(row + (sb >> 3) * 210, int(sb & 7));
+  } else if constexpr (kS16<TYPE>) {
+    return s16_values<TYPE>(row + (sb >> 3) * kS16Bytes<TYPE>, int(sb & 7));
   } else if constexpr (TYPE == kQ2_K) {
     return q2k_values(row + (sb >> 3) * kQ2KBytes, int(sb & 7));
   } else if constexpr (TYPE == kQ4_0) {
@@ -2190,12 +2285,10 @@ inline void panel_scales(const uint8_t* row, int64_t sb, float& dw, float& s0, f
     dw = f16(b);
     s0 = s1 = float(sc);
     mn = f16(b + 2) * float(m);
-  } else if constexpr (TYPE == kQ6_K) {
-    const uint8_t* b = row + (sb >> 3) * 210;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 2 * (sb & 7);
-    dw = f16(b + 208);
-    s0 = float(sc[0]);
-    s1 = float(sc[1]);
+  } else if constexpr (kS16<TYPE>) {
+    const uint8_t* b = row + (sb >> 3) * kS16Bytes<TYPE>;
+    s16_pair<TYPE>(b, int(sb & 7), s0, s1);
+    dw = f16(b + kS16D<TYPE>);
   } else if constexpr (TYPE == kQ2_K) {
     const uint8_t* b = row + (sb >> 3) * kQ2KBytes;
     const uint8_t* sc = b + 2 * (sb & 7);
@@ -2290,16 +2383,19 @@ void bf16_panel(const Part& p, int64_t n0, int64_t K, uint16_t* out) {
   if (!pb || int64_t(pb->v.size()) != K / 32 * 512) pb = std::make_unique<PanelBuffers>(K);
   pack_panel<TYPE>(p, n0, K, *pb);
   for (int64_t sb = 0; sb < K / 32; sb++) {
-    if constexpr (TYPE == kQ2_K) {  // per half: d * sc, -dmin * m (both exact)
-      const __m512 d = _mm512_loadu_ps(pb->dw.data() + sb * 16);
+    if constexpr (TYPE == kQ2_K || TYPE == kQ3_K) {  // per half: d * sc, and (both exact)
+      const __m512 d = _mm512_loadu_ps(pb->dw.data() + sb * 16);  // Q2_K: -dmin * m; Q3_K: -4 d sc
       const __m512 dmin = _mm512_loadu_ps(pb->mn.data() + sb * 16);
       const float* s = pb->s.data() + sb * 32;
       const float* m = pb->m2.data() + sb * 32;
-      auto neg = [](__m512 v) { return _mm512_sub_ps(_mm512_setzero_ps(), v); };
-      bf16_slots(pb->v.data() + sb * 512, _mm512_mul_ps(d, _mm512_loadu_ps(s)),
-                 neg(_mm512_mul_ps(dmin, _mm512_loadu_ps(m))),
-                 _mm512_mul_ps(d, _mm512_loadu_ps(s + 16)),
-                 neg(_mm512_mul_ps(dmin, _mm512_loadu_ps(m + 16))), out + sb * 512);
+      __m512 dh[2], ch[2];
+      for (int h = 0; h < 2; h++) {
+        dh[h] = _mm512_mul_ps(d, _mm512_loadu_ps(s + 16 * h));
+        ch[h] = TYPE == kQ2_K ? _mm512_sub_ps(_mm512_setzero_ps(),
+                                              _mm512_mul_ps(dmin, _mm512_loadu_ps(m + 16 * h)))
+                              : _mm512_mul_ps(dh[h], _mm512_set1_ps(-float(kPanelBias<TYPE>)));
+      }
+      bf16_slots(pb->v.data() + sb * 512, dh[0], ch[0], dh[1], ch[1], out + sb * 512);
       continue;
     }
     const __m512 d = _mm512_loadu_ps(pb->dw.data() + sb * 16);
@@ -2324,7 +2420,7 @@ inline void panel_rows(const PanelBuffers& pb, const Act& a, int64_t m0, float (
     for (int t = 0; t < 8; t++) w[t] = _mm512_loadu_si512(v + sb * 512 + t * 64);
     const int16_t* hx = a.h + m0 * (K / 16) + sb * 2;  // row m's: hx[m * K / 16], [.. + 1]
     __m512 f[MR];
-    if constexpr (TYPE == kQ6_K || TYPE == kQ2_K) {  // f = s_lo * I_lo + s_hi * I_hi, exact
+    if constexpr (kS16<TYPE> || TYPE == kQ2_K) {  // f = s_lo * I_lo + s_hi * I_hi, exact
       for (int hf = 0; hf < 2; hf++) {
         __m512i i[MR];
         for (int m = 0; m < MR; m++) i[m] = _mm512_set1_epi32(-bias * hx[m * (K / 16) + hf]);
@@ -2420,8 +2516,8 @@ constexpr bool kHasR16 =
 
 bool is_kernel_type(int64_t t) {
   return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ5_1 || t == kQ8_0 || t == kQ2_K ||
-         t == kMXFP4 || t == kIQ4NL || t == kIQ4XS32 || t == kQ4_K || t == kQ5_K || t == kQ6_K ||
-         t == kI8 || (is_r16(int(t)) && kHasR16);
+         t == kQ3_K || t == kMXFP4 || t == kIQ4NL || t == kIQ4XS32 || t == kQ4_K || t == kQ5_K ||
+         t == kQ6_K || t == kI8 || (is_r16(int(t)) && kHasR16);
 }
 
 // The Hadamard rotation of `--quantization int8` (models/int8.py): each block of B values of a
@@ -3177,6 +3273,7 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
               case kIQ4NL: bf16_group<kIQ4NL>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               case kIQ4XS32: bf16_group<kIQ4XS32>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               case kQ2_K: bf16_group<kQ2_K>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
+              case kQ3_K: bf16_group<kQ3_K>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               default: bf16_group<kI8R>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
             }
           }
