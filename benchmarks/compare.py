@@ -10,8 +10,8 @@ Models (--models, any subset, in this order by default):
     Qwen3-0.6B-shaped checkpoint converted to a bf16 GGUF by llama.cpp's own converter, then
     quantized by llama.cpp's quantize API (llama-cpp-python's `llama_model_quantize`, its
     default tensor-type mix for the type); ladle and llama.cpp both load the quantized file
-    (ladle's default for a .gguf: --quantization gguf, the blocks kept; Q3_K's as the Q6_K
-    blocks of the same values, IQ4_XS's in blocks of 32);
+    (ladle's default for a .gguf: --quantization gguf, the blocks kept; IQ4_XS's in blocks of
+    32);
   - 0.6b: that checkpoint in bfloat16 (ladle and transformers load the safetensors, llama.cpp
     its bf16 conversion), plus a `ladle int8` column: ladle with --quantization int8 (W8A8) on
     the same bf16 checkpoint (shown "n/a" while this ladle does not accept int8);
@@ -869,8 +869,8 @@ def int8_weights_per_token(path: Path) -> Weights:
 def gguf_weights_per_token(path: Path, widened: bool = False) -> Weights:
     """A GGUF file's tensor bytes; token_embd counts once when it is also the output head (no
     output.weight), and not at all otherwise (the lookup reads one row per token). `widened`:
-    as ladle holds them, a type rewritten at load at the size of the blocks it runs as (Q3_K as
-    Q6_K, IQ4_XS in blocks of 32: models/gguf/quantized.py's WIDENED)."""
+    as ladle holds them, a type rewritten at load at the size of the blocks it runs as (IQ4_XS in
+    blocks of 32: models/gguf/quantized.py's WIDENED)."""
     from gguf import GGML_QUANT_SIZES
 
     from ladle.models.gguf import open_gguf

@@ -226,7 +226,7 @@ def _dequantize_q2_k(b: torch.Tensor) -> torch.Tensor:
     return (dl * q - ml).reshape(n, QK_K)
 
 
-def _scales_q3_k(packed: torch.Tensor) -> torch.Tensor:
+def q3_k_scales(packed: torch.Tensor) -> torch.Tensor:
     """12 bytes -> 16 signed 6-bit scales: the low 4 bits of scale i are the low nibble of
     byte i (i < 8) or the high nibble of byte i - 8; its high 2 bits are bits 2 * (i // 4) of
     byte 8 + i % 4; stored offset by 32."""
@@ -234,6 +234,16 @@ def _scales_q3_k(packed: torch.Tensor) -> torch.Tensor:
     low = _fields(packed[:, :8], 4).reshape(n, 16)
     high = _fields(packed[:, 8:], 2).reshape(n, 16)
     return (low | (high << 4)).to(torch.int8) - 32
+
+
+def pack_q3_k_scales(scales: torch.Tensor) -> torch.Tensor:
+    """q3_k_scales' inverse: (n, 16) int8 scales (-32..31) -> their (n, 12) bytes."""
+    u = (scales.to(torch.int16) + 32).to(torch.uint8)
+    low, high = u & 0xF, u >> 4
+    out = torch.empty(u.shape[0], 12, dtype=torch.uint8)
+    out[:, :8] = low[:, :8] | (low[:, 8:] << 4)
+    out[:, 8:] = high[:, 0:4] | (high[:, 4:8] << 2) | (high[:, 8:12] << 4) | (high[:, 12:16] << 6)
+    return out
 
 
 def _q3_k_values(b: torch.Tensor) -> torch.Tensor:
@@ -250,7 +260,7 @@ def _dequantize_q3_k(b: torch.Tensor) -> torch.Tensor:
     # 110 bytes: hmask[32], qs[64] (the values: _q3_k_values), scales[12] (16 6-bit), d.
     # y = (d * scale) * q
     n = b.shape[0]
-    dl = (_f16(b, 108) * _scales_q3_k(b[:, 96:108]).float()).unsqueeze(-1)  # (n, 16, 1)
+    dl = (_f16(b, 108) * q3_k_scales(b[:, 96:108]).float()).unsqueeze(-1)  # (n, 16, 1)
     return (dl * _q3_k_values(b).float()).reshape(n, QK_K)
 
 

@@ -78,11 +78,14 @@ template <int TYPE> constexpr bool kLut4 =
     TYPE == kMXFP4 || TYPE == kIQ4NL || TYPE == kIQ4XS32;
 // Repacked at load by 16 rows (quant.py's Q4_K_R16, Q6_K_R16, Q8_0_R16, INT8_ROW_R16,
 // Q5_0_R16, Q5_K_R16; AVX-512 VNNI builds).
-constexpr int kQ4KR = -3, kQ6KR = -4, kQ8R = -5, kI8R = -6, kQ5R = -7, kQ5KR = -8;
+constexpr int kQ4KR = -3, kQ6KR = -4, kQ8R = -5, kI8R = -6, kQ5R = -7, kQ5KR = -8, kQ3KR = -10;
 inline bool is_r16(int type) {
   return type == kQ4KR || type == kQ6KR || type == kQ8R || type == kI8R || type == kQ5R ||
-         type == kQ5KR;
+         type == kQ5KR || type == kQ3KR;
 }
+// Q6_K and Q3_K repacked share the header (d, then the int8 scales by 16 values) and every
+// path: a scale per half of a sub-block, their values unsigned with a bias (32, 4).
+template <int TYPE> constexpr bool kS16R = TYPE == kQ6KR || TYPE == kQ3KR;
 // Q4_K and Q5_K share a super-block's header (d, dmin, 12 bytes of 6-bit scales and mins) and
 // the order of its nibbles; Q5_K adds each value's fifth bit (qh, 32 bytes before its 128 bytes
 // of nibbles: bit j of byte l is value l of sub-block j's), so q is 0 .. 31 where Q4_K's is
@@ -168,11 +171,11 @@ inline bool tile_r16(int type) { return is_r16(type) && type != kQ5R; }
 // Types not repacked whose 16-row panels can also become bfloat16 B tiles (bf16_group).
 constexpr bool bf16_panel_type(int type) {
   return type == kQ4_0 || type == kQ5_0 || type == kQ4_1 || type == kQ5_1 || type == kIQ4NL ||
-         type == kIQ4XS32 || type == kQ2_K || type == kQ3_K;
+         type == kIQ4XS32 || type == kQ2_K;
 }
 inline int r16_base(int type) {
   return type == kQ4KR ? kQ4_K : type == kQ6KR ? kQ6_K : type == kQ5R ? kQ5_0
-       : type == kQ5KR ? kQ5_K : kQ8_0;
+       : type == kQ5KR ? kQ5_K : type == kQ3KR ? kQ3_K : kQ8_0;
 }
 
 // f(std::integral_constant<int, TYPE>{}) for a kernel type (checked by the caller): the one
@@ -200,7 +203,7 @@ inline void with_type(int type, F&& f) {
 // (values per block, bytes per block), as gguf's GGML_QUANT_SIZES.
 inline int64_t block_values(int type) {
   return (type == kQ2_K || type == kQ3_K || type == kQ4_K || type == kQ5_K || type == kQ6_K ||
-          type == kQ4KR || type == kQ5KR || type == kQ6KR) ? 256 : 32;
+          type == kQ4KR || type == kQ5KR || type == kQ6KR || type == kQ3KR) ? 256 : 32;
 }
 inline int64_t block_bytes(int type) {
   switch (type) {
@@ -220,6 +223,7 @@ inline int64_t block_bytes(int type) {
     case kI8: return 32;
     case kQ4KR: return 148;  // per row: 16 rows' 2368 bytes
     case kQ6KR: return 210;  // 16 rows' 3360
+    case kQ3KR: return 114;  // 16 rows' 1824
     case kQ8R: return 34;  // 16 rows' 544 per 32 values
     case kI8R: return 32;  // 16 rows' 512
     case kQ5R: return 22;  // 16 rows' 352
@@ -423,8 +427,8 @@ inline void unpack_scalar(const uint8_t* row, int64_t sb, Sub& o) {
   }
 }
 
-// Row r of a repacked group g (kQ4KR, kQ5KR, kQ6KR, kQ8R, kQ5R; `nblocks` blocks) back in its
-// GGUF blocks (quant.py's unpack_r16 for one row): what the embedding's row lookup reads.
+// Row r of a repacked group g (kQ4KR, kQ5KR, kQ6KR, kQ3KR, kQ8R, kQ5R; `nblocks` blocks) back in
+// its GGUF blocks (quant.py's unpack_r16 for one row): what the embedding's row lookup reads.
 inline void r16_row(int type, const uint8_t* g, int r, int64_t nblocks, uint8_t* out) {
   for (int64_t blk = 0; blk < nblocks; blk++) {
     if (type == kQ4KR || type == kQ5KR) {
@@ -453,6 +457,22 @@ inline void r16_row(int type, const uint8_t* g, int r, int64_t nblocks, uint8_t*
           for (int p = 0; p < 4; p++)
             for (int t = 0; t < 8; t++)
               o[16 + 4 * t + p] |= uint8_t(((b[2368 + j * 64 + 4 * r + p] >> t) & 1) << j);
+      }
+    } else if (type == kQ3KR) {
+      const uint8_t* b = g + blk * 1824;
+      uint8_t* o = out + blk * kQ3KBytes;
+      std::memcpy(o + 108, b + 2 * r, 2);
+      uint8_t u[16];  // the scales + 32, 6 bits: packed back (q3k_scales' inverse)
+      for (int h = 0; h < 16; h++) u[h] = uint8_t(int8_t(b[32 + h * 16 + r]) + 32);
+      for (int i = 0; i < 8; i++) o[96 + i] = uint8_t((u[i] & 0xF) | ((u[i + 8] & 0xF) << 4));
+      for (int k = 0; k < 4; k++)
+        o[104 + k] = uint8_t((u[k] >> 4) | ((u[4 + k] >> 4) << 2) | ((u[8 + k] >> 4) << 4) |
+                             ((u[12 + k] >> 4) << 6));
+      for (int t = 0; t < 8; t++) {
+        const uint8_t* q = b + 288 + t * 192 + 4 * r;
+        for (int half = 0; half < 2; half++)
+          std::memcpy(o + 32 + half * 32 + 4 * t, q + half * 64, 4);
+        std::memcpy(o + 4 * t, q + 128, 4);
       }
     } else if (type == kQ6KR) {
       const uint8_t* b = g + blk * 3360;
@@ -1251,11 +1271,12 @@ void part_tiles(const Part& p, int64_t t0, int64_t t1, const Act& a, int64_t M, 
 constexpr int64_t kR16Rows = 16;
 template <int TYPE> constexpr int64_t kR16Block =
     TYPE == kQ4KR ? 2368 : TYPE == kQ5KR ? 2880 : TYPE == kQ6KR ? 3360 : TYPE == kQ8R ? 544
-    : TYPE == kQ5R ? 352 : 512;
+    : TYPE == kQ5R ? 352 : TYPE == kQ3KR ? 1824 : 512;
 template <int TYPE> constexpr int kR16Subs =  // per block
     TYPE == kQ8R || TYPE == kI8R || TYPE == kQ5R ? 1 : 8;
 template <int TYPE> constexpr int32_t kR16Bias =
-    TYPE == kQ8R || TYPE == kI8R ? 128 : TYPE == kQ6KR ? 32 : TYPE == kQ5R ? 16 : 0;
+    TYPE == kQ8R || TYPE == kI8R ? 128 : TYPE == kQ6KR ? 32 : TYPE == kQ5R ? 16
+    : TYPE == kQ3KR ? 4 : 0;
 
 // The int32 sums of a sub-block of 32 for MR activation rows (i[m][h]: values 16h .. 16h + 15
 // where Q6_K's halves have a scale each, else one sum) start at -bias * sum(x).
@@ -1264,10 +1285,10 @@ inline void r16_start(const Act& a, int64_t m0, int64_t sb, __m512i (*i)[H]) {
   constexpr int32_t bias = kR16Bias<TYPE>;
   const int64_t ld = a.K / 16;
   for (int m = 0; m < MR; m++) {
-    if constexpr (H == 2) {
-      static_assert(bias == 32);
-      i[m][0] = _mm512_set1_epi32(a.b32[(m0 + m) * ld + sb * 2]);
-      i[m][1] = _mm512_set1_epi32(a.b32[(m0 + m) * ld + sb * 2 + 1]);
+    if constexpr (H == 2) {  // b32: -32 x sum(x) per 16 (Q3_K's -4 x: an eighth, exact)
+      static_assert(bias == 32 || bias == 4);
+      i[m][0] = _mm512_set1_epi32(a.b32[(m0 + m) * ld + sb * 2] / (32 / bias));
+      i[m][1] = _mm512_set1_epi32(a.b32[(m0 + m) * ld + sb * 2 + 1] / (32 / bias));
     } else if constexpr (bias == 128) {
       i[m][0] = _mm512_set1_epi32(a.b128[(m0 + m) * (a.K / 32) + sb]);
     } else if constexpr (bias == 16) {  // Q5_0: -128 x sum(x) / 8, exact
@@ -1300,7 +1321,7 @@ inline void r16_finish(const uint8_t* b, int j, const Act& a, int64_t m0, int64_
   const __m512 d = TYPE == kI8R ? _mm512_set1_ps(1.f)  // (int8 rows: their scale at the end)
                    : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
   __m512 f[MR];
-  if constexpr (TYPE == kQ6KR) {  // f = s_lo * I_lo + s_hi * I_hi, each product exact
+  if constexpr (kS16R<TYPE>) {  // f = s_lo * I_lo + s_hi * I_hi, each product exact
     const __m512 s0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32 + (2 * j) * 16))));
     const __m512 s1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
@@ -1407,6 +1428,29 @@ inline void q6k_r16_values(const uint8_t* b, int half, int t, __m512i* v) {
 #endif
 }
 
+// Q3_K repacked (1824 bytes per 16 rows, 114 a row against Q3_K's 110): d[16] float16, the
+// int8 scales by 16 values as Q6_K's (unpacked from their 6 bits), then per dword slot t, 3 x 64
+// bytes: qs's halves (bits 2g, 2g + 1: sub-block 4 half + g's low bits) and hmask (bit j:
+// sub-block j's third bit), each as Q3_K stores them, interleaved by dword. Dword slot t of the
+// four sub-blocks of one half as unsigned q + 4 (0 .. 7).
+inline void q3k_r16_values(const uint8_t* b, int half, int t, __m512i* v) {
+  const uint8_t* q = b + 288 + t * 192;
+  const __m512i l = _mm512_loadu_si512(q + half * 64), h = _mm512_loadu_si512(q + 128);
+  const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
+  for (int g = 0; g < 4; g++) {
+    const int j = 4 * half + g;  // hmask bit j to bit 2
+    const __m512i hb = j >= 2 ? _mm512_srli_epi16(h, j - 2) : _mm512_slli_epi16(h, 2 - j);
+    v[g] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 2 * g), three),
+                           _mm512_and_si512(hb, four));
+  }
+}
+
+template <int TYPE>
+inline void s16_r16_values(const uint8_t* b, int half, int t, __m512i* v) {
+  if constexpr (TYPE == kQ3KR) q3k_r16_values(b, half, t, v);
+  else q6k_r16_values(b, half, t, v);
+}
+
 // out (MR x 16) = MR activation rows from m0 times the 16 repacked rows at g.
 // kOnce: the call has one activation row (single-stream decode). On AMD's cores it issues no
 // software prefetch: the hardware's stream prefetchers alone read a thread's groups (contiguous,
@@ -1442,12 +1486,12 @@ inline void r16_rows(const uint8_t* g, const Act& a, int64_t m0, float (*out)[16
   // runs, at the start / spread: Q4_K 17.8 / 14.8 (248 MB: 17 GB/s of the 22 measured), Q6_K (20
   // layers) 16.9 / 17.1. Both run at L3's ~30 GB/s when the weights are there (4 layers), so what
   // is left is waiting.
-  const int64_t ahead = nsub / (TYPE == kQ6KR ? 8 : kR16Subs<TYPE>) * kR16Block<TYPE>;
+  const int64_t ahead = nsub / kR16Subs<TYPE> * kR16Block<TYPE>;
   const bool prefetch = !kOnce || intel_cpu();
   constexpr int64_t kLines = (kR16Block<TYPE> + 63) / 64;
   __m512 acc[MR];
   for (int m = 0; m < MR; m++) acc[m] = _mm512_setzero_ps();
-  if constexpr (TYPE == kQ6KR) {
+  if constexpr (kS16R<TYPE>) {
     // Per half of a block, its four sub-blocks at once: each 64 bytes is read once, in order.
     for (int64_t sb0 = 0; sb0 < nsub; sb0 += 8) {
       const uint8_t* b = g + sb0 / 8 * kR16Block<TYPE>;
@@ -1461,7 +1505,7 @@ inline void r16_rows(const uint8_t* g, const Act& a, int64_t m0, float (*out)[16
             for (int64_t l = s * kLines / 16; l < (s + 1) * kLines / 16; l++)
               _mm_prefetch(reinterpret_cast<const char*>(b) + ahead + l * 64, _MM_HINT_T1);
           __m512i v[4];
-          q6k_r16_values(b, half, t, v);
+          s16_r16_values<TYPE>(b, half, t, v);
           for (int j = 0; j < 4; j++) r16_dot<MR, 2>(a, m0, sb0 + 4 * half + j, t, v[j], i[j]);
         }
         for (int j = 0; j < 4; j++)
@@ -1585,14 +1629,16 @@ inline const uint8_t* amx_weights(const uint8_t* b, int j, uint8_t* buf) {
   return buf;
 }
 
-// Q6_K: the four sub-blocks of one half of the block at b, unpacked as r16_rows does, into
-// bufs[j] (512 bytes each) as signed values.
-inline void amx_q6k_half(const uint8_t* b, int half, uint8_t (*bufs)[512]) {
+// Q6_K, Q3_K: the four sub-blocks of one half of the block at b, unpacked as r16_rows does,
+// into bufs[j] (512 bytes each) as signed values.
+template <int TYPE>
+inline void amx_s16_half(const uint8_t* b, int half, uint8_t (*bufs)[512]) {
   for (int t = 0; t < 8; t++) {
     __m512i v[4];
-    q6k_r16_values(b, half, t, v);
-    for (int j = 0; j < 4; j++)  // q - 32: the signed values
-      _mm512_storeu_si512(bufs[j] + t * 64, _mm512_sub_epi8(v[j], _mm512_set1_epi8(32)));
+    s16_r16_values<TYPE>(b, half, t, v);
+    for (int j = 0; j < 4; j++)  // q - bias: the signed values
+      _mm512_storeu_si512(bufs[j] + t * 64,
+                          _mm512_sub_epi8(v[j], _mm512_set1_epi8(char(kR16Bias<TYPE>))));
   }
 }
 
@@ -1627,10 +1673,10 @@ inline void amx_finish(const uint8_t* b, int j, const Act& a, int64_t m0, int64_
 // rows: 3.1 ms unpacked per sub-block beside its tile load, 2.5 ms unpacked ahead).
 template <int TYPE>
 void amx_unpack(const uint8_t* g, int64_t nsub, uint8_t* wb) {
-  if constexpr (TYPE == kQ6KR) {
+  if constexpr (kS16R<TYPE>) {
     for (int64_t sb0 = 0; sb0 < nsub; sb0 += 8)
       for (int half = 0; half < 2; half++)
-        amx_q6k_half(g + sb0 / 8 * kR16Block<TYPE>, half,
+        amx_s16_half<TYPE>(g + sb0 / 8 * kR16Block<TYPE>, half,
                      reinterpret_cast<uint8_t(*)[512]>(wb + (sb0 + 4 * half) * 512));
   } else {
     constexpr int subs = kR16Subs<TYPE>;
@@ -1653,7 +1699,7 @@ struct alignas(64) AmxBlockConfig {
 // sub-block order, as r16_rows adds them. Each sub-block's A and B tiles serve MB x NB products
 // (2 x 2: 4 C tiles in flight, each tile load used twice), and the previous sub-block's float
 // steps come between the products and their stores. Against one product at a time (as
-// amx_q6k_rows still runs Q6_K's): one int8 0.6B layer's four linears, 2 threads, 128 rows
+// amx_s16_rows still runs Q6_K's): one int8 0.6B layer's four linears, 2 threads, 128 rows
 // 4.4 -> 3.8 ms, 256 rows 9.6 -> 8.0 ms (Sapphire Rapids class Xeon). What bounds it there: the
 // tile unit and the vector unit did not overlap in a loop of only these steps (4 products of 16 x
 // 16 x 32 with their loads and stores, 40 ns; the 64 rows' float steps, 50 ns; both, 85 ns), so the
@@ -1761,12 +1807,13 @@ void amx_small(const uint8_t* const* g, const Act& a, int rows, float (*const* o
     for (int m = 0; m < rows; m++) _mm512_storeu_ps(out[j][m], acc[j][m]);
 }
 
-// Q6_K: out (16 x 16) = activation rows m0 .. m0 + 15 times the 16 repacked rows at g, whose B
-// tiles (each sub-block's two halves) amx_unpack wrote to wb; the tile configuration is loaded
-// (AmxConfig(16)). Software-pipelined: sub-block sb's tile products (alternate C tiles) run while
-// sb - 1's sums take their float steps, and only then are stored (vector loads wait behind a
-// pending tile store).
-void amx_q6k_rows(const uint8_t* g, const uint8_t* wb, const Act& a, int64_t m0,
+// Q6_K, Q3_K: out (16 x 16) = activation rows m0 .. m0 + 15 times the 16 repacked rows at g,
+// whose B tiles (each sub-block's two halves) amx_unpack wrote to wb; the tile configuration is
+// loaded (AmxConfig(16)). Software-pipelined: sub-block sb's tile products (alternate C tiles)
+// run while sb - 1's sums take their float steps, and only then are stored (vector loads wait
+// behind a pending tile store).
+template <int TYPE>
+void amx_s16_rows(const uint8_t* g, const uint8_t* wb, const Act& a, int64_t m0,
                   float (*out)[16]) {
   const int64_t nsub = a.K / 32;
   const int8_t* x = a.q + m0 * a.K;
@@ -1787,8 +1834,7 @@ void amx_q6k_rows(const uint8_t* g, const uint8_t* wb, const Act& a, int64_t m0,
     }
     if (sb > 0) {
       const int64_t pb = sb - 1;
-      amx_finish<kQ6KR, 2>(g + pb / 8 * kR16Block<kQ6KR>, int(pb % 8), a, m0, pb, c[pb & 1],
-                           acc);
+      amx_finish<TYPE, 2>(g + pb / 8 * kR16Block<TYPE>, int(pb % 8), a, m0, pb, c[pb & 1], acc);
     }
     if (sb < nsub) {
       if (p) {  // (tile numbers must be literals)
@@ -1839,10 +1885,12 @@ void amx_q6k_rows(const uint8_t* g, const uint8_t* wb, const Act& a, int64_t m0,
 // and Q5_0 tiles take their values unsigned: Q5_0 8 59.2 / 49.4, 9 59.0 / 59.8, 11 59.3 / 69.9,
 // 12 59.7 / 71.6; Q4_0 8 41.9 / 41.4, 12 56.9 / 65.1. Q2_K (its panels from 12 rows): 8 41.3 /
 // 41.3, 12 48.6 / 45.5, 14 48.2 / 48.7-49.3, 16 48.6 / 51.7, 24 51.4 / 67.5, 128 90.5 / 241.2;
-// Q3_K 8 51.4 / 52.9, 12 51.8 / 49.7, 14 51.6 / 53.2, 16 51.5 / 54.4, 128 95.7 / 221.0.
+// Q3_K (repacked) 8 26.8 / 19.4, 10 26.7 / 23.9, 11 27.0 / 26.9, 12 27.2 / 28.2, 16 27.3 / 33.9,
+// 128 68.5 / 163.5.
 constexpr int64_t bf16_min_rows(int type) {
   switch (type) {
     case kQ6KR: return 8;
+    case kQ3KR: return 12;
     case kQ5_0: return 9;
     case kQ5_1: return 9;  // (as Q5_0, Q4_0: not measured apart)
     case kQ4_1: return 12;
@@ -1850,7 +1898,6 @@ constexpr int64_t bf16_min_rows(int type) {
     case kIQ4NL: return 12;  // (as Q4_0: not measured apart)
     case kIQ4XS32: return 12;
     case kQ2_K: return 14;
-    case kQ3_K: return 14;
     case kQ4KR: return 16;
     case kQ5KR: return 16;  // (as Q4_K: not measured apart)
     default: return 20;  // Q8_0, int8 rows
@@ -1967,8 +2014,8 @@ inline void bf16_block(const uint8_t* b, uint16_t* out) {
         bf16_slot(f, t, out + sb * 512);
       }
     }
-  } else {  // Q6_K: f = (d * sc) * (q - 32), sc per 16 values (slots 0-3, 4-7)
-    static_assert(TYPE == kQ6KR);
+  } else {  // Q6_K, Q3_K: f = (d * sc) * (q - bias), sc per 16 values (slots 0-3, 4-7)
+    static_assert(kS16R<TYPE>);
     const __m512 dd = f16x16(b);
     for (int half = 0; half < 2; half++) {
       __m512 ds[4][2][4];  // [sub-block of the half][its 16-value half][quarter]
@@ -1978,9 +2025,9 @@ inline void bf16_block(const uint8_t* b, uint16_t* out) {
                         ds[i][h]);
       for (int t = 0; t < 8; t++) {
         __m512i v[4];
-        q6k_r16_values(b, half, t, v);
+        s16_r16_values<TYPE>(b, half, t, v);
         for (int i = 0; i < 4; i++) {
-          const __m512i q = _mm512_sub_epi8(v[i], _mm512_set1_epi8(32));
+          const __m512i q = _mm512_sub_epi8(v[i], _mm512_set1_epi8(char(kR16Bias<TYPE>)));
           for (int j = 0; j < 4; j++) f[j] = _mm512_mul_ps(bf16_bytes<true>(q, j), ds[i][t >> 2][j]);
           bf16_slot(f, t, out + (4 * half + i) * 512);
         }
@@ -2094,7 +2141,7 @@ void bf16_group_rows(const Part& p, int64_t g, int64_t K, at::BFloat16* out, int
 
 // Groups g .. g + ng - 1 (ng 1 or 2; rows 16g .., local to the part) of a repacked part for
 // all M rows: a group's bytes stay in cache while the rows pass in fours (Q6_K: twos, for its
-// registers), or with AMX in sixteens: Q6_K a sixteen at a time over all of K (amx_q6k_rows), the
+// registers), or with AMX in sixteens: Q6_K a sixteen at a time over all of K (amx_s16_rows), the
 // others two sixteens by the two groups at a time (amx_block) in spans of kAmxSpan sub-blocks,
 // whose B tiles (2 x 8 KB) stay in L1 while every row passes, the float sums kept between spans
 // in a buffer of ng x M x 16.
@@ -2107,11 +2154,11 @@ constexpr int64_t kAmxMinRows = 8;
 // unit, padded, rather than on the vector kernel (the integer path: batch-invariant mode, or
 // without AMX-BF16). All 28 layers of the 0.6B, ms, M rows / 32 rows: Q8_0 24 63.3 / 63.9, 28
 // 69.9, 31 76.1; Q4_K 28 61.8 / 63.1, 31 70.9; Q6_K 20 72.9 / 81.1, 24 85.0, 28 96.6, 31 107.2.
-template <int TYPE> constexpr int64_t kAmxPadMin = TYPE == kQ6KR ? 8 : kK4R<TYPE> ? 13 : 10;
+template <int TYPE> constexpr int64_t kAmxPadMin = kS16R<TYPE> ? 8 : kK4R<TYPE> ? 13 : 10;
 
 template <int TYPE, typename T>
 void r16_group(const Part& p, int64_t g0, int ng, const Act& a, int64_t M, T* y, int64_t ldy) {
-  constexpr int most = TYPE == kQ6KR ? 2 : 4;
+  constexpr int most = kS16R<TYPE> ? 2 : 4;
   alignas(64) float out[16][16];
   auto store = [&](int64_t g, int64_t m0, int64_t mr, const float (*o)[16]) {
     store_rows16(p, g, m0, mr, o, y, ldy);
@@ -2143,12 +2190,12 @@ void r16_group(const Part& p, int64_t g0, int ng, const Act& a, int64_t M, T* y,
     thread_local std::vector<uint8_t> buf;  // this thread's B tiles
     buf.resize(size_t(ng * nsub * 512));
     for (int j = 0; j < ng; j++) amx_unpack<TYPE>(group(g0 + j), nsub, buf.data() + j * nsub * 512);
-    if constexpr (TYPE == kQ6KR) {
+    if constexpr (kS16R<TYPE>) {
       static const AmxConfig config(16);
       _tile_loadconfig(&config);
       for (int j = 0; j < ng; j++)
         for (int64_t r = 0; r < mt; r += 16) {
-          amx_q6k_rows(group(g0 + j), buf.data() + j * nsub * 512, a, r, out);
+          amx_s16_rows<TYPE>(group(g0 + j), buf.data() + j * nsub * 512, a, r, out);
           store(g0 + j, r, std::min<int64_t>(16, M - r), out);
         }
     } else {
@@ -2205,6 +2252,7 @@ void r16_group_any(const Part& p, int64_t g, int ng, const Act& a, int64_t M, T*
     case kQ4KR: return r16_group<kQ4KR>(p, g, ng, a, M, y, ldy);
     case kQ5KR: return r16_group<kQ5KR>(p, g, ng, a, M, y, ldy);
     case kQ6KR: return r16_group<kQ6KR>(p, g, ng, a, M, y, ldy);
+    case kQ3KR: return r16_group<kQ3KR>(p, g, ng, a, M, y, ldy);
     case kQ8R: return r16_group<kQ8R>(p, g, ng, a, M, y, ldy);
     case kQ5R: return r16_group<kQ5R>(p, g, ng, a, M, y, ldy);
     default: return r16_group<kI8R>(p, g, ng, a, M, y, ldy);
@@ -2383,17 +2431,16 @@ void bf16_panel(const Part& p, int64_t n0, int64_t K, uint16_t* out) {
   if (!pb || int64_t(pb->v.size()) != K / 32 * 512) pb = std::make_unique<PanelBuffers>(K);
   pack_panel<TYPE>(p, n0, K, *pb);
   for (int64_t sb = 0; sb < K / 32; sb++) {
-    if constexpr (TYPE == kQ2_K || TYPE == kQ3_K) {  // per half: d * sc, and (both exact)
-      const __m512 d = _mm512_loadu_ps(pb->dw.data() + sb * 16);  // Q2_K: -dmin * m; Q3_K: -4 d sc
+    if constexpr (TYPE == kQ2_K) {  // per half: d * sc, -dmin * m (both exact)
+      const __m512 d = _mm512_loadu_ps(pb->dw.data() + sb * 16);
       const __m512 dmin = _mm512_loadu_ps(pb->mn.data() + sb * 16);
       const float* s = pb->s.data() + sb * 32;
       const float* m = pb->m2.data() + sb * 32;
       __m512 dh[2], ch[2];
       for (int h = 0; h < 2; h++) {
         dh[h] = _mm512_mul_ps(d, _mm512_loadu_ps(s + 16 * h));
-        ch[h] = TYPE == kQ2_K ? _mm512_sub_ps(_mm512_setzero_ps(),
-                                              _mm512_mul_ps(dmin, _mm512_loadu_ps(m + 16 * h)))
-                              : _mm512_mul_ps(dh[h], _mm512_set1_ps(-float(kPanelBias<TYPE>)));
+        ch[h] = _mm512_sub_ps(_mm512_setzero_ps(),
+                              _mm512_mul_ps(dmin, _mm512_loadu_ps(m + 16 * h)));
       }
       bf16_slots(pb->v.data() + sb * 512, dh[0], ch[0], dh[1], ch[1], out + sb * 512);
       continue;
@@ -3213,6 +3260,7 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
               case kQ4KR: bf16_group_rows<kQ4KR>(*p, g, K, o, K); break;
               case kQ5KR: bf16_group_rows<kQ5KR>(*p, g, K, o, K); break;
               case kQ6KR: bf16_group_rows<kQ6KR>(*p, g, K, o, K); break;
+              case kQ3KR: bf16_group_rows<kQ3KR>(*p, g, K, o, K); break;
               case kQ8R: bf16_group_rows<kQ8R>(*p, g, K, o, K); break;
               default: bf16_group_rows<kI8R>(*p, g, K, o, K); break;
             }
@@ -3265,6 +3313,7 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
               case kQ4KR: bf16_group<kQ4KR>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               case kQ5KR: bf16_group<kQ5KR>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               case kQ6KR: bf16_group<kQ6KR>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
+              case kQ3KR: bf16_group<kQ3KR>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               case kQ8R: bf16_group<kQ8R>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               case kQ4_0: bf16_group<kQ4_0>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               case kQ5_0: bf16_group<kQ5_0>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
@@ -3273,7 +3322,6 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
               case kIQ4NL: bf16_group<kIQ4NL>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               case kIQ4XS32: bf16_group<kIQ4XS32>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               case kQ2_K: bf16_group<kQ2_K>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
-              case kQ3_K: bf16_group<kQ3_K>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               default: bf16_group<kI8R>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
             }
           }
@@ -3644,7 +3692,7 @@ std::string quant_isa() {
 #if defined(LADLE_QUANT_AMX)
   if (amx_active())
     return "avx512-vnni (256-bit tiles, 512-bit panels from 12 rows, "
-           "Q4_K/Q5_K/Q6_K/Q8_0/Q5_0 repacked) "
+           "Q3_K/Q4_K/Q5_K/Q6_K/Q8_0/Q5_0 repacked) "
            "+ amx-int8 (repacked parts, 16 rows at a time; rotated int8 rows per token from 4 rows)"
 #if defined(LADLE_QUANT_BF16)
            " + amx-bf16 (repacked, Q4_0, Q5_0 parts dequantized, from 8-20 rows)"
@@ -3653,7 +3701,7 @@ std::string quant_isa() {
 #endif
 #if defined(LADLE_QUANT_512) && defined(__AVX512VL__)
   return "avx512-vnni (256-bit tiles, 512-bit panels from 12 rows, "
-         "Q4_K/Q5_K/Q6_K/Q8_0/Q5_0 repacked; "
+         "Q3_K/Q4_K/Q5_K/Q6_K/Q8_0/Q5_0 repacked; "
          "rotated int8 rows per token from 4 rows)";
 #elif defined(LADLE_QUANT_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return "avx512-vnni (256-bit)";
