@@ -359,7 +359,7 @@ R16_KINDS = sorted(Q.R16_OF)
 # The repacked kinds the tile unit takes (Q5_0's repacked rows run on the vector kernel only),
 # and what AMX-BF16 takes dequantized (test_bf16_tiles_*): those, and Q4_0 and Q5_0 blocks.
 TILE_KINDS = [k for k in R16_KINDS if k != Q.Q5_0]
-BF16_KINDS = TILE_KINDS + [Q.Q4_0, Q.Q5_0, Q.Q4_1, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS_32, Q.Q2_K]
+BF16_KINDS = TILE_KINDS + [Q.Q4_0, Q.Q5_0, Q.Q4_1, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS_32]
 R16_ID = {Q.INT8_ROW: "int8", **Q.BLOCK_TYPES}.get
 
 
@@ -611,10 +611,10 @@ def test_bf16_tiles_run_where_the_cpu_has_them():
 @pytest.mark.parametrize("kind", BF16_KINDS, ids=R16_ID)
 def test_bf16_tiles_compute_the_bf16_weights_product(kind):
     """From quant_bf16_min_rows(type) bfloat16 rows outside batch-invariant mode, repacked
-    parts (Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, int8 rows) and Q4_0, Q5_0, Q4_1, Q5_1, IQ4_NL, IQ4_XS and
-    Q2_K parts of whole sixteens of rows run dequantized on AMX-BF16: each output equals the float64 product of
-    the activations as given and the weights rounded to bfloat16 (bf16 of the dequantized weight;
-    int8 rows: q, then the row scale) within 1e-6 of the sum of |products| (float32 sums: no room
+    parts (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, int8 rows) and Q4_0, Q5_0, Q4_1, Q5_1, IQ4_NL and
+    IQ4_XS parts of whole sixteens of rows run dequantized on AMX-BF16: each output equals the
+    float64 product of the activations as given and the weights rounded to bfloat16 (bf16 of the
+    dequantized weight; int8 rows: q, then the row scale) within 1e-6 of the sum of |products| (float32 sums: no room
     for a misplaced value, sub-block scale or min), every column written once (out starts as NaN),
     odd and even group counts, a partial last sixteen of rows, two parts into their columns. One row
     fewer, in batch-invariant mode, and beside a part that cannot take it, the call keeps the

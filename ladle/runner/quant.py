@@ -29,7 +29,7 @@ So a kernel's result equals, up to float32 rounding, the float64 product of the 
 with the quantized-then-dequantized activations: `linear_reference` below, which the tests compare
 the kernels with. One exception, on CPUs with AMX-BF16 outside batch-invariant mode: a call of
 enough bfloat16 rows (`quant_bf16_min_rows(type)`, 8-20 by type) whose parts are all repacked (Q4_K,
-Q5_K, Q6_K, Q8_0, INT8_ROW, Q3_K) or Q4_0/Q5_0/Q4_1/Q5_1/IQ4/Q2_K of whole sixteens of rows
+Q5_K, Q6_K, Q8_0, INT8_ROW, Q3_K, Q2_K) or Q4_0/Q5_0/Q4_1/Q5_1/IQ4 of whole sixteens of rows
 dequantizes the weights to bfloat16 tiles instead and multiplies the activations as they are
 (prefill, decode batches; `bf16_tiles_reference`). And on CPUs with AVX-512 VNNI (on AMX-INT8's tiles where present),
 also outside that mode: a call of 4 or more rows (`quant_token_min_rows()`) of a rotated weight of
@@ -66,14 +66,14 @@ DENSE = -2  # the model dtype
 # each kind, the kind it holds, and its (values per block, bytes per row and block): Q4_K's and
 # Q5_K's 6-bit scales become bytes (148 against 144; 180 against 176); the others keep their
 # size.
-Q4_K_R16, Q6_K_R16, Q8_0_R16, INT8_ROW_R16, Q5_0_R16, Q5_K_R16, Q3_K_R16 = (-3, -4, -5, -6, -7,
-                                                                            -8, -10)
+(Q4_K_R16, Q6_K_R16, Q8_0_R16, INT8_ROW_R16, Q5_0_R16, Q5_K_R16, Q3_K_R16,
+ Q2_K_R16) = (-3, -4, -5, -6, -7, -8, -10, -11)
 R16_OF = {Q4_K: Q4_K_R16, Q6_K: Q6_K_R16, Q8_0: Q8_0_R16, INT8_ROW: INT8_ROW_R16,
-          Q5_0: Q5_0_R16, Q5_K: Q5_K_R16, Q3_K: Q3_K_R16}
+          Q5_0: Q5_0_R16, Q5_K: Q5_K_R16, Q3_K: Q3_K_R16, Q2_K: Q2_K_R16}
 R16_BASE = {v: k for k, v in R16_OF.items()}
 R16_SIZES = {Q4_K_R16: (256, 148), Q6_K_R16: (256, 210), Q8_0_R16: (32, 34),
              INT8_ROW_R16: (32, 32), Q5_0_R16: (32, 22), Q5_K_R16: (256, 180),
-             Q3_K_R16: (256, 114)}
+             Q3_K_R16: (256, 114), Q2_K_R16: (256, 84)}
 R16_ROWS = 16
 
 ACT_BLOCK = 32  # activations are quantized per this many values
@@ -349,11 +349,11 @@ def linear_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 
 def bf16_tiles_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """float64: what the kernel computes on AMX-BF16 (a call of `quant_bf16_min_rows(type)`
-    rows or more of bfloat16 activations, every part repacked or Q4_0/Q5_0/Q4_1/Q5_1/IQ4/Q2_K
-    of whole sixteens of rows, outside batch-invariant mode): the activations as given times the
+    rows or more of bfloat16 activations, every part repacked or Q4_0/Q5_0/Q4_1/Q5_1/IQ4 of
+    whole sixteens of rows, outside batch-invariant mode): the activations as given times the
     dequantized weights rounded to bfloat16 (each formed in float32 first, exactly or with the
-    one rounding of Q4_1's and Q5_1's d q + m, Q2_K's d sc q - dmin m; int8 rows: q exactly, the row scale applied to
-    the sum); activations rotated first where the weight is."""
+    one rounding of Q4_1's and Q5_1's d q + m, Q2_K's d sc q - dmin m; int8 rows: q exactly,
+    the row scale applied to the sum); activations rotated first where the weight is."""
     if w.rotation:
         x = rotate_rows(x.contiguous(), w.rotation)
     outs = []
@@ -531,9 +531,10 @@ def _from_dword(v: torch.Tensor) -> torch.Tensor:
 
 
 def repack_r16(data: torch.Tensor, kind: int) -> torch.Tensor:
-    """Rows (N, row bytes) of Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, Q5_0 or int8 (`kind`), N a multiple of
-    16 -> the rows of R16_OF[kind], uint8, bytes moved (Q3_K's, Q4_K's and Q5_K's scales unpacked, Q8_0's
-    and int8's values + 128, Q5_0's and Q5_K's high bits regrouped by dword slot)."""
+    """Rows (N, row bytes) of Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, Q5_0 or int8 (`kind`), N a
+    multiple of 16 -> the rows of R16_OF[kind], uint8, bytes moved (Q3_K's, Q4_K's and Q5_K's
+    scales unpacked, Q8_0's and int8's values + 128, Q5_0's and Q5_K's high bits regrouped by
+    dword slot)."""
     if kind == INT8_ROW:  # as Q8_0's values, without a scale per block
         data = data.view(torch.uint8)
     n, rb = data.shape
@@ -563,6 +564,9 @@ def repack_r16(data: torch.Tensor, kind: int) -> torch.Tensor:
         qh = _by_dword(b[..., 128:192].reshape(*g, R16_ROWS, 2, 32))  # (.., half, t, 16, 4)
         fields = [b[..., 208:210], b[..., 192:208],
                   torch.cat([ql.transpose(2 + 1, 2 + 2), qh.unsqueeze(4)], dim=4)]
+    elif kind == Q2_K:  # d, dmin, the scale | min bytes, then per dword slot qs's halves
+        qs = _by_dword(b[..., 16:80].reshape(*g, R16_ROWS, 2, 32))  # (.., half, t, 16, 4)
+        fields = [b[..., 80:82], b[..., 82:84], b[..., 0:16], qs.transpose(2, 3)]
     elif kind == Q3_K:  # Q6_K's header (scales unpacked to int8), then per dword slot qs's
         # halves and hmask as stored
         from ladle.models.gguf.quants import q3_k_scales
@@ -638,6 +642,11 @@ def unpack_r16(data: torch.Tensor, kind: int) -> torch.Tensor:
         ql = _from_dword(q[..., :2, :, :].transpose(3, 4))  # (.., 16, half, c, 32)
         qh = _from_dword(q[..., 2, :, :])  # (.., 16, half, 32)
         blocks = [ql.reshape(*g, R16_ROWS, 128), qh.reshape(*g, R16_ROWS, 64), scales, d]
+    elif base == Q2_K:
+        d, dmin, sm = by_row(2), by_row(2), by_sub(16)
+        q = take(1024).reshape(*g, 8, 2, R16_ROWS, 4)  # (.., t, half, 16, 4)
+        qs = _from_dword(q.transpose(2, 3))  # (.., 16, half, 32)
+        blocks = [sm, qs.reshape(*g, R16_ROWS, 64), d, dmin]
     elif base == Q3_K:
         from ladle.models.gguf.quants import pack_q3_k_scales
 

@@ -78,14 +78,18 @@ template <int TYPE> constexpr bool kLut4 =
     TYPE == kMXFP4 || TYPE == kIQ4NL || TYPE == kIQ4XS32;
 // Repacked at load by 16 rows (quant.py's Q4_K_R16, Q6_K_R16, Q8_0_R16, INT8_ROW_R16,
 // Q5_0_R16, Q5_K_R16; AVX-512 VNNI builds).
-constexpr int kQ4KR = -3, kQ6KR = -4, kQ8R = -5, kI8R = -6, kQ5R = -7, kQ5KR = -8, kQ3KR = -10;
+constexpr int kQ4KR = -3, kQ6KR = -4, kQ8R = -5, kI8R = -6, kQ5R = -7, kQ5KR = -8, kQ3KR = -10,
+              kQ2KR = -11;
 inline bool is_r16(int type) {
   return type == kQ4KR || type == kQ6KR || type == kQ8R || type == kI8R || type == kQ5R ||
-         type == kQ5KR || type == kQ3KR;
+         type == kQ5KR || type == kQ3KR || type == kQ2KR;
 }
 // Q6_K and Q3_K repacked share the header (d, then the int8 scales by 16 values) and every
 // path: a scale per half of a sub-block, their values unsigned with a bias (32, 4).
 template <int TYPE> constexpr bool kS16R = TYPE == kQ6KR || TYPE == kQ3KR;
+// The repacked types with a scale per half of a sub-block (two integer sums each): those, and
+// Q2_K (its header d, dmin, then the scale | min << 4 bytes by 16 values; values unbiased).
+template <int TYPE> constexpr bool kHalvesR = kS16R<TYPE> || TYPE == kQ2KR;
 // Q4_K and Q5_K share a super-block's header (d, dmin, 12 bytes of 6-bit scales and mins) and
 // the order of its nibbles; Q5_K adds each value's fifth bit (qh, 32 bytes before its 128 bytes
 // of nibbles: bit j of byte l is value l of sub-block j's), so q is 0 .. 31 where Q4_K's is
@@ -171,11 +175,11 @@ inline bool tile_r16(int type) { return is_r16(type) && type != kQ5R; }
 // Types not repacked whose 16-row panels can also become bfloat16 B tiles (bf16_group).
 constexpr bool bf16_panel_type(int type) {
   return type == kQ4_0 || type == kQ5_0 || type == kQ4_1 || type == kQ5_1 || type == kIQ4NL ||
-         type == kIQ4XS32 || type == kQ2_K;
+         type == kIQ4XS32;
 }
 inline int r16_base(int type) {
   return type == kQ4KR ? kQ4_K : type == kQ6KR ? kQ6_K : type == kQ5R ? kQ5_0
-       : type == kQ5KR ? kQ5_K : type == kQ3KR ? kQ3_K : kQ8_0;
+       : type == kQ5KR ? kQ5_K : type == kQ3KR ? kQ3_K : type == kQ2KR ? kQ2_K : kQ8_0;
 }
 
 // f(std::integral_constant<int, TYPE>{}) for a kernel type (checked by the caller): the one
@@ -203,7 +207,8 @@ inline void with_type(int type, F&& f) {
 // (values per block, bytes per block), as gguf's GGML_QUANT_SIZES.
 inline int64_t block_values(int type) {
   return (type == kQ2_K || type == kQ3_K || type == kQ4_K || type == kQ5_K || type == kQ6_K ||
-          type == kQ4KR || type == kQ5KR || type == kQ6KR || type == kQ3KR) ? 256 : 32;
+          type == kQ4KR || type == kQ5KR || type == kQ6KR || type == kQ3KR || type == kQ2KR)
+      ? 256 : 32;
 }
 inline int64_t block_bytes(int type) {
   switch (type) {
@@ -224,6 +229,7 @@ inline int64_t block_bytes(int type) {
     case kQ4KR: return 148;  // per row: 16 rows' 2368 bytes
     case kQ6KR: return 210;  // 16 rows' 3360
     case kQ3KR: return 114;  // 16 rows' 1824
+    case kQ2KR: return 84;  // 16 rows' 1344
     case kQ8R: return 34;  // 16 rows' 544 per 32 values
     case kI8R: return 32;  // 16 rows' 512
     case kQ5R: return 22;  // 16 rows' 352
@@ -458,6 +464,15 @@ inline void r16_row(int type, const uint8_t* g, int r, int64_t nblocks, uint8_t*
             for (int t = 0; t < 8; t++)
               o[16 + 4 * t + p] |= uint8_t(((b[2368 + j * 64 + 4 * r + p] >> t) & 1) << j);
       }
+    } else if (type == kQ2KR) {
+      const uint8_t* b = g + blk * 1344;
+      uint8_t* o = out + blk * kQ2KBytes;
+      std::memcpy(o + 80, b + 2 * r, 2);
+      std::memcpy(o + 82, b + 32 + 2 * r, 2);
+      for (int h = 0; h < 16; h++) o[h] = b[64 + h * 16 + r];
+      for (int t = 0; t < 8; t++)
+        for (int half = 0; half < 2; half++)
+          std::memcpy(o + 16 + half * 32 + 4 * t, b + 320 + t * 128 + half * 64 + 4 * r, 4);
     } else if (type == kQ3KR) {
       const uint8_t* b = g + blk * 1824;
       uint8_t* o = out + blk * kQ3KBytes;
@@ -1271,7 +1286,7 @@ void part_tiles(const Part& p, int64_t t0, int64_t t1, const Act& a, int64_t M, 
 constexpr int64_t kR16Rows = 16;
 template <int TYPE> constexpr int64_t kR16Block =
     TYPE == kQ4KR ? 2368 : TYPE == kQ5KR ? 2880 : TYPE == kQ6KR ? 3360 : TYPE == kQ8R ? 544
-    : TYPE == kQ5R ? 352 : TYPE == kQ3KR ? 1824 : 512;
+    : TYPE == kQ5R ? 352 : TYPE == kQ3KR ? 1824 : TYPE == kQ2KR ? 1344 : 512;
 template <int TYPE> constexpr int kR16Subs =  // per block
     TYPE == kQ8R || TYPE == kI8R || TYPE == kQ5R ? 1 : 8;
 template <int TYPE> constexpr int32_t kR16Bias =
@@ -1285,7 +1300,9 @@ inline void r16_start(const Act& a, int64_t m0, int64_t sb, __m512i (*i)[H]) {
   constexpr int32_t bias = kR16Bias<TYPE>;
   const int64_t ld = a.K / 16;
   for (int m = 0; m < MR; m++) {
-    if constexpr (H == 2) {  // b32: -32 x sum(x) per 16 (Q3_K's -4 x: an eighth, exact)
+    if constexpr (H == 2 && bias == 0) {  // Q2_K's values
+      i[m][0] = i[m][1] = _mm512_setzero_si512();
+    } else if constexpr (H == 2) {  // b32: -32 x sum(x) per 16 (Q3_K's -4 x: an eighth, exact)
       static_assert(bias == 32 || bias == 4);
       i[m][0] = _mm512_set1_epi32(a.b32[(m0 + m) * ld + sb * 2] / (32 / bias));
       i[m][1] = _mm512_set1_epi32(a.b32[(m0 + m) * ld + sb * 2 + 1] / (32 / bias));
@@ -1321,11 +1338,26 @@ inline void r16_finish(const uint8_t* b, int j, const Act& a, int64_t m0, int64_
   const __m512 d = TYPE == kI8R ? _mm512_set1_ps(1.f)  // (int8 rows: their scale at the end)
                    : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
   __m512 f[MR];
-  if constexpr (kS16R<TYPE>) {  // f = s_lo * I_lo + s_hi * I_hi, each product exact
-    const __m512 s0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32 + (2 * j) * 16))));
-    const __m512 s1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32 + (2 * j + 1) * 16))));
+  [[maybe_unused]] __m512 mlo, mhi;  // Q2_K: the halves' mins
+  if constexpr (kHalvesR<TYPE>) {  // f = s_lo * I_lo + s_hi * I_hi, each product exact
+    __m512 s0, s1;
+    if constexpr (TYPE == kQ2KR) {  // scale | min << 4
+      auto nib = [&](int h, bool high) {
+        const __m512i v = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 64 + (2 * j + h) * 16)));
+        return _mm512_cvtepi32_ps(high ? _mm512_srli_epi32(v, 4)
+                                       : _mm512_and_si512(v, _mm512_set1_epi32(0xF)));
+      };
+      s0 = nib(0, false);
+      s1 = nib(1, false);
+      mlo = nib(0, true);
+      mhi = nib(1, true);
+    } else {
+      s0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32 + (2 * j) * 16))));
+      s1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32 + (2 * j + 1) * 16))));
+    }
     for (int m = 0; m < MR; m++)
       f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i[m][H - 1]), s1,
                              _mm512_mul_ps(_mm512_cvtepi32_ps(i[m][0]), s0));
@@ -1339,6 +1371,17 @@ inline void r16_finish(const uint8_t* b, int j, const Act& a, int64_t m0, int64_
   for (int m = 0; m < MR; m++)
     acc[m] = _mm512_fmadd_ps(f[m], _mm512_mul_ps(d, _mm512_set1_ps(a.d[(m0 + m) * nsub + sb])),
                              acc[m]);
+  if constexpr (TYPE == kQ2KR) {  // Mi = m_lo * sum(x_lo) + m_hi * sum(x_hi), exact
+    const __m512 dmin =
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32)));
+    for (int m = 0; m < MR; m++) {
+      const int16_t* hx = a.h + (m0 + m) * (a.K / 16) + 2 * sb;
+      const __m512 mi = _mm512_fmadd_ps(mhi, _mm512_set1_ps(float(hx[1])),
+                                        _mm512_mul_ps(mlo, _mm512_set1_ps(float(hx[0]))));
+      acc[m] = _mm512_fnmadd_ps(
+          mi, _mm512_mul_ps(dmin, _mm512_set1_ps(a.d[(m0 + m) * nsub + sb])), acc[m]);
+    }
+  }
   if constexpr (kK4R<TYPE>) {
     const __m512 mn = _mm512_mul_ps(
         _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32))),
@@ -1445,9 +1488,19 @@ inline void q3k_r16_values(const uint8_t* b, int half, int t, __m512i* v) {
   }
 }
 
+// Q2_K repacked (1344 bytes per 16 rows, 84 a row as Q2_K's): d[16], dmin[16] float16, the
+// scale | min << 4 bytes by 16 values, then per dword slot t qs's two halves (bits 2g, 2g + 1:
+// sub-block 4 half + g's values) as Q2_K stores them, interleaved by dword.
+inline void q2k_r16_values(const uint8_t* b, int half, int t, __m512i* v) {
+  const __m512i l = _mm512_loadu_si512(b + 320 + t * 128 + half * 64);
+  for (int g = 0; g < 4; g++)
+    v[g] = _mm512_and_si512(_mm512_srli_epi16(l, 2 * g), _mm512_set1_epi8(3));
+}
+
 template <int TYPE>
 inline void s16_r16_values(const uint8_t* b, int half, int t, __m512i* v) {
   if constexpr (TYPE == kQ3KR) q3k_r16_values(b, half, t, v);
+  else if constexpr (TYPE == kQ2KR) q2k_r16_values(b, half, t, v);
   else q6k_r16_values(b, half, t, v);
 }
 
@@ -1491,7 +1544,7 @@ inline void r16_rows(const uint8_t* g, const Act& a, int64_t m0, float (*out)[16
   constexpr int64_t kLines = (kR16Block<TYPE> + 63) / 64;
   __m512 acc[MR];
   for (int m = 0; m < MR; m++) acc[m] = _mm512_setzero_ps();
-  if constexpr (kS16R<TYPE>) {
+  if constexpr (kHalvesR<TYPE>) {
     // Per half of a block, its four sub-blocks at once: each 64 bytes is read once, in order.
     for (int64_t sb0 = 0; sb0 < nsub; sb0 += 8) {
       const uint8_t* b = g + sb0 / 8 * kR16Block<TYPE>;
@@ -1673,7 +1726,7 @@ inline void amx_finish(const uint8_t* b, int j, const Act& a, int64_t m0, int64_
 // rows: 3.1 ms unpacked per sub-block beside its tile load, 2.5 ms unpacked ahead).
 template <int TYPE>
 void amx_unpack(const uint8_t* g, int64_t nsub, uint8_t* wb) {
-  if constexpr (kS16R<TYPE>) {
+  if constexpr (kHalvesR<TYPE>) {
     for (int64_t sb0 = 0; sb0 < nsub; sb0 += 8)
       for (int half = 0; half < 2; half++)
         amx_s16_half<TYPE>(g + sb0 / 8 * kR16Block<TYPE>, half,
@@ -1883,21 +1936,20 @@ void amx_s16_rows(const uint8_t* g, const uint8_t* wb, const Act& a, int64_t m0,
 // 31 47.6 / 73.8; Q6_K (20 layers) 8 31.8 / 33.6, 16 31.3 / 41.0, 31 34.6 / 82.5; Q5_0 (its
 // panels) 4 51.9 / 31.9, 16 57.0 / 72.9, 128 104.8 / 246.5; Q4_0 128 105.3 / 242.4. Since Q4_0
 // and Q5_0 tiles take their values unsigned: Q5_0 8 59.2 / 49.4, 9 59.0 / 59.8, 11 59.3 / 69.9,
-// 12 59.7 / 71.6; Q4_0 8 41.9 / 41.4, 12 56.9 / 65.1. Q2_K (its panels from 12 rows): 8 41.3 /
-// 41.3, 12 48.6 / 45.5, 14 48.2 / 48.7-49.3, 16 48.6 / 51.7, 24 51.4 / 67.5, 128 90.5 / 241.2;
-// Q3_K (repacked) 8 26.8 / 19.4, 10 26.7 / 23.9, 11 27.0 / 26.9, 12 27.2 / 28.2, 16 27.3 / 33.9,
-// 128 68.5 / 163.5.
+// 12 59.7 / 71.6; Q4_0 8 41.9 / 41.4, 12 56.9 / 65.1. Q3_K 8 26.8 / 19.4, 10 26.7 / 23.9, 11
+// 27.0 / 26.9, 12 27.2 / 28.2, 16 27.3 / 33.9, 128 68.5 / 163.5; Q2_K 10 - / 23.8, 12 26.6 /
+// 28.3, 16 27.0 / 44.4, 128 68.9 / 261.5.
 constexpr int64_t bf16_min_rows(int type) {
   switch (type) {
     case kQ6KR: return 8;
     case kQ3KR: return 12;
+    case kQ2KR: return 12;
     case kQ5_0: return 9;
     case kQ5_1: return 9;  // (as Q5_0, Q4_0: not measured apart)
     case kQ4_1: return 12;
     case kQ4_0: return 12;
     case kIQ4NL: return 12;  // (as Q4_0: not measured apart)
     case kIQ4XS32: return 12;
-    case kQ2_K: return 14;
     case kQ4KR: return 16;
     case kQ5KR: return 16;  // (as Q4_K: not measured apart)
     default: return 20;  // Q8_0, int8 rows
@@ -1963,27 +2015,18 @@ inline __m512 bf16_bytes(__m512i v, int j) {
 // 4t .. 4t + 3 at bytes 4n .. 4n + 3 of slot t), each stored unsigned as u = (w - c) / d, with
 // output n's scale d in lane n of d16 and its offset c in lane n of c16: f = u d + c, rounded
 // once to bfloat16. With c = -bias d (a bias of 8 bits, d 11 for a half-precision scale) u d
-// + c is exact; with a block's min m as c (Q4_1, Q5_1; Q2_K's dmin * m), u d is, and the sum
-// rounds once. Types with a scale per 16 values (Q2_K) give each half its own d and c
-// (slots 0-3: d16, c16; 4-7: d16_hi, c16_hi).
-inline void bf16_slots(const uint8_t* v, __m512 d16, __m512 c16, __m512 d16_hi, __m512 c16_hi,
-                       uint16_t* out) {
-  __m512 d[2][4], c[2][4], f[4];
-  bf16_quarters(d16, d[0]);
-  bf16_quarters(c16, c[0]);
-  bf16_quarters(d16_hi, d[1]);
-  bf16_quarters(c16_hi, c[1]);
+// + c is exact; with a block's min m as c (Q4_1, Q5_1), u d is, and the sum rounds once.
+inline void bf16_slots(const uint8_t* v, __m512 d16, __m512 c16, uint16_t* out) {
+  __m512 d[4], c[4], f[4];
+  bf16_quarters(d16, d);
+  bf16_quarters(c16, c);
   for (int t = 0; t < 8; t++) {
     for (int j = 0; j < 4; j++) {
       const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + t * 64 + j * 16));
-      f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x)), d[t >> 2][j],
-                             c[t >> 2][j]);
+      f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x)), d[j], c[j]);
     }
     bf16_slot(f, t, out);
   }
-}
-inline void bf16_slots(const uint8_t* v, __m512 d16, __m512 c16, uint16_t* out) {
-  bf16_slots(v, d16, c16, d16, c16, out);
 }
 
 // One repacked block of 16 rows at b (kR16Subs<TYPE> sub-blocks) into out.
@@ -2012,6 +2055,29 @@ inline void bf16_block(const uint8_t* b, uint16_t* out) {
         const __m512i v = k4_r16_values<TYPE>(b, sb, t, h);
         for (int j = 0; j < 4; j++) f[j] = _mm512_fmsub_ps(bf16_bytes<false>(v, j), d[j], c[j]);
         bf16_slot(f, t, out + sb * 512);
+      }
+    }
+  } else if constexpr (TYPE == kQ2KR) {  // f = (d * sc) * q - dmin * m, per 16 values
+    const __m512 dd = f16x16(b), dmin = f16x16(b + 32);
+    for (int half = 0; half < 2; half++) {
+      __m512 ds[4][2][4], cs[4][2][4];  // [sub-block of the half][its 16-value half][quarter]
+      for (int i = 0; i < 4; i++)
+        for (int h = 0; h < 2; h++) {
+          const __m512i sm = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(b + 64 + (2 * (4 * half + i) + h) * 16)));
+          const __m512 sc = _mm512_cvtepi32_ps(_mm512_and_si512(sm, _mm512_set1_epi32(0xF)));
+          const __m512 mn = _mm512_cvtepi32_ps(_mm512_srli_epi32(sm, 4));
+          bf16_quarters(_mm512_mul_ps(dd, sc), ds[i][h]);
+          bf16_quarters(_mm512_mul_ps(dmin, mn), cs[i][h]);
+        }
+      for (int t = 0; t < 8; t++) {
+        __m512i v[4];
+        q2k_r16_values(b, half, t, v);
+        for (int i = 0; i < 4; i++) {
+          for (int j = 0; j < 4; j++)
+            f[j] = _mm512_fmsub_ps(bf16_bytes<false>(v[i], j), ds[i][t >> 2][j], cs[i][t >> 2][j]);
+          bf16_slot(f, t, out + (4 * half + i) * 512);
+        }
       }
     }
   } else {  // Q6_K, Q3_K: f = (d * sc) * (q - bias), sc per 16 values (slots 0-3, 4-7)
@@ -2154,11 +2220,11 @@ constexpr int64_t kAmxMinRows = 8;
 // unit, padded, rather than on the vector kernel (the integer path: batch-invariant mode, or
 // without AMX-BF16). All 28 layers of the 0.6B, ms, M rows / 32 rows: Q8_0 24 63.3 / 63.9, 28
 // 69.9, 31 76.1; Q4_K 28 61.8 / 63.1, 31 70.9; Q6_K 20 72.9 / 81.1, 24 85.0, 28 96.6, 31 107.2.
-template <int TYPE> constexpr int64_t kAmxPadMin = kS16R<TYPE> ? 8 : kK4R<TYPE> ? 13 : 10;
+template <int TYPE> constexpr int64_t kAmxPadMin = kHalvesR<TYPE> ? 8 : kK4R<TYPE> ? 13 : 10;
 
 template <int TYPE, typename T>
 void r16_group(const Part& p, int64_t g0, int ng, const Act& a, int64_t M, T* y, int64_t ldy) {
-  constexpr int most = kS16R<TYPE> ? 2 : 4;
+  constexpr int most = kHalvesR<TYPE> ? 2 : 4;
   alignas(64) float out[16][16];
   auto store = [&](int64_t g, int64_t m0, int64_t mr, const float (*o)[16]) {
     store_rows16(p, g, m0, mr, o, y, ldy);
@@ -2190,7 +2256,7 @@ void r16_group(const Part& p, int64_t g0, int ng, const Act& a, int64_t M, T* y,
     thread_local std::vector<uint8_t> buf;  // this thread's B tiles
     buf.resize(size_t(ng * nsub * 512));
     for (int j = 0; j < ng; j++) amx_unpack<TYPE>(group(g0 + j), nsub, buf.data() + j * nsub * 512);
-    if constexpr (kS16R<TYPE>) {
+    if constexpr (kHalvesR<TYPE>) {
       static const AmxConfig config(16);
       _tile_loadconfig(&config);
       for (int j = 0; j < ng; j++)
@@ -2253,6 +2319,7 @@ void r16_group_any(const Part& p, int64_t g, int ng, const Act& a, int64_t M, T*
     case kQ5KR: return r16_group<kQ5KR>(p, g, ng, a, M, y, ldy);
     case kQ6KR: return r16_group<kQ6KR>(p, g, ng, a, M, y, ldy);
     case kQ3KR: return r16_group<kQ3KR>(p, g, ng, a, M, y, ldy);
+    case kQ2KR: return r16_group<kQ2KR>(p, g, ng, a, M, y, ldy);
     case kQ8R: return r16_group<kQ8R>(p, g, ng, a, M, y, ldy);
     case kQ5R: return r16_group<kQ5R>(p, g, ng, a, M, y, ldy);
     default: return r16_group<kI8R>(p, g, ng, a, M, y, ldy);
@@ -2422,29 +2489,15 @@ void pack_panel(const Part& p, int64_t n0, int64_t K, PanelBuffers& pb) {
 }
 
 #if defined(LADLE_QUANT_BF16)
-// Rows n0 .. n0 + 15 of a Q4_0, Q5_0, Q4_1, Q5_1, IQ4 or Q2_K part as bf16_group's B tiles: its
-// panel (u = q + bias, the block scale per row; Q4_1's and Q5_1's -m as the panel's min; Q2_K's
-// d, sub-block scales, dmin and mins), then each sub-block through bf16_slots.
+// Rows n0 .. n0 + 15 of a Q4_0, Q5_0, Q4_1 or Q5_1 part as bf16_group's B tiles: its panel (u = q
+// + bias, the block scale per row; Q4_1's and Q5_1's -m as the panel's min), then each sub-block
+// through bf16_slots.
 template <int TYPE>
 void bf16_panel(const Part& p, int64_t n0, int64_t K, uint16_t* out) {
   thread_local std::unique_ptr<PanelBuffers> pb;
   if (!pb || int64_t(pb->v.size()) != K / 32 * 512) pb = std::make_unique<PanelBuffers>(K);
   pack_panel<TYPE>(p, n0, K, *pb);
   for (int64_t sb = 0; sb < K / 32; sb++) {
-    if constexpr (TYPE == kQ2_K) {  // per half: d * sc, -dmin * m (both exact)
-      const __m512 d = _mm512_loadu_ps(pb->dw.data() + sb * 16);
-      const __m512 dmin = _mm512_loadu_ps(pb->mn.data() + sb * 16);
-      const float* s = pb->s.data() + sb * 32;
-      const float* m = pb->m2.data() + sb * 32;
-      __m512 dh[2], ch[2];
-      for (int h = 0; h < 2; h++) {
-        dh[h] = _mm512_mul_ps(d, _mm512_loadu_ps(s + 16 * h));
-        ch[h] = _mm512_sub_ps(_mm512_setzero_ps(),
-                              _mm512_mul_ps(dmin, _mm512_loadu_ps(m + 16 * h)));
-      }
-      bf16_slots(pb->v.data() + sb * 512, dh[0], ch[0], dh[1], ch[1], out + sb * 512);
-      continue;
-    }
     const __m512 d = _mm512_loadu_ps(pb->dw.data() + sb * 16);
     const __m512 mn = _mm512_loadu_ps(pb->mn.data() + sb * 16);  // (Q4_1, Q5_1: -m)
     const __m512 c = kMin32<TYPE> ? _mm512_sub_ps(_mm512_setzero_ps(), mn)
@@ -3261,6 +3314,7 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
               case kQ5KR: bf16_group_rows<kQ5KR>(*p, g, K, o, K); break;
               case kQ6KR: bf16_group_rows<kQ6KR>(*p, g, K, o, K); break;
               case kQ3KR: bf16_group_rows<kQ3KR>(*p, g, K, o, K); break;
+              case kQ2KR: bf16_group_rows<kQ2KR>(*p, g, K, o, K); break;
               case kQ8R: bf16_group_rows<kQ8R>(*p, g, K, o, K); break;
               default: bf16_group_rows<kI8R>(*p, g, K, o, K); break;
             }
@@ -3314,6 +3368,7 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
               case kQ5KR: bf16_group<kQ5KR>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               case kQ6KR: bf16_group<kQ6KR>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               case kQ3KR: bf16_group<kQ3KR>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
+              case kQ2KR: bf16_group<kQ2KR>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               case kQ8R: bf16_group<kQ8R>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               case kQ4_0: bf16_group<kQ4_0>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               case kQ5_0: bf16_group<kQ5_0>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
@@ -3321,7 +3376,6 @@ void quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& ws,
               case kQ5_1: bf16_group<kQ5_1>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               case kIQ4NL: bf16_group<kIQ4NL>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               case kIQ4XS32: bf16_group<kIQ4XS32>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
-              case kQ2_K: bf16_group<kQ2_K>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
               default: bf16_group<kI8R>(p, g, ng, a, mc, K, yp, ldy, nx, nb); break;
             }
           }
@@ -3692,7 +3746,7 @@ std::string quant_isa() {
 #if defined(LADLE_QUANT_AMX)
   if (amx_active())
     return "avx512-vnni (256-bit tiles, 512-bit panels from 12 rows, "
-           "Q3_K/Q4_K/Q5_K/Q6_K/Q8_0/Q5_0 repacked) "
+           "Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/Q8_0/Q5_0 repacked) "
            "+ amx-int8 (repacked parts, 16 rows at a time; rotated int8 rows per token from 4 rows)"
 #if defined(LADLE_QUANT_BF16)
            " + amx-bf16 (repacked, Q4_0, Q5_0 parts dequantized, from 8-20 rows)"
@@ -3701,7 +3755,7 @@ std::string quant_isa() {
 #endif
 #if defined(LADLE_QUANT_512) && defined(__AVX512VL__)
   return "avx512-vnni (256-bit tiles, 512-bit panels from 12 rows, "
-         "Q3_K/Q4_K/Q5_K/Q6_K/Q8_0/Q5_0 repacked; "
+         "Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/Q8_0/Q5_0 repacked; "
          "rotated int8 rows per token from 4 rows)";
 #elif defined(LADLE_QUANT_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return "avx512-vnni (256-bit)";
