@@ -614,11 +614,11 @@ def test_bf16_tiles_compute_the_bf16_weights_product(kind):
     parts (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, int8 rows) and Q4_0, Q5_0, Q4_1, Q5_1, IQ4_NL and
     IQ4_XS parts of whole sixteens of rows run dequantized on AMX-BF16: each output equals the
     float64 product of the activations as given and the weights rounded to bfloat16 (bf16 of the
-    dequantized weight; int8 rows: q, then the row scale) within 1e-6 of the sum of |products| (float32 sums: no room
-    for a misplaced value, sub-block scale or min), every column written once (out starts as NaN),
-    odd and even group counts, a partial last sixteen of rows, two parts into their columns. One row
-    fewer, in batch-invariant mode, and beside a part that cannot take it, the call keeps the
-    integer path's bits."""
+    dequantized weight; int8 rows: q, then the row scale) within 1e-6 of the sum of |products|
+    (float32 sums: no room for a misplaced value, sub-block scale or min), every column written
+    once (out starts as NaN), odd and even group counts, a partial last sixteen of rows, two parts
+    into their columns. One row fewer, in batch-invariant mode, and beside a part that cannot take
+    it, the call keeps the integer path's bits."""
     g = torch.Generator().manual_seed(31 + kind)
     min_rows = kernels.quant_bf16_min_rows(tile_kind(kind))
     # (from the fewest rows, a partial sixteen; 200 rows at K 3072: two chunks, 160 and 40)
