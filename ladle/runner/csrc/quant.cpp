@@ -934,92 +934,68 @@ inline void tile_k4(const uint8_t* const* w, const Act& a, __m256* acc) {
 // the integer sums in the vpmaddwd, and the offset 32 * (scale_lo * sum(x_lo) + scale_hi *
 // sum(x_hi)) comes off each sub-block's integer sum, from the activations' int16 sums per 16.
 // Q3_K the same with q + 4 and 4 (kS16Shift).
+// Q2_K: q 0..3 and no offset, and a min per 16 values instead: per sub-block the integer Mi =
+// m_lo * sum(x_lo) + m_hi * sum(x_hi) (the same int16 sums), so
+//   acc = fma(float(I), d * dx, acc);  acc = fnmadd(float(Mi), dmin * dx, acc)
+// in every path (|Mi| <= 2 x 15 x 16 x 127: exact as a float however it was summed).
 template <int TYPE, int MR>
-inline void tile_s16(const uint8_t* const* w, const Act& a, __m256* acc) {
-  constexpr int64_t BB = kS16Bytes<TYPE>;
+inline void tile_halves(const uint8_t* const* w, const Act& a, __m256* acc) {
+  constexpr bool q2k = TYPE == kQ2_K;
+  constexpr int64_t BB = q2k ? kQ2KBytes : kS16Bytes<TYPE>;
   const int64_t K = a.K, nsub = K / 32, nblocks = K / 256;
-  alignas(32) int32_t offset[MR][8][kNR];  // [m][sub-block j][row n]
+  // [m][sub-block j][row n]: the offset (int32 bits; Q2_K: float(Mi))
+  alignas(32) float side[MR][8][kNR];
   for (int64_t blk = 0; blk < nblocks; blk++) {
     const uint8_t* b[kNR];
     __m256i sc16[kNR][2];  // scales 0-7 and 8-15 as int16, each in both 128-bit lanes
-    __m256i all16[kNR];  // the 16 scales as int16
+    __m256i all16[kNR];  // the 16 scales as int16 (Q2_K: its 16 mins)
     for (int n = 0; n < kNR; n++) {
       b[n] = w[n] + blk * BB;
       for (int64_t off = 0; off < BB; off += 64)  // the row's stream, kPrefetchBytes ahead
         _mm_prefetch(reinterpret_cast<const char*>(b[n]) + kPrefetchBytes + off, _MM_HINT_T0);
-      int8_t tmp[16];
-      const __m128i sc =
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(s16_scales<TYPE>(b[n], tmp)));
-      all16[n] = _mm256_cvtepi8_epi16(sc);
-      sc16[n][0] = _mm256_permute2x128_si256(all16[n], all16[n], 0x00);
-      sc16[n][1] = _mm256_permute2x128_si256(all16[n], all16[n], 0x11);
+      __m256i sc;
+      if constexpr (q2k) {
+        sc = q2k_nibbles16(b[n], false);
+        all16[n] = q2k_nibbles16(b[n], true);
+      } else {
+        int8_t tmp[16];
+        sc = _mm256_cvtepi8_epi16(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(s16_scales<TYPE>(b[n], tmp))));
+        all16[n] = sc;
+      }
+      sc16[n][0] = _mm256_permute2x128_si256(sc, sc, 0x00);
+      sc16[n][1] = _mm256_permute2x128_si256(sc, sc, 0x11);
     }
     for (int m = 0; m < MR; m++) {
-      // lane j of o[n]: 32 * (scale_2j * sum(x of half 2j) + scale_2j+1 * sum(x of half 2j+1))
+      // lane j of o[n]: bias * (scale_2j * sum(x of half 2j) + scale_2j+1 * sum(x of half
+      // 2j+1)), or Q2_K's Mi
       const __m256i hx =
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.h + m * 2 * nsub + blk * 16));
       __m256 o[kNR], t[8];
-      for (int n = 0; n < kNR; n++)
-        o[n] = _mm256_castsi256_ps(
-            _mm256_slli_epi32(_mm256_madd_epi16(all16[n], hx), kS16Shift<TYPE>));
+      for (int n = 0; n < kNR; n++) {
+        const __m256i dot = _mm256_madd_epi16(all16[n], hx);
+        if constexpr (q2k) o[n] = _mm256_cvtepi32_ps(dot);
+        else o[n] = _mm256_castsi256_ps(_mm256_slli_epi32(dot, kS16Shift<TYPE>));
+      }
       transpose8(o, t);
-      for (int j = 0; j < 8; j++) _mm256_store_ps(reinterpret_cast<float*>(offset[m][j]), t[j]);
+      for (int j = 0; j < 8; j++) _mm256_store_ps(side[m][j], t[j]);
     }
-    const __m256 d = f16_rows(b, kS16D<TYPE>);
+    const __m256 d = f16_rows(b, q2k ? 80 : kS16D<TYPE>);
+    [[maybe_unused]] __m256 dmin;
+    if constexpr (q2k) dmin = f16_rows(b, 82);
 #pragma GCC unroll 8  // every j's constants (shuffle picks, shifts) fixed at compile time
     for (int j = 0; j < 8; j++) {
       const int64_t sb = blk * 8 + j;
       __m256i h[MR][4];
       ksub_tile<TYPE, MR>(b, sc16, j, a, sb, h);
       for (int m = 0; m < MR; m++) {
-        const __m256i I = _mm256_sub_epi32(
-            row_sums(h[m]), _mm256_load_si256(reinterpret_cast<const __m256i*>(offset[m][j])));
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I),
-                                 _mm256_mul_ps(d, _mm256_broadcast_ss(a.d + m * nsub + sb)), acc[m]);
-      }
-    }
-  }
-}
-
-// Q2_K: as Q6_K with q 0..3 and no offset, and a min per 16 values instead: per sub-block the
-// integer Mi = m_lo * sum(x_lo) + m_hi * sum(x_hi) (the activations' int16 sums per 16), so
-//   acc = fma(float(I), d * dx, acc);  acc = fnmadd(float(Mi), dmin * dx, acc)
-// in every path (|Mi| <= 2 x 15 x 16 x 127: exact as a float however it was summed).
-template <int MR>
-inline void tile_q2k(const uint8_t* const* w, const Act& a, __m256* acc) {
-  const int64_t K = a.K, nsub = K / 32, nblocks = K / 256;
-  alignas(32) float mins[MR][8][kNR];  // [m][sub-block j][row n]: float(Mi)
-  for (int64_t blk = 0; blk < nblocks; blk++) {
-    const uint8_t* b[kNR];
-    __m256i sc16[kNR][2];  // scales 0-7 and 8-15 as int16, each in both 128-bit lanes
-    __m256i mn16[kNR];  // the 16 mins as int16
-    for (int n = 0; n < kNR; n++) {
-      b[n] = w[n] + blk * kQ2KBytes;
-      for (int64_t off = 0; off < kQ2KBytes; off += 64)  // the row's stream, kPrefetchBytes ahead
-        _mm_prefetch(reinterpret_cast<const char*>(b[n]) + kPrefetchBytes + off, _MM_HINT_T0);
-      const __m256i sc = q2k_nibbles16(b[n], false);
-      sc16[n][0] = _mm256_permute2x128_si256(sc, sc, 0x00);
-      sc16[n][1] = _mm256_permute2x128_si256(sc, sc, 0x11);
-      mn16[n] = q2k_nibbles16(b[n], true);
-    }
-    for (int m = 0; m < MR; m++) {
-      const __m256i hx =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.h + m * 2 * nsub + blk * 16));
-      __m256 o[kNR], t[8];  // lane j of o[n]: row n's Mi of sub-block j
-      for (int n = 0; n < kNR; n++) o[n] = _mm256_cvtepi32_ps(_mm256_madd_epi16(mn16[n], hx));
-      transpose8(o, t);
-      for (int j = 0; j < 8; j++) _mm256_store_ps(mins[m][j], t[j]);
-    }
-    const __m256 d = f16_rows(b, 80), dmin = f16_rows(b, 82);
-#pragma GCC unroll 8  // every j's constants (shuffle picks, shifts) fixed at compile time
-    for (int j = 0; j < 8; j++) {
-      const int64_t sb = blk * 8 + j;
-      __m256i h[MR][4];
-      ksub_tile<kQ2_K, MR>(b, sc16, j, a, sb, h);
-      for (int m = 0; m < MR; m++) {
         const __m256 dx = _mm256_broadcast_ss(a.d + m * nsub + sb);
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(row_sums(h[m])), _mm256_mul_ps(d, dx), acc[m]);
-        acc[m] = _mm256_fnmadd_ps(_mm256_load_ps(mins[m][j]), _mm256_mul_ps(dmin, dx), acc[m]);
+        __m256i I = row_sums(h[m]);
+        if constexpr (!q2k)
+          I = _mm256_sub_epi32(I, _mm256_castps_si256(_mm256_load_ps(side[m][j])));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(d, dx), acc[m]);
+        if constexpr (q2k)
+          acc[m] = _mm256_fnmadd_ps(_mm256_load_ps(side[m][j]), _mm256_mul_ps(dmin, dx), acc[m]);
       }
     }
   }
@@ -1156,8 +1132,7 @@ inline void tile(const uint8_t* const* w, const Act& a, float (*out)[kNR]) {
   __m256 acc[MR];
   for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_ps();
   if constexpr (kK4<TYPE>) tile_k4<TYPE, MR>(w, a, acc);
-  else if constexpr (kS16<TYPE>) tile_s16<TYPE, MR>(w, a, acc);
-  else if constexpr (TYPE == kQ2_K) tile_q2k<MR>(w, a, acc);
+  else if constexpr (kS16<TYPE> || TYPE == kQ2_K) tile_halves<TYPE, MR>(w, a, acc);
   else tile_blocks<TYPE, MR>(w, a, acc);
   for (int m = 0; m < MR; m++) _mm256_storeu_ps(out[m], acc[m]);
 }
