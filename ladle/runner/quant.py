@@ -31,10 +31,10 @@ the kernels with. One exception, on CPUs with AMX-BF16 outside batch-invariant m
 enough bfloat16 rows (`quant_bf16_min_rows(type)`, 8-20 by type) whose parts are all repacked (Q4_K,
 Q5_K, Q6_K, Q8_0, INT8_ROW, Q3_K, Q2_K) or Q4_0/Q5_0/Q4_1/Q5_1/IQ4 of whole sixteens of rows
 dequantizes the weights to bfloat16 tiles instead and multiplies the activations as they are
-(prefill, decode batches; `bf16_tiles_reference`). And on CPUs with AVX-512 VNNI (on AMX-INT8's tiles where present),
-also outside that mode: a call of 4 or more rows (`quant_token_min_rows()`) of a rotated weight of
-int8 rows quantizes the rotated activations per token (row) instead of per block, and sums all of K
-in one integer (`token_reference`).
+(prefill, decode batches; `bf16_tiles_reference`). And on CPUs with AVX-512 VNNI (on AMX-INT8's
+tiles where present), also outside that mode: a call of 4 or more rows (`quant_token_min_rows()`)
+of a rotated weight of int8 rows quantizes the rotated activations per token (row) instead of per
+block, and sums all of K in one integer (`token_reference`).
 
 The twins (`_linear_torch`, `_rows_torch`) run where the kernels do not: on other devices,
 without a compiler, or with LADLE_DISABLE_CPU_KERNELS=1. They quantize the activations the same

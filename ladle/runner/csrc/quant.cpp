@@ -1,6 +1,6 @@
 // Quantized linears: y (M, N) = x (M, K) @ W (N, K)^T where W's rows are parts, each in GGUF blocks
-// (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, IQ4_NL, IQ4_XS, Q2_K, Q4_K, Q5_K, Q6_K) or int8 with a
-// scale per row, and x is quantized to int8 once per call for all parts. One call, one parallel
+// (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) or int8 with
+// a scale per row, and x is quantized to int8 once per call for all parts. One call, one parallel
 // region: a decode step's small matmuls (0.2-2 MB of weights, 10-100 us) would otherwise spend a
 // third of their time in Python and in the threads' wake-ups and joins. The pure-torch twin is in
 // ladle/runner/quant.py; the tests compare the two.
@@ -28,7 +28,7 @@
 // while the weight blocks are in registers, so for decode the weights are read once at memory
 // speed, and for prefill every unpacked weight block serves several rows. AVX-512 VNNI builds
 // run 12 or more rows in panels instead (below: 16 weight rows unpacked once per call, 64
-// products per instruction into 16 outputs), and Q4_K, Q5_K, Q6_K and Q8_0 repacked at load into
+// products per instruction into 16 outputs), and the K-quants and Q8_0 repacked at load into
 // that layout (r16_rows) for every row count. Tiles, panels and repacked rows sum every row in one order
 // (see the tiles), so a row's result does not depend on the rows beside it: these paths are
 // batch-invariant in every mode. The one exception, on AMX-BF16 CPUs outside batch-invariant
@@ -77,7 +77,7 @@ constexpr int kIQ4XS32 = -9;
 template <int TYPE> constexpr bool kLut4 =
     TYPE == kMXFP4 || TYPE == kIQ4NL || TYPE == kIQ4XS32;
 // Repacked at load by 16 rows (quant.py's Q4_K_R16, Q6_K_R16, Q8_0_R16, INT8_ROW_R16,
-// Q5_0_R16, Q5_K_R16; AVX-512 VNNI builds).
+// Q5_0_R16, Q5_K_R16, Q3_K_R16, Q2_K_R16; AVX-512 VNNI builds).
 constexpr int kQ4KR = -3, kQ6KR = -4, kQ8R = -5, kI8R = -6, kQ5R = -7, kQ5KR = -8, kQ3KR = -10,
               kQ2KR = -11;
 inline bool is_r16(int type) {
@@ -1231,7 +1231,7 @@ void part_tiles(const Part& p, int64_t t0, int64_t t1, const Act& a, int64_t M, 
 }
 
 #if defined(LADLE_QUANT_512)
-// Repacked at load (quant.py's repack_r16): Q4_K, Q5_K, Q6_K and Q8_0 rows by 16, in the panels'
+// Repacked at load (quant.py's repack_r16): Q2_K-Q6_K and Q8_0 rows by 16, in the panels'
 // layout (below) with the values still in their bits. In a tile most of a row's instructions
 // move sums across lanes and rows, not products: one activation row of Q4_K ran compute-bound
 // at about half the read bandwidth, Q6_K's one-row stream at two thirds. Here one vpdpbusd
