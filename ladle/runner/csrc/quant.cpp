@@ -339,7 +339,7 @@ inline void sub_scales(const uint8_t* row, int64_t sb, Sub& o) {
     k4_scale_min(b + 4, int(sb & 7), sc, mn);
     o.s0 = o.s1 = f16(b) * float(sc);
     o.minv = f16(b + 2) * float(mn);
-  } else if constexpr (kS16<TYPE>) {  // Q6_K: ql[128], qh[64], int8 scales[16], d
+  } else if constexpr (kS16<TYPE>) {  // Q6_K (ql[128], qh[64], int8 scales[16], d), Q3_K
     const uint8_t* b = row + (sb >> 3) * kS16Bytes<TYPE>;
     const int j = int(sb & 7);
     const float d = f16(b + kS16D<TYPE>);
@@ -433,8 +433,9 @@ inline void unpack_scalar(const uint8_t* row, int64_t sb, Sub& o) {
   }
 }
 
-// Row r of a repacked group g (kQ4KR, kQ5KR, kQ6KR, kQ3KR, kQ8R, kQ5R; `nblocks` blocks) back in
-// its GGUF blocks (quant.py's unpack_r16 for one row): what the embedding's row lookup reads.
+// Row r of a repacked group g (kQ4KR, kQ5KR, kQ6KR, kQ3KR, kQ2KR, kQ8R, kQ5R; `nblocks` blocks)
+// back in its GGUF blocks (quant.py's unpack_r16 for one row): what the embedding's row lookup
+// reads.
 inline void r16_row(int type, const uint8_t* g, int r, int64_t nblocks, uint8_t* out) {
   for (int64_t blk = 0; blk < nblocks; blk++) {
     if (type == kQ4KR || type == kQ5KR) {
@@ -871,8 +872,9 @@ inline void kquant_pairs(const __m256i* q, const __m256i* s16, const __m256i* xv
 }
 
 // Sub-block j (sb of the row) of a K-quant tile's 8 super-blocks b[n], whose scales as int16
-// are sc16[n] (Q4_K: [0], the eight in both 128-bit lanes; Q6_K, Q2_K: scales 0-7 and 8-15), times
-// the MR activation rows: h[m], the lane sums of each row pair (row_sums adds them up).
+// are sc16[n] (Q4_K: [0], the eight in both 128-bit lanes; Q6_K, Q3_K, Q2_K: scales 0-7 and
+// 8-15), times the MR activation rows: h[m], the lane sums of each row pair (row_sums adds them
+// up).
 template <int TYPE, int MR>
 inline void ksub_tile(const uint8_t* const* b, const __m256i (*sc16)[2], int j, const Act& a,
                       int64_t sb, __m256i (*h)[4]) {
@@ -1657,8 +1659,8 @@ inline const uint8_t* amx_weights(const uint8_t* b, int j, uint8_t* buf) {
   return buf;
 }
 
-// Q6_K, Q3_K: the four sub-blocks of one half of the block at b, unpacked as r16_rows does,
-// into bufs[j] (512 bytes each) as signed values.
+// Q6_K, Q3_K, Q2_K: the four sub-blocks of one half of the block at b, unpacked as r16_rows
+// does, into bufs[j] (512 bytes each) as signed values.
 template <int TYPE>
 inline void amx_s16_half(const uint8_t* b, int half, uint8_t (*bufs)[512]) {
   for (int t = 0; t < 8; t++) {
@@ -1705,7 +1707,7 @@ void amx_unpack(const uint8_t* g, int64_t nsub, uint8_t* wb) {
     for (int64_t sb0 = 0; sb0 < nsub; sb0 += 8)
       for (int half = 0; half < 2; half++)
         amx_s16_half<TYPE>(g + sb0 / 8 * kR16Block<TYPE>, half,
-                     reinterpret_cast<uint8_t(*)[512]>(wb + (sb0 + 4 * half) * 512));
+                           reinterpret_cast<uint8_t(*)[512]>(wb + (sb0 + 4 * half) * 512));
   } else {
     constexpr int subs = kR16Subs<TYPE>;
     for (int64_t sb = 0; sb < nsub; sb++)
@@ -1727,11 +1729,11 @@ struct alignas(64) AmxBlockConfig {
 // sub-block order, as r16_rows adds them. Each sub-block's A and B tiles serve MB x NB products
 // (2 x 2: 4 C tiles in flight, each tile load used twice), and the previous sub-block's float
 // steps come between the products and their stores. Against one product at a time (as
-// amx_s16_rows still runs Q6_K's): one int8 0.6B layer's four linears, 2 threads, 128 rows
-// 4.4 -> 3.8 ms, 256 rows 9.6 -> 8.0 ms (Sapphire Rapids class Xeon). What bounds it there: the
-// tile unit and the vector unit did not overlap in a loop of only these steps (4 products of 16 x
-// 16 x 32 with their loads and stores, 40 ns; the 64 rows' float steps, 50 ns; both, 85 ns), so the
-// per-32 scales cost about as much as the products.
+// amx_s16_rows still runs the scale-per-16 types'): one int8 0.6B layer's four linears, 2
+// threads, 128 rows 4.4 -> 3.8 ms, 256 rows 9.6 -> 8.0 ms (Sapphire Rapids class Xeon). What
+// bounds it there: the tile unit and the vector unit did not overlap in a loop of only these
+// steps (4 products of 16 x 16 x 32 with their loads and stores, 40 ns; the 64 rows' float steps,
+// 50 ns; both, 85 ns), so the per-32 scales cost about as much as the products.
 template <int TYPE, int MB, int NB>
 void amx_block(const uint8_t* const* g, const uint8_t* const* wb, const Act& a, int64_t r0,
                int64_t sb0, int64_t sb1, float (*const* sums)[16]) {
@@ -1835,7 +1837,7 @@ void amx_small(const uint8_t* const* g, const Act& a, int rows, float (*const* o
     for (int m = 0; m < rows; m++) _mm512_storeu_ps(out[j][m], acc[j][m]);
 }
 
-// Q6_K, Q3_K: out (16 x 16) = activation rows m0 .. m0 + 15 times the 16 repacked rows at g,
+// Q6_K, Q3_K, Q2_K: out (16 x 16) = activation rows m0 .. m0 + 15 times the 16 repacked rows at g,
 // whose B tiles (each sub-block's two halves) amx_unpack wrote to wb; the tile configuration is
 // loaded (AmxConfig(16)). Software-pipelined: sub-block sb's tile products (alternate C tiles)
 // run while sb - 1's sums take their float steps, and only then are stored (vector loads wait
