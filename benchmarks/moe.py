@@ -7,6 +7,9 @@ Checkpoints (random bf16 weights, Qwen's tokenizer, built once into the ladle ca
   - dense: Qwen3 with the same attention and vocabulary and one MLP of 8 x 512 = 4096: the MoE's
     active size, dense.
 llama.cpp runs the bf16 GGUF that its own converter makes of each checkpoint (the same weights).
+With --gguf q4_k_m, q3_k_m or q2_k, that GGUF is quantized by llama.cpp's quantize API (its
+default tensor-type mix for the type) and both systems run the quantized file (the 2-3 bit
+files people run large MoE models from on CPU).
 
 Cases, interleaved per repetition (medians reported), each system in its own process:
   - single-stream decode tok/s (64 tokens after a 128-token prompt) and TTFT;
@@ -17,6 +20,7 @@ ladle's MoE decode time per token / its dense-active decode time per token (targ
 
     nice -n 19 benchmarks/build_llama_cpp.sh    # once
     python benchmarks/moe.py [--reps 2] [--skip-llama] [--skip-batch]
+        [--gguf bf16|q4_k_m|q3_k_m|q2_k] [--llama-no-repack]
 """
 
 from __future__ import annotations
@@ -65,7 +69,13 @@ def main():
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--skip-batch", action="store_true")
+    ap.add_argument("--gguf", choices=("bf16", "q4_k_m", "q3_k_m", "q2_k"), default="bf16",
+                    help="the file both systems run (bf16: ladle the safetensors checkpoint)")
+    ap.add_argument("--llama-no-repack", action="store_true",
+                    help="llama.cpp without its extra weight buffers (compare.py's flag)")
     args = ap.parse_args()
+    if args.llama_no_repack:
+        os.environ[compare.NO_REPACK_ENV] = "1"
     llama_py = compare.LLAMA_DIR / "venv" / "bin" / "python"
     has_llama = not args.skip_llama and llama_py.exists()
     has_server = (compare.LLAMA_DIR / "server-build" / "bin" / "llama-server").exists()
@@ -73,20 +83,27 @@ def main():
           f"{'yes' if has_llama else 'no'}, llama-server: {'yes' if has_server else 'no'}",
           flush=True)
     paths = {k: build(k) for k in ("moe", "dense")}
-    ggufs = {k: compare.gguf(p, "bf16") for k, p in paths.items()} if has_llama else {}
+    if args.gguf != "bf16":  # both systems on the quantized file
+        if not llama_py.exists():
+            sys.exit(f"--gguf {args.gguf} needs llama.cpp's quantize API: run "
+                     "benchmarks/build_llama_cpp.sh")
+        ggufs = {k: compare.quantized_gguf(p, args.gguf, llama_py) for k, p in paths.items()}
+    else:
+        ggufs = {k: compare.gguf(p, "bf16") for k, p in paths.items()} if has_llama else {}
     texts = compare.text_prompts(paths["moe"], compare.BATCH)
+    ladle_files = paths if args.gguf == "bf16" else ggufs
     batch = not args.skip_batch
     results: dict[str, list[dict]] = {}
     log_dir = Path(os.environ.get("TMPDIR", "/tmp"))
     for rep in range(args.reps):
         print(f"repetition {rep + 1}/{args.reps}", flush=True)
-        for kind, path in paths.items():
+        for kind, path in ladle_files.items():
             cases = "single,batch" if batch else "single"
             r = compare.run_worker(sys.executable, ["ladle", str(path), "bfloat16", cases, "-"])
             results.setdefault(f"ladle {kind}", []).append(r)
             print(f"  ladle {kind}: {r}", flush=True)
             if has_llama:
-                r = compare.run_worker(str(llama_py), ["llama", str(ggufs[kind]), "bf16",
+                r = compare.run_worker(str(llama_py), ["llama", str(ggufs[kind]), args.gguf,
                                                        "single"])
                 if batch and has_server and kind == "moe":
                     b = compare.guarded(compare.server_llama, ggufs[kind], texts, compare.BATCH,
