@@ -4,7 +4,8 @@
 # in-process single-stream numbers, its quantize API (compare.py makes the Q8_0 and Q4_K_M files
 # with it) and its full logits (gguf_accuracy.py), and the llama-server binary from the llama.cpp
 # sources vendored in that same sdist, for the batched and server comparisons (it batches
-# parallel slots; llama-cpp-python's own server runs one request at a time). The sdist also ships
+# parallel slots; llama-cpp-python's own server runs one request at a time), with its
+# llama-quantize tool (the types whose quantize needs an importance matrix). The sdist also ships
 # llama.cpp's HF -> GGUF converter and gguf-py, which compare.py runs to convert the random
 # checkpoints. Takes many minutes on a small machine; run it early:
 #     nice -n 19 benchmarks/build_llama_cpp.sh
@@ -37,11 +38,12 @@ if ! venv/bin/python -c "import llama_cpp" 2>/dev/null; then
   CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
     venv/bin/pip install -v "./llama_cpp_python-$VERSION[server]" > build.log 2>&1
 fi
-if [ ! -x server-build/bin/llama-server ]; then
+if [ ! -x server-build/bin/llama-server ] || [ ! -x server-build/bin/llama-quantize ]; then
   cmake -S "llama_cpp_python-$VERSION/vendor/llama.cpp" -B server-build -G Ninja \
     -DCMAKE_BUILD_TYPE=Release $ISA -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
     > server-build.log 2>&1
-  cmake --build server-build --target llama-server -j "$JOBS" >> server-build.log 2>&1
+  # llama-quantize: for the types its quantize needs an importance matrix for (compare.py).
+  cmake --build server-build --target llama-server llama-quantize -j "$JOBS" >> server-build.log 2>&1
 fi
 echo "llama.cpp ready in $DIR: python $DIR/venv/bin/python, server $DIR/server-build/bin/llama-server"

@@ -6,12 +6,13 @@ Models (--models, any subset, in this order by default):
     by ladle and llama.cpp from that same file; gemma-q5_k_m, gemma-iq4_xs: that file requantized
     to Q5_K_M or IQ4_XS by llama.cpp's quantize API (allow_requantize; its 640-value rows get the
     fallbacks Q5_1 and IQ4_NL);
-  - 0.6b-q8_0, 0.6b-q4_k_m, 0.6b-q5_k_m, 0.6b-q3_k_m, 0.6b-q2_k, 0.6b-iq4_xs: the random
-    Qwen3-0.6B-shaped checkpoint converted to a bf16 GGUF by llama.cpp's own converter, then
-    quantized by llama.cpp's quantize API (llama-cpp-python's `llama_model_quantize`, its
-    default tensor-type mix for the type); ladle and llama.cpp both load the quantized file
-    (ladle's default for a .gguf: --quantization gguf, the blocks kept; IQ4_XS's in blocks of
-    32);
+  - 0.6b-q8_0, 0.6b-q4_k_m, 0.6b-q5_k_m, 0.6b-q3_k_m, 0.6b-q2_k, 0.6b-iq4_xs, 0.6b-iq3_xxs,
+    0.6b-iq2_xxs: the random Qwen3-0.6B-shaped checkpoint converted to a bf16 GGUF by
+    llama.cpp's own converter, then quantized by llama.cpp's quantize API (llama-cpp-python's
+    `llama_model_quantize`, its default tensor-type mix for the type; IQ2_XXS, which needs an
+    importance matrix, by its llama-quantize tool with a uniform one); ladle and llama.cpp both
+    load the quantized file (ladle's default for a .gguf: --quantization gguf, the blocks kept;
+    IQ4_XS's, IQ3_XXS's and IQ2_XXS's in blocks of 32);
   - 0.6b: that checkpoint in bfloat16 (ladle and transformers load the safetensors, llama.cpp
     its bf16 conversion), plus a `ladle int8` column: ladle with --quantization int8 (W8A8) on
     the same bf16 checkpoint (shown "n/a" while this ladle does not accept int8);
@@ -21,7 +22,8 @@ The random checkpoints carry Qwen's tokenizer, so llama.cpp's HF -> GGUF convert
 the llama-cpp-python sdist that benchmarks/build_llama_cpp.sh builds) converts them; every file
 is made once, beside its checkpoint in the ladle cache directory (~/.cache/ladle,
 $LADLE_CACHE_DIR): model-bf16.gguf, model-q8_0.gguf, model-q4_k_m.gguf, model-q5_k_m.gguf,
-model-q3_k_m.gguf, model-q2_k.gguf, model-iq4_xs.gguf, model-f32.gguf.
+model-q3_k_m.gguf, model-q2_k.gguf, model-iq4_xs.gguf, model-iq3_xxs.gguf, model-iq2_xxs.gguf,
+model-f32.gguf.
 Cases:
   - single-stream decode tok/s and TTFT of a 128-token prompt, every model (in process: ladle's
     LLM, transformers' generate, llama-cpp-python's Llama);
@@ -152,7 +154,8 @@ class Spec:
     source: str  # the weights: "0.6b" or "tiny" (random checkpoints), "gemma" (packaged file)
     dtype: str  # ladle's --dtype (activations, KV cache) and transformers' dtype
     # The GGUF file llama.cpp runs: a converter outtype ("bf16", "f32"), a type made from the bf16
-    # conversion by llama.cpp's quantize API (a key of QUANT_FTYPES), or "packaged" (as shipped).
+    # conversion by llama.cpp's quantize (a key of QUANT_FTYPES or IMATRIX_FTYPES), or
+    # "packaged" (as shipped).
     gguf: str
     ladle_on_gguf: bool  # ladle loads that .gguf file too (else the safetensors checkpoint)
     cases: tuple[str, ...]  # of "single", "batch", "server"
@@ -170,6 +173,8 @@ MODELS = {
     "0.6b-q3_k_m": Spec("0.6b", "bfloat16", "q3_k_m", True, ("single",)),
     "0.6b-q2_k": Spec("0.6b", "bfloat16", "q2_k", True, ("single",)),
     "0.6b-iq4_xs": Spec("0.6b", "bfloat16", "iq4_xs", True, ("single",)),
+    "0.6b-iq3_xxs": Spec("0.6b", "bfloat16", "iq3_xxs", True, ("single",)),
+    "0.6b-iq2_xxs": Spec("0.6b", "bfloat16", "iq2_xxs", True, ("single",)),
     "0.6b": Spec("0.6b", "bfloat16", "bf16", False, ("single", "batch", "server"), hf=True,
                  int8=True),
     "tiny": Spec("tiny", "float32", "f32", False, ("single", "batch", "server"), hf=True),
@@ -178,6 +183,11 @@ MODELS = {
 QUANT_FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
                 "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "q3_k_m": "LLAMA_FTYPE_MOSTLY_Q3_K_M",
                 "q2_k": "LLAMA_FTYPE_MOSTLY_Q2_K", "iq4_xs": "LLAMA_FTYPE_MOSTLY_IQ4_XS"}
+# Types llama.cpp quantizes only with an importance matrix (its quantize refuses them without
+# one, IQ3_XXS for the IQ2_S it gives attn_k, and the API takes it as a C++ map): made by its
+# llama-quantize tool (built beside llama-server) with a uniform matrix, every column weighted
+# alike, which is all a random checkpoint has to say; its type names.
+IMATRIX_FTYPES = {"iq2_xxs": "IQ2_XXS", "iq3_xxs": "IQ3_XXS"}
 PACKAGED_GEMMA = "gemma-3-270m"
 
 
@@ -219,13 +229,38 @@ def quantized_gguf(path: Path, qtype: str, llama_py: Path) -> Path:
         return out
     src = path if path.is_file() else gguf(path, "bf16")
     tmp = out.with_name(out.name + ".tmp")
-    res = subprocess.run([str(llama_py), str(Path(__file__).resolve()), "--worker", "quantize",
-                          str(src), str(tmp), QUANT_FTYPES[qtype]],
-                         capture_output=True, text=True)
+    if qtype in IMATRIX_FTYPES:
+        imatrix = uniform_imatrix(src, out.with_name(out.name + ".imatrix"))
+        tool = LLAMA_DIR / "server-build" / "bin" / "llama-quantize"
+        res = subprocess.run([str(tool), "--allow-requantize", "--imatrix", str(imatrix), str(src),
+                              str(tmp), IMATRIX_FTYPES[qtype]], capture_output=True, text=True)
+    else:
+        res = subprocess.run([str(llama_py), str(Path(__file__).resolve()), "--worker",
+                              "quantize", str(src), str(tmp), QUANT_FTYPES[qtype]],
+                             capture_output=True, text=True)
     if res.returncode != 0 or not tmp.exists():
         tmp.unlink(missing_ok=True)
         raise RuntimeError(f"llama_model_quantize {src} -> {qtype} failed: {res.stderr[-1500:]}")
     os.rename(tmp, out)
+    return out
+
+
+def uniform_imatrix(src: Path, out: Path) -> Path:
+    """An importance matrix of ones for every 2-d weight of the blocks in `src`, in llama.cpp's
+    legacy imatrix file layout (int32 count; per entry int32 name length, the name, int32 calls,
+    int32 values, float32 values; then int32 last chunk and int32 dataset name length 0)."""
+    import struct
+
+    from gguf import GGUFReader
+
+    entries = [(t.name, int(t.shape[0])) for t in GGUFReader(src).tensors
+               if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2]
+    with open(out, "wb") as f:
+        f.write(struct.pack("<i", len(entries)))
+        for name, cols in entries:
+            f.write(struct.pack("<i", len(name)) + name.encode())
+            f.write(struct.pack("<ii", 1, cols) + struct.pack(f"<{cols}f", *([1.0] * cols)))
+        f.write(struct.pack("<ii", 1, 0))
     return out
 
 
@@ -994,8 +1029,8 @@ def run_model(name: str, spec: Spec, args, has_llama: bool, llama_py: Path, limi
     if spec.gguf == "packaged":
         model_gguf = path
     elif has_llama:
-        model_gguf = (quantized_gguf(path, spec.gguf, llama_py) if spec.gguf in QUANT_FTYPES
-                      else gguf(path, spec.gguf))
+        made = spec.gguf in QUANT_FTYPES or spec.gguf in IMATRIX_FTYPES
+        model_gguf = quantized_gguf(path, spec.gguf, llama_py) if made else gguf(path, spec.gguf)
     elif spec.ladle_on_gguf:
         print(f"[{name}] skipped: its GGUF file is made with llama.cpp's converter and quantize "
               "API (run benchmarks/build_llama_cpp.sh)")

@@ -166,7 +166,7 @@ _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2
 def kv_cache_bytes(spec: str | float | int | None, device: torch.device, needed: int) -> int:
     """Bytes for the KV cache. None: what max_num_seqs full-length requests would need, capped at
     a quarter of free memory. A value <= 1 is a fraction of free device memory."""
-    free = _free_memory(device)
+    free = free_memory(device)
     if spec is None:
         return int(min(needed, free * 0.25))
     if isinstance(spec, str):
@@ -224,7 +224,8 @@ def parse_bytes(text: str) -> int:
     return value
 
 
-def _free_memory(device: torch.device) -> int:
+def free_memory(device: torch.device) -> int:
+    """Bytes the device can still give: CUDA's free memory, the host's MemAvailable."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     try:

@@ -28,9 +28,9 @@ from ladle.models.gguf import (
     iter_hf_tensors,
     open_gguf,
 )
-from ladle.models.gguf.quants import iq4_xs_as_32
+from ladle.models.gguf.quants import iq2_xxs_as_32, iq3_xxs_as_32, iq4_xs_as_32
 from ladle.models.loader import ModelLoadError
-from ladle.runner.quant import IQ4_XS_32
+from ladle.runner.quant import IQ2_XXS_32, IQ3_XXS_32, IQ4_XS_32
 
 T = GGMLQuantizationType
 GEMMA_FILE = Path.home() / ".cache" / "ladle" / "gguf" / "gemma-3-270m-q4_k_m.gguf"
@@ -44,7 +44,8 @@ FAIL_FAST_S = 10.0
 FP16_FIELDS = {
     T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2),
     T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
-    T.IQ4_NL: (0,), T.IQ4_XS: (0,),
+    T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.IQ2_XXS: (0,), T.IQ3_XXS: (0,), T.IQ2_XS: (0,),
+    T.IQ2_S: (0,), T.IQ3_S: (0,),
     T.MXFP4: (),  # its scale is the E8M0 byte 0 (set below)
 }
 
@@ -108,14 +109,37 @@ def test_iq4_xs_in_blocks_of_32_keeps_every_value():
                        reference(edge, T.IQ4_XS))
 
 
+@pytest.mark.parametrize("ggml_type", [T.IQ2_XXS, T.IQ3_XXS], ids=lambda t: t.name)
+def test_grid_types_in_blocks_of_32_keep_every_value(ggml_type):
+    """IQ2_XXS and IQ3_XXS run as blocks of 32 (ladle's IQ2_XXS_32, IQ3_XXS_32): each 32's
+    copy of d, grid indices and word of signs and scale; those dequantize to exactly the file's
+    values (gguf-py's), at every index, sign pattern and scale: random bytes, and every word
+    0x00000000 (scale 0, no sign) or 0xFFFFFFFF (scale 15, all seven sign bits: an odd count, so
+    the eighth too) with indices 0 and 255."""
+    as_32, kind, size = {T.IQ2_XXS: (iq2_xxs_as_32, IQ2_XXS_32, 10),
+                         T.IQ3_XXS: (iq3_xxs_as_32, IQ3_XXS_32, 14)}[ggml_type]
+    raw = random_rows(ggml_type, num_rows=24, blocks_per_row=2, rng=np.random.default_rng(5))
+    blocks = as_32(torch.from_numpy(raw))
+    assert blocks.dtype == torch.uint8 and blocks.shape == (24, 2 * 8 * size)
+    assert torch.equal(dequantize(blocks, kind, (24, 512)), reference(raw, ggml_type))
+    edge = raw.copy().reshape(48, -1)
+    edge[:, :2] = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)  # d > 0
+    edge[::2, 2:] = 0xFF
+    edge[1::2, 2:] = 0x00
+    edge = edge.reshape(24, -1)
+    values = dequantize(as_32(torch.from_numpy(edge)), kind, (24, 512))
+    assert torch.equal(values, reference(edge, ggml_type))
+    assert (values[:, :256] < 0).all() and (values[:, 256:] > 0).all()
+
+
 def test_dequantize_refuses_a_byte_count_that_does_not_fit_the_shape():
     raw = random_rows(T.Q4_K, 2, 1, np.random.default_rng(0))
     with pytest.raises(ValueError, match="Q4_K tensor of shape \\(3, 256\\) takes 432 bytes"):
         dequantize(raw, T.Q4_K, (3, 256))
     with pytest.raises(ValueError, match="do not split into Q4_K blocks of 256"):
         dequantize(raw, T.Q4_K, (4, 128))
-    with pytest.raises(ValueError, match="IQ2_XXS cannot be dequantized; supported: F32"):
-        dequantize(raw, T.IQ2_XXS, (2, 256))
+    with pytest.raises(ValueError, match="IQ1_S cannot be dequantized; supported: F32"):
+        dequantize(raw, T.IQ1_S, (2, 256))
 
 
 @pytest.fixture(scope="module")
@@ -281,15 +305,15 @@ def test_unknown_architecture(tmp_path):
             "supported: llama, qwen2, qwen3, gemma3, gemma2")
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q8_1, T.IQ2_XXS], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [T.Q8_1, T.IQ1_S], ids=lambda t: t.name)
 def test_unsupported_tensor_type_names_the_tensor(tmp_path, ggml_type):
     _, type_size = GGML_QUANT_SIZES[ggml_type]
     raw = np.zeros((2, type_size), np.uint8)
     path = write_gguf(tmp_path / "q.gguf", tensors=[f32_tensor(), ("blk.0.attn_q.weight", raw,
                                                                     ggml_type)])
     refused(path, f"tensor 'blk.0.attn_q.weight' is {ggml_type.name}",
-            "supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, IQ4_NL, IQ4_XS, Q2_K, "
-            "Q3_K, Q4_K, Q5_K, Q6_K")
+            "supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, IQ4_NL, IQ4_XS, "
+            "IQ2_XXS, IQ3_XXS, IQ2_XS, IQ2_S, IQ3_S, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K")
 
 
 def test_unknown_tensor_type_id(tmp_path):

@@ -265,13 +265,15 @@ def write_qwen3moe(path: Path, *, hidden: int = HIDDEN, expert_size: int = EXPER
     return path
 
 
-@pytest.mark.parametrize("k4", [T.Q4_K, T.Q5_K, T.Q3_K, T.IQ4_XS, T.Q2_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("k4", [T.Q4_K, T.Q5_K, T.Q3_K, T.IQ4_XS, T.Q2_K, T.IQ2_XXS, T.IQ3_XXS],
+                         ids=lambda t: t.name)
 def test_k_quant_experts_keep_each_experts_rows(tmp_path, k4):
     """A Q4_K_M-style layer (gate and up Q4_K, down Q6_K, rows of 256 values so the K-quant
     super-blocks fit; a Q8_0 router), a Q5_K_M-style one (Q5_K gate and up, and Q5_K
     attention, the type a Q4_K_M file gives an 8-expert model's attn_output) and a Q3_K_M-style
     one (Q3_K gate, up and attention), an
-    IQ4_XS one (kept as blocks of 32 with a float32 scale each) and a Q2_K one: each expert's
+    IQ4_XS one (kept as blocks of 32 with a float32 scale each), a Q2_K one, and IQ2_XXS and
+    IQ3_XXS ones (as blocks of 32, d copied into each): each expert's
     linears hold exactly its rows of the stacked tensors, in their blocks, and so do the
     attention's; the router is dequantized, since its logits choose the experts."""
     types = {"blk.0.ffn_gate_exps.weight": k4, "blk.0.ffn_up_exps.weight": k4,
@@ -303,12 +305,49 @@ def test_k_quant_experts_keep_each_experts_rows(tmp_path, k4):
         assert torch.equal(o.dequantize(), stored[attention[3]])
 
 
+def test_types_without_a_kernel_are_dequantized_where_they_fit(tmp_path, monkeypatch):
+    """An IQ3_XXS file's mix (llama.cpp gives a GQA model's attn_k IQ2_S): the IQ2_S tensor,
+    which no kernel runs, is dequantized at load to exactly gguf-py's values beside the IQ3_XXS
+    parts kept in their blocks; the same for IQ2_XS and IQ3_S (IQ2_M, IQ3_M files). Where those
+    tensors would not fit dequantized in the memory available, loading is an error naming the
+    file, the types, the size and the kernel types, before anything is dequantized."""
+    import ladle.models.gguf.quantized as quantized
+
+    attention = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight",
+                 "blk.0.attn_output.weight"]
+    types = {"blk.0.ffn_gate_exps.weight": T.IQ3_XXS, "blk.0.ffn_up_exps.weight": T.IQ3_S,
+             "blk.0.ffn_down_exps.weight": T.IQ2_XS, "blk.0.ffn_gate_inp.weight": T.Q8_0,
+             **dict.fromkeys(attention, T.IQ3_XXS), "blk.0.attn_k.weight": T.IQ2_S}
+    path = write_qwen3moe(tmp_path / "iq.gguf", hidden=256, expert_size=256, types=types)
+    model = load_model(path, read_hf_config(path), torch.float32, torch.device("cpu"))
+    stored = {name: t.dequantize() for name, t in open_gguf(path).tensors.items()}
+    (attn,) = [m for m in model.modules() if hasattr(m, "qkv_proj")]
+    qkv = attn.qkv_proj.weight
+    assert [p.name() for p in qkv.parts] == ["IQ3_XXS", "float32", "IQ3_XXS"]
+    assert torch.equal(qkv.dequantize(), torch.cat([stored[n] for n in attention[:3]]))
+    (block,) = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    for e, expert in enumerate(block.experts):
+        gate_up, down = expert.gate_up_proj.weight, expert.down_proj.weight
+        assert [p.name() for p in gate_up.parts] == ["IQ3_XXS", "float32"]
+        assert torch.equal(gate_up.parts[1].dequantize(256), stored["blk.0.ffn_up_exps.weight"][e])
+        assert isinstance(down, torch.nn.Parameter), type(down)  # a tensor with no kernel type
+        assert torch.equal(down, stored["blk.0.ffn_down_exps.weight"][e])
+    monkeypatch.setattr(quantized, "free_memory", lambda device: 1 << 16)
+    with pytest.raises(ModelLoadError) as info:
+        load_model(path, read_hf_config(path), torch.float32, torch.device("cpu"))
+    message = str(info.value)
+    for fragment in (str(path), "IQ2_S/IQ2_XS/IQ3_S tensors have no quantized kernel",
+                     "dequantized to float32, more than the 0.0 GiB", "IQ3_XXS"):
+        assert fragment in message, message
+
+
 # (tokens, ggml types of gate, up, down): one token (decode tiles), a few, enough that every
 # expert gets several rows (prefill tiles) and threads share experts, and enough that experts
 # get 12 or more rows (the panels of AVX-512 VNNI builds); a Q4_K_M layer, Q5_K_M ones, a Q8_0
 # one, mixed 32-value types (Q5_1 and Q4_1: the fallbacks of Q5_K_M files and of 8-expert
 # Q4_0 files, with a min per block), a Q3_K_M one (a scale per 16 values, as Q6_K), IQ4 ones
-# (IQ4_XS in blocks of 32, IQ4_NL: table values), and Q2_K ones (a min per 16 values).
+# (IQ4_XS in blocks of 32, IQ4_NL: table values), Q2_K ones (a min per 16 values), and
+# IQ2_XXS / IQ3_XXS ones (grid magnitudes and sign bits).
 QUANT_CASES = [(1, (T.Q4_K, T.Q4_K, T.Q6_K)), (3, (T.Q4_K, T.Q4_K, T.Q6_K)),
                (37, (T.Q4_K, T.Q4_K, T.Q6_K)), (1, (T.Q5_K, T.Q5_K, T.Q6_K)),
                (37, (T.Q5_K, T.Q5_K, T.Q5_K)), (1, (T.Q8_0, T.Q8_0, T.Q8_0)),
@@ -317,7 +356,8 @@ QUANT_CASES = [(1, (T.Q4_K, T.Q4_K, T.Q6_K)), (3, (T.Q4_K, T.Q4_K, T.Q6_K)),
                (37, (T.Q5_1, T.Q5_1, T.Q4_1)), (1, (T.Q3_K, T.Q3_K, T.Q4_K)),
                (37, (T.Q3_K, T.Q3_K, T.Q4_K)), (1, (T.IQ4_XS, T.IQ4_XS, T.IQ4_NL)),
                (37, (T.IQ4_XS, T.IQ4_NL, T.IQ4_XS)), (1, (T.Q2_K, T.Q2_K, T.Q3_K)),
-               (37, (T.Q2_K, T.Q2_K, T.Q4_K))]
+               (37, (T.Q2_K, T.Q2_K, T.Q4_K)), (1, (T.IQ2_XXS, T.IQ2_XXS, T.IQ3_XXS)),
+               (37, (T.IQ3_XXS, T.IQ2_XXS, T.IQ3_XXS))]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

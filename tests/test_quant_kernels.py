@@ -25,7 +25,7 @@ needs_kernels = pytest.mark.skipif(kernels is None or not hasattr(kernels, "quan
 # Byte offsets of each type's fp16 scale fields (d; Q4_K also dmin), as gguf-py lays blocks out.
 F16_FIELDS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2],
               Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.IQ4_NL: [0],
-              Q.IQ4_XS_32: [], Q.MXFP4: []}
+              Q.IQ4_XS_32: [], Q.MXFP4: [], Q.IQ2_XXS_32: [0], Q.IQ3_XXS_32: [0]}
 
 
 def random_blocks(kind: int, rows: int, k: int, g: torch.Generator) -> torch.Tensor:

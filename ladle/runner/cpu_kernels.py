@@ -234,8 +234,20 @@ def load_cpu_kernels():
         except Exception as e:  # no compiler, no headers, read-only cache: all mean "use torch"
             logger.warning("CPU kernels unavailable (%s: %s); using the slower torch path",
                            type(e).__name__, e)
+        else:
+            _set_tables(module)
     _loaded["module"] = module
     return module
+
+
+def _set_tables(module) -> None:
+    """The data a kernel type needs that the sources do not hold: IQ2_XXS's and IQ3_XXS's grids,
+    from gguf-py (the format's definition), before any weight of those types can run."""
+    from gguf import GGMLQuantizationType as T
+
+    from ladle.models.gguf.quants import iq_grid  # (a cycle at import time)
+
+    module.set_iq_grids(iq_grid(T.IQ2_XXS), iq_grid(T.IQ3_XXS))
 
 
 def _load_or_build(root: Path):

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 from gguf import GGMLQuantizationType
 
+from ladle.config import free_memory
 from ladle.models.gguf.mapping import (
     TILED_VALUE_HEADS,
     _load,
@@ -28,12 +29,15 @@ from ladle.models.gguf.mapping import (
     hf_tensor_names,
     untile_value_rows,
 )
-from ladle.models.gguf.quants import dequantize, iq4_xs_as_32
+from ladle.models.gguf.quants import dequantize, iq2_xxs_as_32, iq3_xxs_as_32, iq4_xs_as_32
 from ladle.models.gguf.reader import GGUFFile, GGUFTensor
 from ladle.models.loader import ModelLoadError, _target
 from ladle.runner.quant import (
     BLOCK_SIZES,
+    BLOCK_TYPES,
     DENSE,
+    IQ2_XXS_32,
+    IQ3_XXS_32,
     IQ4_XS_32,
     QuantEmbedding,
     QuantPart,
@@ -45,8 +49,11 @@ logger = logging.getLogger(__name__)
 
 # ggml types whose blocks are rewritten at load, exactly, as blocks of a kernel type (their bytes
 # grow, but far less than dequantized): type -> (kernel type, rewrite, how, for the log line).
-# IQ4_XS's sub-blocks run as IQ4_NL-style blocks with a float32 scale each (1.18x its bytes).
-WIDENED = {int(GGMLQuantizationType.IQ4_XS): (IQ4_XS_32, iq4_xs_as_32, "in blocks of 32")}
+# IQ4_XS's sub-blocks run as IQ4_NL-style blocks with a float32 scale each (1.18x its bytes);
+# IQ2_XXS's and IQ3_XXS's 32s each with a copy of their super-block's d (1.21x, 1.14x).
+WIDENED = {int(GGMLQuantizationType.IQ4_XS): (IQ4_XS_32, iq4_xs_as_32, "in blocks of 32"),
+           int(GGMLQuantizationType.IQ2_XXS): (IQ2_XXS_32, iq2_xxs_as_32, "in blocks of 32"),
+           int(GGMLQuantizationType.IQ3_XXS): (IQ3_XXS_32, iq3_xxs_as_32, "in blocks of 32")}
 
 
 def install_gguf_blocks(model: nn.Module, gguf_file: GGUFFile, hf_config: dict,
@@ -67,6 +74,7 @@ def install_gguf_blocks(model: nn.Module, gguf_file: GGUFFile, hf_config: dict,
                 continue
             pname, shard = target
             by_param.setdefault(pname, {})[0 if shard is None else shard] = (tensor, index)
+    _check_dense_fits(gguf_file, by_param, dtype)
     # ggml type -> names of the file tensors kept in blocks / dequantized (a stacked experts'
     # tensor counts once, not once per expert).
     kept: dict[str, set[str]] = {}
@@ -109,6 +117,30 @@ def install_gguf_blocks(model: nn.Module, gguf_file: GGUFFile, hf_config: dict,
         logger.info("%s: tensors of types without a quantized kernel dequantized to %s (%s)",
                     gguf_file.path, str(dtype).removeprefix("torch."),
                     ", ".join(f"{len(n)} {name}" for name, n in sorted(dense.items())))
+
+
+def _check_dense_fits(gguf_file: GGUFFile, by_param: dict, dtype: torch.dtype) -> None:
+    """The file's quantized tensors of types no kernel runs (IQ2_XS, IQ2_S, IQ3_S) are
+    dequantized at load, several times their bytes: a clear error before that, where they
+    would not fit in the memory available, instead of the engine killed for memory."""
+    tensors = {t.name: t for shards in by_param.values() for t, _ in shards.values()
+               if not _kept(int(t.ggml_type)) and int(t.ggml_type) in _DEQUANTIZED_ONLY}
+    if not tensors:
+        return
+    need = sum(int(np.prod(t.shape)) for t in tensors.values()) * dtype.itemsize
+    free = free_memory(torch.device("cpu"))
+    if need > free:
+        types = sorted({t.ggml_type.name for t in tensors.values()})
+        raise ModelLoadError(
+            f"{gguf_file.path}: its {len(tensors)} {'/'.join(types)} tensors have no quantized "
+            f"kernel and would take {need / 2**30:.1f} GiB dequantized to "
+            f"{str(dtype).removeprefix('torch.')}, more than the {free / 2**30:.1f} GiB of memory "
+            "available; kernel types: " + ", ".join(sorted(BLOCK_TYPES.values())))
+
+
+# Quantized types ladle reads only by dequantizing them at load (`_check_dense_fits`).
+_DEQUANTIZED_ONLY = {int(GGMLQuantizationType.IQ2_XS), int(GGMLQuantizationType.IQ2_S),
+                     int(GGMLQuantizationType.IQ3_S)}
 
 
 def _part(tensor: GGUFTensor, index: Any, gguf_file: GGUFFile, hf_config: dict,

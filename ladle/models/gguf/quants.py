@@ -12,15 +12,17 @@ GGML_QUANT_SIZES). Each `_dequantize_*` maps blocks (n, type_size) uint8 to valu
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable
 
+import gguf.quants
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ladle.runner.quant import IQ4_XS_32
+from ladle.runner.quant import IQ2_XXS_32, IQ3_XXS_32, IQ4_XS_32
 
 QK_K = 256  # values in a k-quant super-block
 # Values dequantized per step: bounds the temporaries (a few times this many floats) when a
@@ -30,12 +32,12 @@ _CHUNK_VALUES = 1 << 24
 
 def dequantize(raw: np.ndarray | torch.Tensor, ggml_type: GGMLQuantizationType | int,
                shape: tuple[int, ...]) -> torch.Tensor:
-    """The float32 values of a tensor of `ggml_type` (or ladle's IQ4_XS_32, the layout IQ4_XS
-    runs in) whose bytes are `raw` (numpy or torch, uint8, any shape), in `shape` (torch
+    """The float32 values of a tensor of `ggml_type` (or of a layout a type runs in: ladle's
+    IQ4_XS_32, IQ2_XXS_32, IQ3_XXS_32) whose bytes are `raw` (numpy or torch, uint8, any shape), in `shape` (torch
     order). Always new memory: `raw` may be a read-only view of a memory-mapped file, and is
     only read."""
-    if ggml_type == IQ4_XS_32:
-        name, (block_size, type_size), fn = "IQ4_XS_32", (32, 20), _dequantize_iq4_xs_32
+    if ggml_type in _KERNEL_LAYOUTS:
+        name, (block_size, type_size), fn = _KERNEL_LAYOUTS[ggml_type]
     else:
         ggml_type = GGMLQuantizationType(ggml_type)
         if ggml_type not in _DEQUANTIZERS:
@@ -212,6 +214,103 @@ def _dequantize_iq4_xs_32(b: torch.Tensor) -> torch.Tensor:
     return _iq4_values(b[:, 4:]).float() * b[:, :4].contiguous().view(torch.float32)
 
 
+# ---- i-quants on a grid: IQ2_XXS, IQ3_XXS -----------------------------------------------------
+# A super-block of 256 values: d, then per 32 values grid indices and a little-endian uint32
+# word whose bits 7k .. 7k + 6 (k = 0 .. 3) are the signs of values 8k .. 8k + 7 (the eighth
+# sign makes the count of minus signs even) and whose top 4 bits are a scale s. An index picks 8
+# (IQ2_XXS) or 4 (IQ3_XXS) magnitudes from the type's fixed grid (ggml's iq2xxs_grid /
+# iq3xxs_grid, as gguf-py ships them). y = d * (s + 1/2) / 4 (IQ3_XXS: / 2) * magnitude * sign,
+# every step exact in float32 (11 bits times 5 times 6).
+
+@functools.cache
+def iq_grid(ggml_type: GGMLQuantizationType | int) -> torch.Tensor:
+    """uint8 (256, 8) for IQ2_XXS, (256, 4) for IQ3_XXS: the magnitudes index i picks."""
+    cls = {GGMLQuantizationType.IQ2_XXS: gguf.quants.IQ2_XXS,
+           GGMLQuantizationType.IQ3_XXS: gguf.quants.IQ3_XXS}[GGMLQuantizationType(ggml_type)]
+    cls.init_grid()
+    return torch.from_numpy(cls.grid.reshape(cls.grid_shape).astype(np.uint8))
+
+
+# The sign byte of 7 sign bits: bit 7 set where the seven have an odd count (ggml's ksigns).
+_SIGN_BYTES = torch.tensor([i | (bin(i).count("1") & 1) << 7 for i in range(128)],
+                           dtype=torch.uint8)
+# type -> (bytes per super-block, bytes of grid indices per 32 values, where the words start)
+_GRID_LAYOUT = {GGMLQuantizationType.IQ2_XXS: (66, 4, None),
+                GGMLQuantizationType.IQ3_XXS: (98, 8, 66)}
+
+
+def _grid_as_32(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
+    """Super-blocks (..., bytes * blocks) -> blocks of 32 (..., 8 * (6 + indices) * blocks): each
+    32's d (copied), grid indices, then word, as stored."""
+    size, idx, words = _GRID_LAYOUT[ggml_type]
+    lead = raw.shape[:-1]
+    b = raw.reshape(-1, size)
+    n = b.shape[0]
+    out = torch.empty(n, 8, 6 + idx, dtype=torch.uint8)
+    out[:, :, :2] = b[:, None, :2]
+    if words is None:  # IQ2_XXS: each 32's indices and word already together
+        out[:, :, 2:] = b[:, 2:].reshape(n, 8, 8)
+    else:
+        out[:, :, 2:2 + idx] = b[:, 2:words].reshape(n, 8, idx)
+        out[:, :, 2 + idx:] = b[:, words:].reshape(n, 8, 4)
+    return out.reshape(*lead, -1)
+
+
+def iq2_xxs_as_32(raw: torch.Tensor) -> torch.Tensor:
+    """IQ2_XXS rows (..., 66 * blocks) as IQ2_XXS_32 rows (..., 80 * blocks): 10 bytes per 32
+    values against 8.25."""
+    return _grid_as_32(raw, GGMLQuantizationType.IQ2_XXS)
+
+
+def iq3_xxs_as_32(raw: torch.Tensor) -> torch.Tensor:
+    """IQ3_XXS rows (..., 98 * blocks) as IQ3_XXS_32 rows (..., 112 * blocks): 14 bytes per 32
+    values against 12.25."""
+    return _grid_as_32(raw, GGMLQuantizationType.IQ3_XXS)
+
+
+def _grid_values(b: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
+    # Blocks of 32 (n, 6 + idx): d, grid indices, the word.  y = scale * magnitude * sign
+    _, idx, _ = _GRID_LAYOUT[ggml_type]
+    n = b.shape[0]
+    mag = iq_grid(ggml_type)[b[:, 2:2 + idx].long()].reshape(n, 32)
+    word = b[:, 2 + idx:6 + idx].contiguous().view(torch.int32).long() & 0xFFFFFFFF  # (n, 1)
+    signs = _SIGN_BYTES[(word >> torch.tensor([0, 7, 14, 21])) & 127]  # (n, 4): 8 values each
+    negative = _fields(signs, 1).transpose(1, 2).reshape(n, 32)
+    values = torch.where(negative.bool(), -mag.float(), mag.float())
+    step = 0.25 if ggml_type == GGMLQuantizationType.IQ2_XXS else 0.5
+    return values * (_f16(b, 0) * ((word >> 28).float() + 0.5) * step)
+
+
+def _dequantize_iq2_xxs_32(b: torch.Tensor) -> torch.Tensor:
+    return _grid_values(b, GGMLQuantizationType.IQ2_XXS)
+
+
+def _dequantize_iq3_xxs_32(b: torch.Tensor) -> torch.Tensor:
+    return _grid_values(b, GGMLQuantizationType.IQ3_XXS)
+
+
+def _dequantize_iq2_xxs(b: torch.Tensor) -> torch.Tensor:
+    # 66 bytes: d, then per 32 values 4 grid indices and the word.
+    return _dequantize_iq2_xxs_32(iq2_xxs_as_32(b).reshape(-1, 10)).reshape(b.shape[0], QK_K)
+
+
+def _dequantize_iq3_xxs(b: torch.Tensor) -> torch.Tensor:
+    # 98 bytes: d, qs[64] (8 grid indices per 32 values), words[32] (one per 32 values).
+    return _dequantize_iq3_xxs_32(iq3_xxs_as_32(b).reshape(-1, 14)).reshape(b.shape[0], QK_K)
+
+
+# ---- i-quants ladle only dequantizes at load ---------------------------------------------------
+# IQ2_XS, IQ2_S and IQ3_S (the attn_k of IQ3_XXS files, the bulk of IQ2_M and IQ3_M ones): no
+# kernel runs them, so their tensors are dequantized at load (quantized.py checks that fits),
+# by gguf-py's own numpy dequantizer, the definition the others here are tested against.
+
+def _by_gguf_py(ggml_type: GGMLQuantizationType) -> Callable[[torch.Tensor], torch.Tensor]:
+    def dequantize_blocks(b: torch.Tensor) -> torch.Tensor:
+        values = gguf.quants.dequantize(np.ascontiguousarray(b.numpy()), ggml_type)
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+    return dequantize_blocks
+
+
 # ---- k-quants: 256-value super-blocks of 16 or 8 sub-blocks ---------------------------------
 
 def _dequantize_q2_k(b: torch.Tensor) -> torch.Tensor:
@@ -323,6 +422,11 @@ _DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]
     GGMLQuantizationType.MXFP4: _dequantize_mxfp4,
     GGMLQuantizationType.IQ4_NL: _dequantize_iq4_nl,
     GGMLQuantizationType.IQ4_XS: _dequantize_iq4_xs,
+    GGMLQuantizationType.IQ2_XXS: _dequantize_iq2_xxs,
+    GGMLQuantizationType.IQ3_XXS: _dequantize_iq3_xxs,
+    GGMLQuantizationType.IQ2_XS: _by_gguf_py(GGMLQuantizationType.IQ2_XS),
+    GGMLQuantizationType.IQ2_S: _by_gguf_py(GGMLQuantizationType.IQ2_S),
+    GGMLQuantizationType.IQ3_S: _by_gguf_py(GGMLQuantizationType.IQ3_S),
     GGMLQuantizationType.Q2_K: _dequantize_q2_k,
     GGMLQuantizationType.Q3_K: _dequantize_q3_k,
     GGMLQuantizationType.Q4_K: _dequantize_q4_k,
@@ -330,3 +434,7 @@ _DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]
     GGMLQuantizationType.Q6_K: _dequantize_q6_k,
 }
 SUPPORTED_TYPES = tuple(_DEQUANTIZERS)
+# The layouts types run in (ladle's own ids): name, (values, bytes) per block, dequantizer.
+_KERNEL_LAYOUTS = {IQ4_XS_32: ("IQ4_XS_32", (32, 20), _dequantize_iq4_xs_32),
+                   IQ2_XXS_32: ("IQ2_XXS_32", (32, 10), _dequantize_iq2_xxs_32),
+                   IQ3_XXS_32: ("IQ3_XXS_32", (32, 14), _dequantize_iq3_xxs_32)}

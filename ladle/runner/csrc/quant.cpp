@@ -46,6 +46,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -59,7 +60,6 @@
 #define LADLE_QUANT_512 1  // the panels (prefill, batched decode)
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #define LADLE_QUANT_AMX 1  // repacked parts 16 rows at a time on the tile unit (vec.h asks Linux)
-#include <atomic>
 #endif
 #endif
 #endif
@@ -76,6 +76,53 @@ constexpr int kIQ4XS32 = -9;
 // its e2m1 table; blocks of 32 with one float scale, so they run where MXFP4 does.
 template <int TYPE> constexpr bool kLut4 =
     TYPE == kMXFP4 || TYPE == kIQ4NL || TYPE == kIQ4XS32;
+// IQ2_XXS and IQ3_XXS (the bulk of IQ2_XXS / IQ3_XXS / IQ3_XS files): a super-block of 256
+// values, d, then per 32 values grid indices and one 32-bit word of 4 x 7 sign bits and a 4-bit
+// scale s; an index picks 8 (IQ2_XXS) or 4 (IQ3_XXS) magnitudes from a fixed table (the grid),
+// the 7 bits the signs of 8 values (the 8th makes the count of minus signs even), and w = d *
+// (s + 1/2) / 4 (IQ3_XXS: / 2) * grid * sign. Run as blocks of 32 (quant.py's IQ2_XXS_32,
+// IQ3_XXS_32: d copied before each 32's indices and word as stored, 10 and 14 bytes against 8.25
+// and 12.25), signed values as Q8_0's: |w| <= 62.
+constexpr int kIQ2XXS32 = -12, kIQ3XXS32 = -13;
+template <int TYPE> constexpr bool kGrid = TYPE == kIQ2XXS32 || TYPE == kIQ3XXS32;
+template <int TYPE> constexpr int kGridSigns = TYPE == kIQ2XXS32 ? 6 : 10;  // the word's offset
+// The grids, as gguf-py (ggml's iq2xxs_grid, iq3xxs_grid) defines them: 256 entries of 8 and 4
+// magnitudes, one byte each. Set once per process by set_iq_grids (quant.py, when the kernels
+// load) before any part of those types can run; quant_matmul refuses them until then.
+struct IqGrids {
+  uint64_t g2[256];
+  uint32_t g3[256];
+  std::atomic<bool> ready{false};
+};
+IqGrids g_iq;
+// A block's 32 sign bits (bit i: value i negative) from its word: each 7 bits a byte, whose
+// eighth bit makes the byte's count of set bits even (computed: 4 table loads per block cost
+// more).
+constexpr uint32_t grid_sign_bits(uint32_t word) {
+  const uint32_t s = (word & 0x7Fu) | (word << 1 & 0x7F00u) | (word << 2 & 0x7F0000u) |
+                     (word << 3 & 0x7F000000u);
+  uint32_t p = s ^ (s >> 4);  // bit 0 of each byte: the parity of the byte
+  p ^= p >> 2;
+  p ^= p >> 1;
+  return s | (p & 0x01010101u) << 7;
+}
+static_assert(grid_sign_bits(1) == 0x81 && grid_sign_bits(3) == 3 &&
+              grid_sign_bits(0x0FFFFFFF) == 0xFFFFFFFF && grid_sign_bits(0x80) == 0x8100);
+template <int TYPE>
+inline uint32_t grid_word(const uint8_t* b) {
+  uint32_t w;
+  std::memcpy(&w, b + kGridSigns<TYPE>, 4);
+  return w;
+}
+// The 32 magnitudes of a block, in order.
+template <int TYPE>
+inline void grid_magnitudes(const uint8_t* b, uint8_t* out) {
+  if constexpr (TYPE == kIQ2XXS32) {
+    for (int k = 0; k < 4; k++) std::memcpy(out + 8 * k, &g_iq.g2[b[2 + k]], 8);
+  } else {
+    for (int k = 0; k < 8; k++) std::memcpy(out + 4 * k, &g_iq.g3[b[2 + k]], 4);
+  }
+}
 // Repacked at load by 16 rows (quant.py's Q4_K_R16, Q6_K_R16, Q8_0_R16, INT8_ROW_R16,
 // Q5_0_R16, Q5_K_R16, Q3_K_R16, Q2_K_R16; AVX-512 VNNI builds).
 constexpr int kQ4KR = -3, kQ6KR = -4, kQ8R = -5, kI8R = -6, kQ5R = -7, kQ5KR = -8, kQ3KR = -10,
@@ -195,6 +242,8 @@ inline void with_type(int type, F&& f) {
     case kMXFP4: return f(std::integral_constant<int, kMXFP4>{});
     case kIQ4NL: return f(std::integral_constant<int, kIQ4NL>{});
     case kIQ4XS32: return f(std::integral_constant<int, kIQ4XS32>{});
+    case kIQ2XXS32: return f(std::integral_constant<int, kIQ2XXS32>{});
+    case kIQ3XXS32: return f(std::integral_constant<int, kIQ3XXS32>{});
     case kQ4_K: return f(std::integral_constant<int, kQ4_K>{});
     case kQ5_K: return f(std::integral_constant<int, kQ5_K>{});
     case kQ6_K: return f(std::integral_constant<int, kQ6_K>{});
@@ -210,7 +259,7 @@ inline int64_t block_values(int type) {
           type == kQ4KR || type == kQ5KR || type == kQ6KR || type == kQ3KR || type == kQ2KR)
       ? 256 : 32;
 }
-inline int64_t block_bytes(int type) {
+constexpr int64_t block_bytes(int type) {
   switch (type) {
     case kQ4_0: return 18;
     case kQ5_0: return 22;
@@ -220,6 +269,8 @@ inline int64_t block_bytes(int type) {
     case kMXFP4: return 17;
     case kIQ4NL: return 18;
     case kIQ4XS32: return 20;
+    case kIQ2XXS32: return 10;
+    case kIQ3XXS32: return 14;
     case kQ4_K: return 144;
     case kQ5_K: return 176;
     case kQ6_K: return 210;
@@ -274,6 +325,13 @@ static_assert(kE8m0Half.v[0] == 0x1p-128f && kE8m0Half.v[1] == 0x1p-127f &&
               kE8m0Half.v[127] == 0.5f && kE8m0Half.v[255] == 0x1p127f);
 
 inline float e8m0_half(uint8_t e) { return kE8m0Half.v[e]; }
+
+// An IQ2_XXS / IQ3_XXS block's scale d * (s + 1/2) / 4 (/ 2), exact in float32 (11 bits times 5).
+template <int TYPE>
+inline float grid_scale(const uint8_t* b) {
+  return f16(b) * float(2 * int(grid_word<TYPE>(b) >> 28) + 1) *
+         (TYPE == kIQ2XXS32 ? 0.125f : 0.25f);
+}
 
 // ggml's kvalues_iq4nl: the 16 values of IQ4_NL's and IQ4_XS's nibbles (|w| <= 127, as Q8_0's,
 // so the int16 pair sums of vpmaddubsw hold them).
@@ -333,6 +391,8 @@ inline void sub_scales(const uint8_t* row, int64_t sb, Sub& o) {
     o.s0 = o.s1 = f16(row + sb * 18);
   } else if constexpr (TYPE == kIQ4XS32) {
     o.s0 = o.s1 = f32_at(row + sb * 20);
+  } else if constexpr (kGrid<TYPE>) {
+    o.s0 = o.s1 = grid_scale<TYPE>(row + sb * block_bytes(TYPE));
   } else if constexpr (kK4<TYPE>) {
     const uint8_t* b = row + (sb >> 3) * kK4Bytes<TYPE>;
     int sc, mn;
@@ -397,6 +457,12 @@ inline void unpack_scalar(const uint8_t* row, int64_t sb, Sub& o) {
       o.q[i] = int8_t((b[8 + i] & 0xF) | (((qh >> i) & 1) << 4));
       o.q[i + 16] = int8_t((b[8 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
     }
+  } else if constexpr (kGrid<TYPE>) {
+    const uint8_t* b = row + sb * block_bytes(TYPE);
+    uint8_t mag[32];
+    grid_magnitudes<TYPE>(b, mag);
+    const uint32_t neg = grid_sign_bits(grid_word<TYPE>(b));
+    for (int i = 0; i < 32; i++) o.q[i] = int8_t((neg >> i) & 1 ? -mag[i] : mag[i]);
   } else if constexpr (kLut4<TYPE>) {
     constexpr int64_t bytes = TYPE == kMXFP4 ? 17 : TYPE == kIQ4NL ? 18 : 20;
     const uint8_t* b = row + sb * bytes + kLut4Qs<TYPE>;
@@ -559,28 +625,58 @@ inline __m256i nibbles(const uint8_t* p) {  // 16 bytes -> low nibbles, then hig
   return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
 }
 
-// Byte i (0..31) = 0x10 where bit i of `bits` is set, else 0.
-inline __m256i bit_bytes(uint32_t bits) {
+// Byte i (0..31) = 0xFF where bit i of `bits` is set, else 0.
+inline __m256i bit_mask(uint32_t bits) {
   const __m256i spread = _mm256_shuffle_epi8(
       _mm256_set1_epi32(int(bits)),
       _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0));
   const __m256i select = _mm256_set1_epi64x(int64_t(0x8040201008040201ULL));
-  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
-  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+}
+// Byte i (0..31) = 0x10 where bit i of `bits` is set, else 0.
+inline __m256i bit_bytes(uint32_t bits) {
+  return _mm256_and_si256(bit_mask(bits), _mm256_set1_epi8(0x10));
 }
 
-// A block of 32 values with one scale (Q8_0, Q4_0, Q5_0, MXFP4, IQ4, int8 rows as blocks of
-// scale 1; Q4_1 and Q5_1 with a min too), its values unpacked to signed int8. (The K-quants have
-// tiles of their own, below.)
+// An IQ2_XXS / IQ3_XXS block's 32 magnitudes from the grid (unsigned, <= 62).
+template <int TYPE>
+inline __m256i grid_mags(const uint8_t* b) {
+  if constexpr (TYPE == kIQ2XXS32) {
+    const uint64_t* g = g_iq.g2;
+    return _mm256_set_epi64x(int64_t(g[b[5]]), int64_t(g[b[4]]), int64_t(g[b[3]]),
+                             int64_t(g[b[2]]));
+  } else {
+    const uint32_t* g = g_iq.g3;
+    return _mm256_set_epi32(int(g[b[9]]), int(g[b[8]]), int(g[b[7]]), int(g[b[6]]),
+                            int(g[b[5]]), int(g[b[4]]), int(g[b[3]]), int(g[b[2]]));
+  }
+}
+// v's bytes negated where `bits` has their bit set.
+inline __m256i negate_where(__m256i v, uint32_t bits) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return _mm256_mask_sub_epi8(v, __mmask32(bits), _mm256_setzero_si256(), v);
+#else
+  const __m256i m = bit_mask(bits);
+  return _mm256_sub_epi8(_mm256_xor_si256(v, m), m);
+#endif
+}
+// Its signed values (panels, rows of a call too small for the sign on x below).
+template <int TYPE>
+inline __m256i grid_values(const uint8_t* b) {
+  return negate_where(grid_mags<TYPE>(b), grid_sign_bits(grid_word<TYPE>(b)));
+}
+
 template <int TYPE> constexpr int64_t kBlockBytes =
     TYPE == kI8 ? 32 : TYPE == kQ8_0 ? 34 : TYPE == kQ4_0 ? 18 : TYPE == kMXFP4 ? 17
-    : TYPE == kQ4_1 ? 20 : TYPE == kQ5_1 ? 24 : TYPE == kIQ4NL ? 18 : TYPE == kIQ4XS32 ? 20 : 22;
+    : TYPE == kQ4_1 ? 20 : TYPE == kQ5_1 ? 24 : TYPE == kIQ4NL ? 18 : TYPE == kIQ4XS32 ? 20
+    : kGrid<TYPE> ? block_bytes(TYPE) : 22;
 
 template <int TYPE>
 inline float block_scale(const uint8_t* b) {
   if constexpr (TYPE == kI8) return 1.f;
   else if constexpr (TYPE == kMXFP4) return e8m0_half(b[0]);
   else if constexpr (TYPE == kIQ4XS32) return f32_at(b);
+  else if constexpr (kGrid<TYPE>) return grid_scale<TYPE>(b);
   else return f16(b);
 }
 
@@ -592,6 +688,8 @@ inline __m256i block_quants(const uint8_t* b) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
   } else if constexpr (TYPE == kQ4_0) {
     return _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8));
+  } else if constexpr (kGrid<TYPE>) {
+    return grid_values<TYPE>(b);
   } else if constexpr (kLut4<TYPE>) {  // the nibbles through the table, one vpshufb
     const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kLut4Table<TYPE>));
     return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(table), nibbles(b + kLut4Qs<TYPE>));
@@ -738,6 +836,10 @@ inline __m256 block_scales(const uint8_t* const* b) {
   } else if constexpr (TYPE == kIQ4XS32) {
     return _mm256_setr_ps(f32_at(b[0]), f32_at(b[1]), f32_at(b[2]), f32_at(b[3]), f32_at(b[4]),
                           f32_at(b[5]), f32_at(b[6]), f32_at(b[7]));
+  } else if constexpr (kGrid<TYPE>) {
+    return _mm256_setr_ps(grid_scale<TYPE>(b[0]), grid_scale<TYPE>(b[1]), grid_scale<TYPE>(b[2]),
+                          grid_scale<TYPE>(b[3]), grid_scale<TYPE>(b[4]), grid_scale<TYPE>(b[5]),
+                          grid_scale<TYPE>(b[6]), grid_scale<TYPE>(b[7]));
   } else {
     return f16_rows(b, 0);
   }
@@ -764,6 +866,13 @@ inline void tile_blocks(const uint8_t* const* w, const Act& a, __m256* acc) {
         const __m256i u1 = block_unsigned<TYPE>(b[2 * k + 1]);
         for (int m = 0; m < MR; m++)
           h[m][k] = pair_sums(dot_u8s8(u0, xv[m]), dot_u8s8(u1, xv[m]));
+      } else if constexpr (kGrid<TYPE>) {  // the magnitudes as they are, the signs onto x
+        const __m256i u0 = grid_mags<TYPE>(b[2 * k]), u1 = grid_mags<TYPE>(b[2 * k + 1]);
+        const uint32_t n0 = grid_sign_bits(grid_word<TYPE>(b[2 * k]));
+        const uint32_t n1 = grid_sign_bits(grid_word<TYPE>(b[2 * k + 1]));
+        for (int m = 0; m < MR; m++)
+          h[m][k] = pair_sums(dot_u8s8(u0, negate_where(xv[m], n0)),
+                              dot_u8s8(u1, negate_where(xv[m], n1)));
       } else {
         const __m256i q0 = block_quants<TYPE>(b[2 * k]), q1 = block_quants<TYPE>(b[2 * k + 1]);
         const __m256i a0 = _mm256_sign_epi8(q0, q0), a1 = _mm256_sign_epi8(q1, q1);
@@ -1031,6 +1140,8 @@ template <int TYPE>
 inline __m256i block_dot(const uint8_t* b, __m256i x) {
   if constexpr (kUnsignedRow<TYPE>) {
     return dot_u8s8(block_unsigned<TYPE>(b), x);
+  } else if constexpr (kGrid<TYPE>) {  // the magnitudes as they are, the signs onto x
+    return dot_u8s8(grid_mags<TYPE>(b), negate_where(x, grid_sign_bits(grid_word<TYPE>(b))));
   } else {
     const __m256i q = block_quants<TYPE>(b);
     return dot_u8s8(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
@@ -2335,7 +2446,7 @@ constexpr int64_t kPanelRows = 16;
 constexpr int64_t kPanelMinRows = 12;
 
 template <int TYPE> constexpr int kPanelBias =
-    (TYPE == kQ8_0 || TYPE == kI8 || kLut4<TYPE>) ? 128 : TYPE == kQ4_0 ? 8
+    (TYPE == kQ8_0 || TYPE == kI8 || kLut4<TYPE> || kGrid<TYPE>) ? 128 : TYPE == kQ4_0 ? 8
     : TYPE == kQ5_0 ? 16 : TYPE == kQ6_K ? 32 : TYPE == kQ3_K ? 4 : 0;
 
 // Sub-block sb of a row as 32 unsigned bytes w + bias.
@@ -2357,7 +2468,8 @@ inline __m256i panel_bytes(const uint8_t* row, int64_t sb) {
     return _mm256_or_si256(nibbles(b + 6), bit_bytes(qh));
   } else if constexpr (kMin32<TYPE>) {  // unsigned as stored
     return block_unsigned<TYPE>(row + sb * kBlockBytes<TYPE>);
-  } else {  // signed bytes (Q8_0, int8 rows, MXFP4's and IQ4's values): + 128 is the sign flipped
+  } else {  // signed bytes (Q8_0, int8 rows, MXFP4's, IQ4's, IQ2_XXS's and IQ3_XXS's values):
+            // + 128 is the sign flipped
     return _mm256_xor_si256(block_quants<TYPE>(row + sb * kBlockBytes<TYPE>), flip);
   }
 }
@@ -2594,7 +2706,8 @@ constexpr bool kHasR16 =
 bool is_kernel_type(int64_t t) {
   return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ5_1 || t == kQ8_0 || t == kQ2_K ||
          t == kQ3_K || t == kMXFP4 || t == kIQ4NL || t == kIQ4XS32 || t == kQ4_K || t == kQ5_K ||
-         t == kQ6_K || t == kI8 || (is_r16(int(t)) && kHasR16);
+         t == kQ6_K || t == kI8 || (is_r16(int(t)) && kHasR16) ||
+         ((t == kIQ2XXS32 || t == kIQ3XXS32) && g_iq.ready.load(std::memory_order_acquire));
 }
 
 // The Hadamard rotation of `--quantization int8` (models/int8.py): each block of B values of a
@@ -3679,6 +3792,22 @@ void dequantize_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, a
       }
     }
   });
+}
+
+void set_iq_grids(const at::Tensor& iq2xxs, const at::Tensor& iq3xxs) {
+  TORCH_CHECK(iq2xxs.scalar_type() == at::kByte && iq2xxs.is_contiguous() &&
+                  iq2xxs.numel() == 256 * 8 && iq3xxs.scalar_type() == at::kByte &&
+                  iq3xxs.is_contiguous() && iq3xxs.numel() == 256 * 4,
+              "set_iq_grids: uint8 grids of 256 x 8 (IQ2_XXS) and 256 x 4 (IQ3_XXS) values");
+  if (g_iq.ready.load(std::memory_order_acquire)) {  // once per process: running parts read them
+    TORCH_CHECK(std::memcmp(g_iq.g2, iq2xxs.data_ptr(), sizeof g_iq.g2) == 0 &&
+                    std::memcmp(g_iq.g3, iq3xxs.data_ptr(), sizeof g_iq.g3) == 0,
+                "set_iq_grids: the grids are already set, to other values");
+    return;
+  }
+  std::memcpy(g_iq.g2, iq2xxs.data_ptr(), sizeof g_iq.g2);
+  std::memcpy(g_iq.g3, iq3xxs.data_ptr(), sizeof g_iq.g3);
+  g_iq.ready.store(true, std::memory_order_release);
 }
 
 bool quant_r16() { return kHasR16; }
