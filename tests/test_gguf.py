@@ -112,12 +112,12 @@ def test_iq4_xs_in_blocks_of_32_keeps_every_value():
 @pytest.mark.parametrize("ggml_type", [T.IQ2_XXS, T.IQ3_XXS], ids=lambda t: t.name)
 def test_grid_types_in_blocks_of_32_keep_every_value(ggml_type):
     """IQ2_XXS and IQ3_XXS run as blocks of 32 (ladle's IQ2_XXS_32, IQ3_XXS_32): each 32's
-    copy of d, grid indices and word of signs and scale; those dequantize to exactly the file's
+    float32 scale, grid indices and 32 sign bits; those dequantize to exactly the file's
     values (gguf-py's), at every index, sign pattern and scale: random bytes, and every word
     0x00000000 (scale 0, no sign) or 0xFFFFFFFF (scale 15, all seven sign bits: an odd count, so
     the eighth too) with indices 0 and 255."""
-    as_32, kind, size = {T.IQ2_XXS: (iq2_xxs_as_32, IQ2_XXS_32, 10),
-                         T.IQ3_XXS: (iq3_xxs_as_32, IQ3_XXS_32, 14)}[ggml_type]
+    as_32, kind, size = {T.IQ2_XXS: (iq2_xxs_as_32, IQ2_XXS_32, 12),
+                         T.IQ3_XXS: (iq3_xxs_as_32, IQ3_XXS_32, 16)}[ggml_type]
     raw = random_rows(ggml_type, num_rows=24, blocks_per_row=2, rng=np.random.default_rng(5))
     blocks = as_32(torch.from_numpy(raw))
     assert blocks.dtype == torch.uint8 and blocks.shape == (24, 2 * 8 * size)

@@ -273,7 +273,7 @@ def test_k_quant_experts_keep_each_experts_rows(tmp_path, k4):
     attention, the type a Q4_K_M file gives an 8-expert model's attn_output) and a Q3_K_M-style
     one (Q3_K gate, up and attention), an
     IQ4_XS one (kept as blocks of 32 with a float32 scale each), a Q2_K one, and IQ2_XXS and
-    IQ3_XXS ones (as blocks of 32, d copied into each): each expert's
+    IQ3_XXS ones (as blocks of 32, a float32 scale each): each expert's
     linears hold exactly its rows of the stacked tensors, in their blocks, and so do the
     attention's; the router is dequantized, since its logits choose the experts."""
     types = {"blk.0.ffn_gate_exps.weight": k4, "blk.0.ffn_up_exps.weight": k4,

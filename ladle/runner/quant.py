@@ -54,8 +54,8 @@ Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4 = (2, 
 # its own, a float32 scale and IQ4_NL's nibbles. Counted as IQ4_XS.
 IQ4_XS_32 = -9
 # IQ2_XXS and IQ3_XXS as the kernels run them (gguf/quants.py's iq2_xxs_as_32, iq3_xxs_as_32):
-# each 32 values a block of their own, the super-block's float16 d copied before their grid
-# indices and word of signs and scale as stored. Counted as IQ2_XXS, IQ3_XXS.
+# each 32 values a block of their own, a float32 scale, their grid indices as stored and 32 sign
+# bits. Counted as IQ2_XXS, IQ3_XXS.
 IQ2_XXS_32, IQ3_XXS_32 = -12, -13
 BLOCK_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0",
                Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K",
@@ -65,7 +65,7 @@ BLOCK_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8
 BLOCK_SIZES = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
                Q2_K: (256, 84), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176),
                Q6_K: (256, 210), IQ4_NL: (32, 18), IQ4_XS_32: (32, 20), MXFP4: (32, 17),
-               IQ2_XXS_32: (32, 10), IQ3_XXS_32: (32, 14)}
+               IQ2_XXS_32: (32, 12), IQ3_XXS_32: (32, 16)}
 INT8_ROW = -1  # int8 rows with a float32 scale per row
 DENSE = -2  # the model dtype
 # Blocks (and int8 rows) repacked at load by 16 rows for the AVX-512 VNNI kernels (repack_r16):

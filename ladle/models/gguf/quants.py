@@ -240,45 +240,50 @@ _GRID_LAYOUT = {GGMLQuantizationType.IQ2_XXS: (66, 4, None),
 
 
 def _grid_as_32(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
-    """Super-blocks (..., bytes * blocks) -> blocks of 32 (..., 8 * (6 + indices) * blocks): each
-    32's d (copied), grid indices, then word, as stored."""
+    """Super-blocks (..., bytes * blocks) -> blocks of 32 (..., 8 * (8 + indices) * blocks): each
+    32's float32 scale (d * (s + 1/2) / 4, IQ3_XXS / 2: exact), its grid indices as stored, then
+    its 32 sign bits (a little-endian uint32, bit i: value i negative; the eighth of each 8
+    computed), so the kernels unpack neither."""
     size, idx, words = _GRID_LAYOUT[ggml_type]
     lead = raw.shape[:-1]
     b = raw.reshape(-1, size)
     n = b.shape[0]
-    out = torch.empty(n, 8, 6 + idx, dtype=torch.uint8)
-    out[:, :, :2] = b[:, None, :2]
-    if words is None:  # IQ2_XXS: each 32's indices and word already together
-        out[:, :, 2:] = b[:, 2:].reshape(n, 8, 8)
+    if words is None:  # IQ2_XXS: each 32's indices, then its word
+        pairs = b[:, 2:].reshape(n, 8, 8)
+        indices, word_bytes = pairs[:, :, :4], pairs[:, :, 4:]
     else:
-        out[:, :, 2:2 + idx] = b[:, 2:words].reshape(n, 8, idx)
-        out[:, :, 2 + idx:] = b[:, words:].reshape(n, 8, 4)
+        indices = b[:, 2:words].reshape(n, 8, idx)
+        word_bytes = b[:, words:].reshape(n, 8, 4)
+    word = word_bytes.contiguous().view(torch.int32).long() & 0xFFFFFFFF  # (n, 8, 1)
+    step = 0.25 if ggml_type == GGMLQuantizationType.IQ2_XXS else 0.5
+    scale = _f16(b, 0).unsqueeze(-1) * ((word >> 28).float() + 0.5) * step  # (n, 8, 1)
+    signs = _SIGN_BYTES[(word >> torch.tensor([0, 7, 14, 21])) & 127]  # (n, 8, 4)
+    out = torch.empty(n, 8, 8 + idx, dtype=torch.uint8)
+    out[:, :, :4] = scale.contiguous().view(torch.uint8)
+    out[:, :, 4:4 + idx] = indices
+    out[:, :, 4 + idx:] = signs
     return out.reshape(*lead, -1)
 
 
 def iq2_xxs_as_32(raw: torch.Tensor) -> torch.Tensor:
-    """IQ2_XXS rows (..., 66 * blocks) as IQ2_XXS_32 rows (..., 80 * blocks): 10 bytes per 32
+    """IQ2_XXS rows (..., 66 * blocks) as IQ2_XXS_32 rows (..., 96 * blocks): 12 bytes per 32
     values against 8.25."""
     return _grid_as_32(raw, GGMLQuantizationType.IQ2_XXS)
 
 
 def iq3_xxs_as_32(raw: torch.Tensor) -> torch.Tensor:
-    """IQ3_XXS rows (..., 98 * blocks) as IQ3_XXS_32 rows (..., 112 * blocks): 14 bytes per 32
+    """IQ3_XXS rows (..., 98 * blocks) as IQ3_XXS_32 rows (..., 128 * blocks): 16 bytes per 32
     values against 12.25."""
     return _grid_as_32(raw, GGMLQuantizationType.IQ3_XXS)
 
 
 def _grid_values(b: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
-    # Blocks of 32 (n, 6 + idx): d, grid indices, the word.  y = scale * magnitude * sign
+    # Blocks of 32 (n, 8 + idx): the scale, grid indices, sign bits.  y = scale * mag * sign
     _, idx, _ = _GRID_LAYOUT[ggml_type]
     n = b.shape[0]
-    mag = iq_grid(ggml_type)[b[:, 2:2 + idx].long()].reshape(n, 32)
-    word = b[:, 2 + idx:6 + idx].contiguous().view(torch.int32).long() & 0xFFFFFFFF  # (n, 1)
-    signs = _SIGN_BYTES[(word >> torch.tensor([0, 7, 14, 21])) & 127]  # (n, 4): 8 values each
-    negative = _fields(signs, 1).transpose(1, 2).reshape(n, 32)
-    values = torch.where(negative.bool(), -mag.float(), mag.float())
-    step = 0.25 if ggml_type == GGMLQuantizationType.IQ2_XXS else 0.5
-    return values * (_f16(b, 0) * ((word >> 28).float() + 0.5) * step)
+    mag = iq_grid(ggml_type)[b[:, 4:4 + idx].long()].reshape(n, 32).float()
+    negative = _fields(b[:, 4 + idx:], 1).transpose(1, 2).reshape(n, 32).bool()
+    return torch.where(negative, -mag, mag) * b[:, :4].contiguous().view(torch.float32)
 
 
 def _dequantize_iq2_xxs_32(b: torch.Tensor) -> torch.Tensor:
@@ -291,12 +296,12 @@ def _dequantize_iq3_xxs_32(b: torch.Tensor) -> torch.Tensor:
 
 def _dequantize_iq2_xxs(b: torch.Tensor) -> torch.Tensor:
     # 66 bytes: d, then per 32 values 4 grid indices and the word.
-    return _dequantize_iq2_xxs_32(iq2_xxs_as_32(b).reshape(-1, 10)).reshape(b.shape[0], QK_K)
+    return _dequantize_iq2_xxs_32(iq2_xxs_as_32(b).reshape(-1, 12)).reshape(b.shape[0], QK_K)
 
 
 def _dequantize_iq3_xxs(b: torch.Tensor) -> torch.Tensor:
     # 98 bytes: d, qs[64] (8 grid indices per 32 values), words[32] (one per 32 values).
-    return _dequantize_iq3_xxs_32(iq3_xxs_as_32(b).reshape(-1, 14)).reshape(b.shape[0], QK_K)
+    return _dequantize_iq3_xxs_32(iq3_xxs_as_32(b).reshape(-1, 16)).reshape(b.shape[0], QK_K)
 
 
 # ---- i-quants ladle only dequantizes at load ---------------------------------------------------
@@ -436,5 +441,5 @@ _DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]
 SUPPORTED_TYPES = tuple(_DEQUANTIZERS)
 # The layouts types run in (ladle's own ids): name, (values, bytes) per block, dequantizer.
 _KERNEL_LAYOUTS = {IQ4_XS_32: ("IQ4_XS_32", (32, 20), _dequantize_iq4_xs_32),
-                   IQ2_XXS_32: ("IQ2_XXS_32", (32, 10), _dequantize_iq2_xxs_32),
-                   IQ3_XXS_32: ("IQ3_XXS_32", (32, 14), _dequantize_iq3_xxs_32)}
+                   IQ2_XXS_32: ("IQ2_XXS_32", (32, 12), _dequantize_iq2_xxs_32),
+                   IQ3_XXS_32: ("IQ3_XXS_32", (32, 16), _dequantize_iq3_xxs_32)}

@@ -81,11 +81,14 @@ template <int TYPE> constexpr bool kLut4 =
 // scale s; an index picks 8 (IQ2_XXS) or 4 (IQ3_XXS) magnitudes from a fixed table (the grid),
 // the 7 bits the signs of 8 values (the 8th makes the count of minus signs even), and w = d *
 // (s + 1/2) / 4 (IQ3_XXS: / 2) * grid * sign. Run as blocks of 32 (quant.py's IQ2_XXS_32,
-// IQ3_XXS_32: d copied before each 32's indices and word as stored, 10 and 14 bytes against 8.25
-// and 12.25), signed values as Q8_0's: |w| <= 62.
+// IQ3_XXS_32): the float32 scale d * (s + 1/2) / 4 (/ 2, exact), the grid indices as stored,
+// then the 32 sign bits (bit i: value i negative), 12 and 16 bytes against the file's 8.25 and
+// 12.25. Unpacking the scale and the eighth sign bits per block took as many instructions as the
+// rest of the product (with d copied into each 32 instead, 10 and 14 bytes, the 0.6B's IQ2_XXS
+// file decoded at 0.78x llama.cpp's speed, IQ3_XXS 0.63x). Signed values as Q8_0's, |w| <= 62.
 constexpr int kIQ2XXS32 = -12, kIQ3XXS32 = -13;
 template <int TYPE> constexpr bool kGrid = TYPE == kIQ2XXS32 || TYPE == kIQ3XXS32;
-template <int TYPE> constexpr int kGridSigns = TYPE == kIQ2XXS32 ? 6 : 10;  // the word's offset
+template <int TYPE> constexpr int kGridSigns = TYPE == kIQ2XXS32 ? 8 : 12;  // the bits' offset
 // The grids, as gguf-py (ggml's iq2xxs_grid, iq3xxs_grid) defines them: 256 entries of 8 and 4
 // magnitudes, one byte each. Set once per process by set_iq_grids (quant.py, when the kernels
 // load) before any part of those types can run; quant_matmul refuses them until then.
@@ -95,21 +98,8 @@ struct IqGrids {
   std::atomic<bool> ready{false};
 };
 IqGrids g_iq;
-// A block's 32 sign bits (bit i: value i negative) from its word: each 7 bits a byte, whose
-// eighth bit makes the byte's count of set bits even (computed: 4 table loads per block cost
-// more).
-constexpr uint32_t grid_sign_bits(uint32_t word) {
-  const uint32_t s = (word & 0x7Fu) | (word << 1 & 0x7F00u) | (word << 2 & 0x7F0000u) |
-                     (word << 3 & 0x7F000000u);
-  uint32_t p = s ^ (s >> 4);  // bit 0 of each byte: the parity of the byte
-  p ^= p >> 2;
-  p ^= p >> 1;
-  return s | (p & 0x01010101u) << 7;
-}
-static_assert(grid_sign_bits(1) == 0x81 && grid_sign_bits(3) == 3 &&
-              grid_sign_bits(0x0FFFFFFF) == 0xFFFFFFFF && grid_sign_bits(0x80) == 0x8100);
 template <int TYPE>
-inline uint32_t grid_word(const uint8_t* b) {
+inline uint32_t grid_signs(const uint8_t* b) {
   uint32_t w;
   std::memcpy(&w, b + kGridSigns<TYPE>, 4);
   return w;
@@ -118,9 +108,9 @@ inline uint32_t grid_word(const uint8_t* b) {
 template <int TYPE>
 inline void grid_magnitudes(const uint8_t* b, uint8_t* out) {
   if constexpr (TYPE == kIQ2XXS32) {
-    for (int k = 0; k < 4; k++) std::memcpy(out + 8 * k, &g_iq.g2[b[2 + k]], 8);
+    for (int k = 0; k < 4; k++) std::memcpy(out + 8 * k, &g_iq.g2[b[4 + k]], 8);
   } else {
-    for (int k = 0; k < 8; k++) std::memcpy(out + 4 * k, &g_iq.g3[b[2 + k]], 4);
+    for (int k = 0; k < 8; k++) std::memcpy(out + 4 * k, &g_iq.g3[b[4 + k]], 4);
   }
 }
 // Repacked at load by 16 rows (quant.py's Q4_K_R16, Q6_K_R16, Q8_0_R16, INT8_ROW_R16,
@@ -269,8 +259,8 @@ constexpr int64_t block_bytes(int type) {
     case kMXFP4: return 17;
     case kIQ4NL: return 18;
     case kIQ4XS32: return 20;
-    case kIQ2XXS32: return 10;
-    case kIQ3XXS32: return 14;
+    case kIQ2XXS32: return 12;
+    case kIQ3XXS32: return 16;
     case kQ4_K: return 144;
     case kQ5_K: return 176;
     case kQ6_K: return 210;
@@ -326,12 +316,6 @@ static_assert(kE8m0Half.v[0] == 0x1p-128f && kE8m0Half.v[1] == 0x1p-127f &&
 
 inline float e8m0_half(uint8_t e) { return kE8m0Half.v[e]; }
 
-// An IQ2_XXS / IQ3_XXS block's scale d * (s + 1/2) / 4 (/ 2), exact in float32 (11 bits times 5).
-template <int TYPE>
-inline float grid_scale(const uint8_t* b) {
-  return f16(b) * float(2 * int(grid_word<TYPE>(b) >> 28) + 1) *
-         (TYPE == kIQ2XXS32 ? 0.125f : 0.25f);
-}
 
 // ggml's kvalues_iq4nl: the 16 values of IQ4_NL's and IQ4_XS's nibbles (|w| <= 127, as Q8_0's,
 // so the int16 pair sums of vpmaddubsw hold them).
@@ -392,7 +376,7 @@ inline void sub_scales(const uint8_t* row, int64_t sb, Sub& o) {
   } else if constexpr (TYPE == kIQ4XS32) {
     o.s0 = o.s1 = f32_at(row + sb * 20);
   } else if constexpr (kGrid<TYPE>) {
-    o.s0 = o.s1 = grid_scale<TYPE>(row + sb * block_bytes(TYPE));
+    o.s0 = o.s1 = f32_at(row + sb * block_bytes(TYPE));
   } else if constexpr (kK4<TYPE>) {
     const uint8_t* b = row + (sb >> 3) * kK4Bytes<TYPE>;
     int sc, mn;
@@ -461,7 +445,7 @@ inline void unpack_scalar(const uint8_t* row, int64_t sb, Sub& o) {
     const uint8_t* b = row + sb * block_bytes(TYPE);
     uint8_t mag[32];
     grid_magnitudes<TYPE>(b, mag);
-    const uint32_t neg = grid_sign_bits(grid_word<TYPE>(b));
+    const uint32_t neg = grid_signs<TYPE>(b);
     for (int i = 0; i < 32; i++) o.q[i] = int8_t((neg >> i) & 1 ? -mag[i] : mag[i]);
   } else if constexpr (kLut4<TYPE>) {
     constexpr int64_t bytes = TYPE == kMXFP4 ? 17 : TYPE == kIQ4NL ? 18 : 20;
@@ -643,12 +627,12 @@ template <int TYPE>
 inline __m256i grid_mags(const uint8_t* b) {
   if constexpr (TYPE == kIQ2XXS32) {
     const uint64_t* g = g_iq.g2;
-    return _mm256_set_epi64x(int64_t(g[b[5]]), int64_t(g[b[4]]), int64_t(g[b[3]]),
-                             int64_t(g[b[2]]));
+    return _mm256_set_epi64x(int64_t(g[b[7]]), int64_t(g[b[6]]), int64_t(g[b[5]]),
+                             int64_t(g[b[4]]));
   } else {
     const uint32_t* g = g_iq.g3;
-    return _mm256_set_epi32(int(g[b[9]]), int(g[b[8]]), int(g[b[7]]), int(g[b[6]]),
-                            int(g[b[5]]), int(g[b[4]]), int(g[b[3]]), int(g[b[2]]));
+    return _mm256_set_epi32(int(g[b[11]]), int(g[b[10]]), int(g[b[9]]), int(g[b[8]]),
+                            int(g[b[7]]), int(g[b[6]]), int(g[b[5]]), int(g[b[4]]));
   }
 }
 // v's bytes negated where `bits` has their bit set.
@@ -663,7 +647,7 @@ inline __m256i negate_where(__m256i v, uint32_t bits) {
 // Its signed values (panels, rows of a call too small for the sign on x below).
 template <int TYPE>
 inline __m256i grid_values(const uint8_t* b) {
-  return negate_where(grid_mags<TYPE>(b), grid_sign_bits(grid_word<TYPE>(b)));
+  return negate_where(grid_mags<TYPE>(b), grid_signs<TYPE>(b));
 }
 
 template <int TYPE> constexpr int64_t kBlockBytes =
@@ -675,8 +659,7 @@ template <int TYPE>
 inline float block_scale(const uint8_t* b) {
   if constexpr (TYPE == kI8) return 1.f;
   else if constexpr (TYPE == kMXFP4) return e8m0_half(b[0]);
-  else if constexpr (TYPE == kIQ4XS32) return f32_at(b);
-  else if constexpr (kGrid<TYPE>) return grid_scale<TYPE>(b);
+  else if constexpr (TYPE == kIQ4XS32 || kGrid<TYPE>) return f32_at(b);
   else return f16(b);
 }
 
@@ -833,13 +816,9 @@ inline __m256 block_scales(const uint8_t* const* b) {
     return _mm256_setr_ps(e8m0_half(b[0][0]), e8m0_half(b[1][0]), e8m0_half(b[2][0]),
                           e8m0_half(b[3][0]), e8m0_half(b[4][0]), e8m0_half(b[5][0]),
                           e8m0_half(b[6][0]), e8m0_half(b[7][0]));
-  } else if constexpr (TYPE == kIQ4XS32) {
+  } else if constexpr (TYPE == kIQ4XS32 || kGrid<TYPE>) {
     return _mm256_setr_ps(f32_at(b[0]), f32_at(b[1]), f32_at(b[2]), f32_at(b[3]), f32_at(b[4]),
                           f32_at(b[5]), f32_at(b[6]), f32_at(b[7]));
-  } else if constexpr (kGrid<TYPE>) {
-    return _mm256_setr_ps(grid_scale<TYPE>(b[0]), grid_scale<TYPE>(b[1]), grid_scale<TYPE>(b[2]),
-                          grid_scale<TYPE>(b[3]), grid_scale<TYPE>(b[4]), grid_scale<TYPE>(b[5]),
-                          grid_scale<TYPE>(b[6]), grid_scale<TYPE>(b[7]));
   } else {
     return f16_rows(b, 0);
   }
@@ -868,8 +847,7 @@ inline void tile_blocks(const uint8_t* const* w, const Act& a, __m256* acc) {
           h[m][k] = pair_sums(dot_u8s8(u0, xv[m]), dot_u8s8(u1, xv[m]));
       } else if constexpr (kGrid<TYPE>) {  // the magnitudes as they are, the signs onto x
         const __m256i u0 = grid_mags<TYPE>(b[2 * k]), u1 = grid_mags<TYPE>(b[2 * k + 1]);
-        const uint32_t n0 = grid_sign_bits(grid_word<TYPE>(b[2 * k]));
-        const uint32_t n1 = grid_sign_bits(grid_word<TYPE>(b[2 * k + 1]));
+        const uint32_t n0 = grid_signs<TYPE>(b[2 * k]), n1 = grid_signs<TYPE>(b[2 * k + 1]);
         for (int m = 0; m < MR; m++)
           h[m][k] = pair_sums(dot_u8s8(u0, negate_where(xv[m], n0)),
                               dot_u8s8(u1, negate_where(xv[m], n1)));
@@ -1141,7 +1119,7 @@ inline __m256i block_dot(const uint8_t* b, __m256i x) {
   if constexpr (kUnsignedRow<TYPE>) {
     return dot_u8s8(block_unsigned<TYPE>(b), x);
   } else if constexpr (kGrid<TYPE>) {  // the magnitudes as they are, the signs onto x
-    return dot_u8s8(grid_mags<TYPE>(b), negate_where(x, grid_sign_bits(grid_word<TYPE>(b))));
+    return dot_u8s8(grid_mags<TYPE>(b), negate_where(x, grid_signs<TYPE>(b)));
   } else {
     const __m256i q = block_quants<TYPE>(b);
     return dot_u8s8(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
@@ -1229,10 +1207,11 @@ inline float row_s16(const uint8_t* w, const Act& a) {
 // IQ4_XS's blocks of 32, the 0.6B's IQ4_XS file, decode ms a token, processes alternating,
 // tiles / rows: 20.0 / 18.5 (medians of 5); Gemma 3 270M's IQ4_XS file
 // (mostly IQ4_NL, 640-value rows whose last blocks a row takes one at a time) 7.5 / 7.5, and
-// with IQ4_NL in rows too 5.9-6.0 / 6.7-7.1.
+// with IQ4_NL in rows too 5.9-6.0 / 6.7-7.1. IQ2_XXS's blocks of 32, the 0.6B's IQ2_XXS file
+// (Zen 4, processes alternating): 22.0-22.7 / 19.8-20.5.
 template <int TYPE> constexpr bool kRowAtATime =
     TYPE == kQ8_0 || TYPE == kI8 || TYPE == kQ6_K || TYPE == kQ4_0 || TYPE == kQ5_0 ||
-    TYPE == kIQ4XS32;
+    TYPE == kIQ4XS32 || kGrid<TYPE>;
 template <int TYPE>
 inline float row_dot(const uint8_t* w, const Act& a) {
   if constexpr (kS16<TYPE>) return row_s16<TYPE>(w, a);
