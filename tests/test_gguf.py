@@ -28,9 +28,9 @@ from ladle.models.gguf import (
     iter_hf_tensors,
     open_gguf,
 )
-from ladle.models.gguf.quants import iq2_xxs_as_32, iq3_xxs_as_32, iq4_xs_as_32
+from ladle.models.gguf.quants import iq2_xxs_as_32, iq3_s_as_32, iq3_xxs_as_32, iq4_xs_as_32
 from ladle.models.loader import ModelLoadError
-from ladle.runner.quant import IQ2_XXS_32, IQ3_XXS_32, IQ4_XS_32
+from ladle.runner.quant import IQ2_XXS_32, IQ3_S_32, IQ3_XXS_32, IQ4_XS_32
 
 T = GGMLQuantizationType
 GEMMA_FILE = Path.home() / ".cache" / "ladle" / "gguf" / "gemma-3-270m-q4_k_m.gguf"
@@ -109,15 +109,16 @@ def test_iq4_xs_in_blocks_of_32_keeps_every_value():
                        reference(edge, T.IQ4_XS))
 
 
-@pytest.mark.parametrize("ggml_type", [T.IQ2_XXS, T.IQ3_XXS], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [T.IQ2_XXS, T.IQ3_XXS, T.IQ3_S], ids=lambda t: t.name)
 def test_grid_types_in_blocks_of_32_keep_every_value(ggml_type):
-    """IQ2_XXS and IQ3_XXS run as blocks of 32 (ladle's IQ2_XXS_32, IQ3_XXS_32): each 32's
-    float32 scale, grid indices and 32 sign bits; those dequantize to exactly the file's
-    values (gguf-py's), at every index, sign pattern and scale: random bytes, and every word
-    0x00000000 (scale 0, no sign) or 0xFFFFFFFF (scale 15, all seven sign bits: an odd count, so
-    the eighth too) with indices 0 and 255."""
+    """IQ2_XXS, IQ3_XXS and IQ3_S run as blocks of 32 (ladle's IQ2_XXS_32, IQ3_XXS_32,
+    IQ3_S_32): each 32's float32 scale, grid indices and 32 sign bits; those dequantize to
+    exactly the file's values (gguf-py's), at every index, sign pattern and scale: random bytes,
+    and every byte after d 0x00 (scale 0, no sign, index 0) or 0xFF (scale 15, every sign bit,
+    IQ2_XXS / IQ3_XXS: seven, an odd count, so the eighth too; the last index)."""
     as_32, kind, size = {T.IQ2_XXS: (iq2_xxs_as_32, IQ2_XXS_32, 12),
-                         T.IQ3_XXS: (iq3_xxs_as_32, IQ3_XXS_32, 16)}[ggml_type]
+                         T.IQ3_XXS: (iq3_xxs_as_32, IQ3_XXS_32, 16),
+                         T.IQ3_S: (iq3_s_as_32, IQ3_S_32, 17)}[ggml_type]
     raw = random_rows(ggml_type, num_rows=24, blocks_per_row=2, rng=np.random.default_rng(5))
     blocks = as_32(torch.from_numpy(raw))
     assert blocks.dtype == torch.uint8 and blocks.shape == (24, 2 * 8 * size)

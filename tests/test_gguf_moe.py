@@ -265,7 +265,8 @@ def write_qwen3moe(path: Path, *, hidden: int = HIDDEN, expert_size: int = EXPER
     return path
 
 
-@pytest.mark.parametrize("k4", [T.Q4_K, T.Q5_K, T.Q3_K, T.IQ4_XS, T.Q2_K, T.IQ2_XXS, T.IQ3_XXS],
+@pytest.mark.parametrize("k4", [T.Q4_K, T.Q5_K, T.Q3_K, T.IQ4_XS, T.Q2_K, T.IQ2_XXS, T.IQ3_XXS,
+                                T.IQ3_S],
                          ids=lambda t: t.name)
 def test_k_quant_experts_keep_each_experts_rows(tmp_path, k4):
     """A Q4_K_M-style layer (gate and up Q4_K, down Q6_K, rows of 256 values so the K-quant
@@ -306,9 +307,10 @@ def test_k_quant_experts_keep_each_experts_rows(tmp_path, k4):
 
 
 def test_types_without_a_kernel_are_dequantized_where_they_fit(tmp_path, monkeypatch):
-    """An IQ3_XXS file's mix (llama.cpp gives a GQA model's attn_k IQ2_S): the IQ2_S tensor,
-    which no kernel runs, is dequantized at load to exactly gguf-py's values beside the IQ3_XXS
-    parts kept in their blocks; the same for IQ2_XS and IQ3_S (IQ2_M, IQ3_M files). Where those
+    """An IQ3_XXS file's mix (llama.cpp gives a GQA model's attn_k IQ2_S, attn_output IQ3_S):
+    the IQ2_S tensor, which no kernel runs, is dequantized at load to exactly gguf-py's values
+    beside the IQ3_XXS and IQ3_S parts kept in their blocks; the same for IQ2_XS (IQ2_XS, IQ2_M
+    files). Where those
     tensors would not fit dequantized in the memory available, loading is an error naming the
     file, the types, the size and the kernel types, before anything is dequantized."""
     import ladle.models.gguf.quantized as quantized
@@ -317,7 +319,8 @@ def test_types_without_a_kernel_are_dequantized_where_they_fit(tmp_path, monkeyp
                  "blk.0.attn_output.weight"]
     types = {"blk.0.ffn_gate_exps.weight": T.IQ3_XXS, "blk.0.ffn_up_exps.weight": T.IQ3_S,
              "blk.0.ffn_down_exps.weight": T.IQ2_XS, "blk.0.ffn_gate_inp.weight": T.Q8_0,
-             **dict.fromkeys(attention, T.IQ3_XXS), "blk.0.attn_k.weight": T.IQ2_S}
+             **dict.fromkeys(attention, T.IQ3_XXS), "blk.0.attn_k.weight": T.IQ2_S,
+             "blk.0.attn_output.weight": T.IQ3_S}
     path = write_qwen3moe(tmp_path / "iq.gguf", hidden=256, expert_size=256, types=types)
     model = load_model(path, read_hf_config(path), torch.float32, torch.device("cpu"))
     stored = {name: t.dequantize() for name, t in open_gguf(path).tensors.items()}
@@ -325,10 +328,12 @@ def test_types_without_a_kernel_are_dequantized_where_they_fit(tmp_path, monkeyp
     qkv = attn.qkv_proj.weight
     assert [p.name() for p in qkv.parts] == ["IQ3_XXS", "float32", "IQ3_XXS"]
     assert torch.equal(qkv.dequantize(), torch.cat([stored[n] for n in attention[:3]]))
+    assert attn.o_proj.weight.describe() == "IQ3_S"
+    assert torch.equal(attn.o_proj.weight.dequantize(), stored[attention[3]])
     (block,) = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
     for e, expert in enumerate(block.experts):
         gate_up, down = expert.gate_up_proj.weight, expert.down_proj.weight
-        assert [p.name() for p in gate_up.parts] == ["IQ3_XXS", "float32"]
+        assert [p.name() for p in gate_up.parts] == ["IQ3_XXS", "IQ3_S"]
         assert torch.equal(gate_up.parts[1].dequantize(256), stored["blk.0.ffn_up_exps.weight"][e])
         assert isinstance(down, torch.nn.Parameter), type(down)  # a tensor with no kernel type
         assert torch.equal(down, stored["blk.0.ffn_down_exps.weight"][e])
@@ -336,7 +341,7 @@ def test_types_without_a_kernel_are_dequantized_where_they_fit(tmp_path, monkeyp
     with pytest.raises(ModelLoadError) as info:
         load_model(path, read_hf_config(path), torch.float32, torch.device("cpu"))
     message = str(info.value)
-    for fragment in (str(path), "IQ2_S/IQ2_XS/IQ3_S tensors have no quantized kernel",
+    for fragment in (str(path), "2 IQ2_S/IQ2_XS tensors have no quantized kernel",
                      "dequantized to float32, more than the 0.0 GiB", "IQ3_XXS"):
         assert fragment in message, message
 
@@ -357,7 +362,7 @@ QUANT_CASES = [(1, (T.Q4_K, T.Q4_K, T.Q6_K)), (3, (T.Q4_K, T.Q4_K, T.Q6_K)),
                (37, (T.Q3_K, T.Q3_K, T.Q4_K)), (1, (T.IQ4_XS, T.IQ4_XS, T.IQ4_NL)),
                (37, (T.IQ4_XS, T.IQ4_NL, T.IQ4_XS)), (1, (T.Q2_K, T.Q2_K, T.Q3_K)),
                (37, (T.Q2_K, T.Q2_K, T.Q4_K)), (1, (T.IQ2_XXS, T.IQ2_XXS, T.IQ3_XXS)),
-               (37, (T.IQ3_XXS, T.IQ2_XXS, T.IQ3_XXS))]
+               (37, (T.IQ3_XXS, T.IQ2_XXS, T.IQ3_XXS)), (37, (T.IQ3_S, T.IQ3_S, T.IQ2_XXS))]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

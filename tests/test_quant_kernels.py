@@ -25,7 +25,8 @@ needs_kernels = pytest.mark.skipif(kernels is None or not hasattr(kernels, "quan
 # Byte offsets of each type's fp16 scale fields (d; Q4_K also dmin), as gguf-py lays blocks out.
 F16_FIELDS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2],
               Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.IQ4_NL: [0],
-              Q.IQ4_XS_32: [], Q.MXFP4: [], Q.IQ2_XXS_32: [], Q.IQ3_XXS_32: []}
+              Q.IQ4_XS_32: [], Q.MXFP4: [], Q.IQ2_XXS_32: [], Q.IQ3_XXS_32: [],
+              Q.IQ3_S_32: []}
 
 
 def random_blocks(kind: int, rows: int, k: int, g: torch.Generator) -> torch.Tensor:
@@ -38,7 +39,7 @@ def random_blocks(kind: int, rows: int, k: int, g: torch.Generator) -> torch.Ten
         raw[:, :, off:off + 2] = scale.view(torch.uint8).reshape(rows, k // values, 2)
     if kind == Q.MXFP4:
         raw[:, :, 0] = torch.randint(115, 135, (rows, k // values), dtype=torch.uint8, generator=g)
-    if kind in (Q.IQ2_XXS_32, Q.IQ3_XXS_32):  # a float32 scale: float16 d times (s + 1/2) / 4
+    if kind in (Q.IQ2_XXS_32, Q.IQ3_XXS_32, Q.IQ3_S_32):  # float32: float16 d times (s + 1/2) / 4
         d = (torch.rand(rows, k // values, generator=g) * 0.002 + 1e-4).half().float()
         s = torch.randint(0, 16, (rows, k // values), generator=g).float() + 0.5
         raw[:, :, :4] = (d * s * 0.25).view(torch.uint8).reshape(rows, k // values, 4)

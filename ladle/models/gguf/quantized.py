@@ -29,7 +29,13 @@ from ladle.models.gguf.mapping import (
     hf_tensor_names,
     untile_value_rows,
 )
-from ladle.models.gguf.quants import dequantize, iq2_xxs_as_32, iq3_xxs_as_32, iq4_xs_as_32
+from ladle.models.gguf.quants import (
+    dequantize,
+    iq2_xxs_as_32,
+    iq3_s_as_32,
+    iq3_xxs_as_32,
+    iq4_xs_as_32,
+)
 from ladle.models.gguf.reader import GGUFFile, GGUFTensor
 from ladle.models.loader import ModelLoadError, _target
 from ladle.runner.quant import (
@@ -37,6 +43,7 @@ from ladle.runner.quant import (
     BLOCK_TYPES,
     DENSE,
     IQ2_XXS_32,
+    IQ3_S_32,
     IQ3_XXS_32,
     IQ4_XS_32,
     QuantEmbedding,
@@ -50,10 +57,12 @@ logger = logging.getLogger(__name__)
 # ggml types whose blocks are rewritten at load, exactly, as blocks of a kernel type (their bytes
 # grow, but far less than dequantized): type -> (kernel type, rewrite, how, for the log line).
 # IQ4_XS's sub-blocks run as IQ4_NL-style blocks with a float32 scale each (1.18x its bytes);
-# IQ2_XXS's and IQ3_XXS's 32s each with a float32 scale and 32 sign bits (1.45x, 1.31x).
+# IQ2_XXS's, IQ3_XXS's and IQ3_S's 32s each with a float32 scale and 32 sign bits (1.45x,
+# 1.31x, 1.24x).
 WIDENED = {int(GGMLQuantizationType.IQ4_XS): (IQ4_XS_32, iq4_xs_as_32, "in blocks of 32"),
            int(GGMLQuantizationType.IQ2_XXS): (IQ2_XXS_32, iq2_xxs_as_32, "in blocks of 32"),
-           int(GGMLQuantizationType.IQ3_XXS): (IQ3_XXS_32, iq3_xxs_as_32, "in blocks of 32")}
+           int(GGMLQuantizationType.IQ3_XXS): (IQ3_XXS_32, iq3_xxs_as_32, "in blocks of 32"),
+           int(GGMLQuantizationType.IQ3_S): (IQ3_S_32, iq3_s_as_32, "in blocks of 32")}
 
 
 def install_gguf_blocks(model: nn.Module, gguf_file: GGUFFile, hf_config: dict,
@@ -120,7 +129,7 @@ def install_gguf_blocks(model: nn.Module, gguf_file: GGUFFile, hf_config: dict,
 
 
 def _check_dense_fits(gguf_file: GGUFFile, by_param: dict, dtype: torch.dtype) -> None:
-    """The file's quantized tensors of types no kernel runs (IQ2_XS, IQ2_S, IQ3_S) are
+    """The file's quantized tensors of types no kernel runs (IQ2_XS, IQ2_S) are
     dequantized at load, several times their bytes: a clear error before that, where they
     would not fit in the memory available, instead of the engine killed for memory."""
     tensors = {t.name: t for shards in by_param.values() for t, _ in shards.values()
@@ -139,8 +148,7 @@ def _check_dense_fits(gguf_file: GGUFFile, by_param: dict, dtype: torch.dtype) -
 
 
 # Quantized types ladle reads only by dequantizing them at load (`_check_dense_fits`).
-_DEQUANTIZED_ONLY = {int(GGMLQuantizationType.IQ2_XS), int(GGMLQuantizationType.IQ2_S),
-                     int(GGMLQuantizationType.IQ3_S)}
+_DEQUANTIZED_ONLY = {int(GGMLQuantizationType.IQ2_XS), int(GGMLQuantizationType.IQ2_S)}
 
 
 def _part(tensor: GGUFTensor, index: Any, gguf_file: GGUFFile, hf_config: dict,

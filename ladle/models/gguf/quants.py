@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ladle.runner.quant import IQ2_XXS_32, IQ3_XXS_32, IQ4_XS_32
+from ladle.runner.quant import IQ2_XXS_32, IQ3_S_32, IQ3_XXS_32, IQ4_XS_32
 
 QK_K = 256  # values in a k-quant super-block
 # Values dequantized per step: bounds the temporaries (a few times this many floats) when a
@@ -224,9 +224,11 @@ def _dequantize_iq4_xs_32(b: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def iq_grid(ggml_type: GGMLQuantizationType | int) -> torch.Tensor:
-    """uint8 (256, 8) for IQ2_XXS, (256, 4) for IQ3_XXS: the magnitudes index i picks."""
+    """uint8 (256, 8) for IQ2_XXS, (256, 4) for IQ3_XXS, (512, 4) for IQ3_S: the magnitudes
+    index i picks."""
     cls = {GGMLQuantizationType.IQ2_XXS: gguf.quants.IQ2_XXS,
-           GGMLQuantizationType.IQ3_XXS: gguf.quants.IQ3_XXS}[GGMLQuantizationType(ggml_type)]
+           GGMLQuantizationType.IQ3_XXS: gguf.quants.IQ3_XXS,
+           GGMLQuantizationType.IQ3_S: gguf.quants.IQ3_S}[GGMLQuantizationType(ggml_type)]
     cls.init_grid()
     return torch.from_numpy(cls.grid.reshape(cls.grid_shape).astype(np.uint8))
 
@@ -277,12 +279,38 @@ def iq3_xxs_as_32(raw: torch.Tensor) -> torch.Tensor:
     return _grid_as_32(raw, GGMLQuantizationType.IQ3_XXS)
 
 
-def _grid_values(b: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
-    # Blocks of 32 (n, 8 + idx): the scale, grid indices, sign bits.  y = scale * mag * sign
-    _, idx, _ = _GRID_LAYOUT[ggml_type]
+# IQ3_S: 110 bytes, d, qs[64] (the low 8 bits of 8 grid indices per 32 values), qh[8] (their
+# ninth bits, bit k of byte j: index k of sub-block j), signs[32] (4 bytes per 32 values, bit i
+# of the 32: value i negative), scales[4] (4 bits per 32 values, sub-block 2i's the low nibble of
+# byte i).  y = d * (2s + 1) * mag * sign
+
+
+def iq3_s_as_32(raw: torch.Tensor) -> torch.Tensor:
+    """IQ3_S rows (..., 110 * blocks) as IQ3_S_32 rows (..., 136 * blocks): each 32's float32
+    scale d * (2s + 1) (exact), the indices' low bytes, the 32 sign bits, then the byte of the
+    indices' ninth bits: 17 bytes per 32 values against 13.75."""
+    lead = raw.shape[:-1]
+    b = raw.reshape(-1, 110)
     n = b.shape[0]
-    mag = iq_grid(ggml_type)[b[:, 4:4 + idx].long()].reshape(n, 32).float()
-    negative = _fields(b[:, 4 + idx:], 1).transpose(1, 2).reshape(n, 32).bool()
+    s = _fields(b[:, 106:110], 4).transpose(1, 2).reshape(n, 8, 1)
+    out = torch.empty(n, 8, 17, dtype=torch.uint8)
+    out[:, :, :4] = (_f16(b, 0).unsqueeze(-1) * (2 * s + 1).float()).view(torch.uint8)
+    out[:, :, 4:12] = b[:, 2:66].reshape(n, 8, 8)
+    out[:, :, 12:16] = b[:, 74:106].reshape(n, 8, 4)
+    out[:, :, 16] = b[:, 66:74]
+    return out.reshape(*lead, -1)
+
+
+def _grid_values(b: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
+    # Blocks of 32 (n, 8 + idx (+ 1)): the scale, grid indices' (low) bytes, sign bits (IQ3_S:
+    # then the indices' ninth bits).  y = scale * mag * sign
+    idx = 8 if ggml_type == GGMLQuantizationType.IQ3_S else _GRID_LAYOUT[ggml_type][1]
+    n = b.shape[0]
+    index = b[:, 4:4 + idx].long()
+    if ggml_type == GGMLQuantizationType.IQ3_S:
+        index |= _fields(b[:, 16:17], 1).reshape(n, 8).long() << 8
+    mag = iq_grid(ggml_type)[index].reshape(n, 32).float()
+    negative = _fields(b[:, 4 + idx:8 + idx], 1).transpose(1, 2).reshape(n, 32).bool()
     return torch.where(negative, -mag, mag) * b[:, :4].contiguous().view(torch.float32)
 
 
@@ -292,6 +320,14 @@ def _dequantize_iq2_xxs_32(b: torch.Tensor) -> torch.Tensor:
 
 def _dequantize_iq3_xxs_32(b: torch.Tensor) -> torch.Tensor:
     return _grid_values(b, GGMLQuantizationType.IQ3_XXS)
+
+
+def _dequantize_iq3_s_32(b: torch.Tensor) -> torch.Tensor:
+    return _grid_values(b, GGMLQuantizationType.IQ3_S)
+
+
+def _dequantize_iq3_s(b: torch.Tensor) -> torch.Tensor:
+    return _dequantize_iq3_s_32(iq3_s_as_32(b).reshape(-1, 17)).reshape(b.shape[0], QK_K)
 
 
 def _dequantize_iq2_xxs(b: torch.Tensor) -> torch.Tensor:
@@ -305,7 +341,7 @@ def _dequantize_iq3_xxs(b: torch.Tensor) -> torch.Tensor:
 
 
 # ---- i-quants ladle only dequantizes at load ---------------------------------------------------
-# IQ2_XS, IQ2_S and IQ3_S (the attn_k of IQ3_XXS files, the bulk of IQ2_M and IQ3_M ones): no
+# IQ2_XS and IQ2_S (attn_q and attn_k of IQ3_XXS files, the bulk of IQ2_S / IQ2_M ones): no
 # kernel runs them, so their tensors are dequantized at load (quantized.py checks that fits),
 # by gguf-py's own numpy dequantizer, the definition the others here are tested against.
 
@@ -431,7 +467,7 @@ _DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]
     GGMLQuantizationType.IQ3_XXS: _dequantize_iq3_xxs,
     GGMLQuantizationType.IQ2_XS: _by_gguf_py(GGMLQuantizationType.IQ2_XS),
     GGMLQuantizationType.IQ2_S: _by_gguf_py(GGMLQuantizationType.IQ2_S),
-    GGMLQuantizationType.IQ3_S: _by_gguf_py(GGMLQuantizationType.IQ3_S),
+    GGMLQuantizationType.IQ3_S: _dequantize_iq3_s,
     GGMLQuantizationType.Q2_K: _dequantize_q2_k,
     GGMLQuantizationType.Q3_K: _dequantize_q3_k,
     GGMLQuantizationType.Q4_K: _dequantize_q4_k,
@@ -442,4 +478,5 @@ SUPPORTED_TYPES = tuple(_DEQUANTIZERS)
 # The layouts types run in (ladle's own ids): name, (values, bytes) per block, dequantizer.
 _KERNEL_LAYOUTS = {IQ4_XS_32: ("IQ4_XS_32", (32, 20), _dequantize_iq4_xs_32),
                    IQ2_XXS_32: ("IQ2_XXS_32", (32, 12), _dequantize_iq2_xxs_32),
-                   IQ3_XXS_32: ("IQ3_XXS_32", (32, 16), _dequantize_iq3_xxs_32)}
+                   IQ3_XXS_32: ("IQ3_XXS_32", (32, 16), _dequantize_iq3_xxs_32),
+                   IQ3_S_32: ("IQ3_S_32", (32, 17), _dequantize_iq3_s_32)}

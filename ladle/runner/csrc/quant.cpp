@@ -86,15 +86,22 @@ template <int TYPE> constexpr bool kLut4 =
 // 12.25. Unpacking the scale and the eighth sign bits per block took as many instructions as the
 // rest of the product (with d copied into each 32 instead, 10 and 14 bytes, the 0.6B's IQ2_XXS
 // file decoded at 0.78x llama.cpp's speed, IQ3_XXS 0.63x). Signed values as Q8_0's, |w| <= 62.
-constexpr int kIQ2XXS32 = -12, kIQ3XXS32 = -13;
-template <int TYPE> constexpr bool kGrid = TYPE == kIQ2XXS32 || TYPE == kIQ3XXS32;
+// IQ3_S (IQ3_S / IQ3_M files' bulk) alike: 9-bit indices into a grid of 512 x 4, its signs
+// stored as bits, a 4-bit scale s per 32 values, w = d * (2s + 1) * grid * sign; as IQ3_S_32:
+// the float32 scale, the indices' low bytes, the 32 sign bits, then a byte of their high bits
+// (17 bytes against the file's 13.75).
+constexpr int kIQ2XXS32 = -12, kIQ3XXS32 = -13, kIQ3S32 = -14;
+template <int TYPE> constexpr bool kGrid =
+    TYPE == kIQ2XXS32 || TYPE == kIQ3XXS32 || TYPE == kIQ3S32;
 template <int TYPE> constexpr int kGridSigns = TYPE == kIQ2XXS32 ? 8 : 12;  // the bits' offset
-// The grids, as gguf-py (ggml's iq2xxs_grid, iq3xxs_grid) defines them: 256 entries of 8 and 4
-// magnitudes, one byte each. Set once per process by set_iq_grids (quant.py, when the kernels
-// load) before any part of those types can run; quant_matmul refuses them until then.
+// The grids, as gguf-py (ggml's iq2xxs_grid, iq3xxs_grid, iq3s_grid) defines them: 256 entries
+// of 8 and 4 magnitudes, 512 of 4, one byte each. Set once per process by set_iq_grids
+// (cpu_kernels.py, when the kernels load) before any part of those types can run;
+// quant_matmul refuses them until then.
 struct IqGrids {
   uint64_t g2[256];
   uint32_t g3[256];
+  uint32_t g3s[512];
   std::atomic<bool> ready{false};
 };
 IqGrids g_iq;
@@ -109,8 +116,11 @@ template <int TYPE>
 inline void grid_magnitudes(const uint8_t* b, uint8_t* out) {
   if constexpr (TYPE == kIQ2XXS32) {
     for (int k = 0; k < 4; k++) std::memcpy(out + 8 * k, &g_iq.g2[b[4 + k]], 8);
-  } else {
+  } else if constexpr (TYPE == kIQ3XXS32) {
     for (int k = 0; k < 8; k++) std::memcpy(out + 4 * k, &g_iq.g3[b[4 + k]], 4);
+  } else {
+    for (int k = 0; k < 8; k++)
+      std::memcpy(out + 4 * k, &g_iq.g3s[b[4 + k] | ((b[16] >> k) & 1) << 8], 4);
   }
 }
 // Repacked at load by 16 rows (quant.py's Q4_K_R16, Q6_K_R16, Q8_0_R16, INT8_ROW_R16,
@@ -234,6 +244,7 @@ inline void with_type(int type, F&& f) {
     case kIQ4XS32: return f(std::integral_constant<int, kIQ4XS32>{});
     case kIQ2XXS32: return f(std::integral_constant<int, kIQ2XXS32>{});
     case kIQ3XXS32: return f(std::integral_constant<int, kIQ3XXS32>{});
+    case kIQ3S32: return f(std::integral_constant<int, kIQ3S32>{});
     case kQ4_K: return f(std::integral_constant<int, kQ4_K>{});
     case kQ5_K: return f(std::integral_constant<int, kQ5_K>{});
     case kQ6_K: return f(std::integral_constant<int, kQ6_K>{});
@@ -261,6 +272,7 @@ constexpr int64_t block_bytes(int type) {
     case kIQ4XS32: return 20;
     case kIQ2XXS32: return 12;
     case kIQ3XXS32: return 16;
+    case kIQ3S32: return 17;
     case kQ4_K: return 144;
     case kQ5_K: return 176;
     case kQ6_K: return 210;
@@ -629,10 +641,15 @@ inline __m256i grid_mags(const uint8_t* b) {
     const uint64_t* g = g_iq.g2;
     return _mm256_set_epi64x(int64_t(g[b[7]]), int64_t(g[b[6]]), int64_t(g[b[5]]),
                              int64_t(g[b[4]]));
-  } else {
+  } else if constexpr (TYPE == kIQ3XXS32) {
     const uint32_t* g = g_iq.g3;
     return _mm256_set_epi32(int(g[b[11]]), int(g[b[10]]), int(g[b[9]]), int(g[b[8]]),
                             int(g[b[7]]), int(g[b[6]]), int(g[b[5]]), int(g[b[4]]));
+  } else {
+    const uint32_t* g = g_iq.g3s;
+    const uint32_t h = b[16];
+    auto at = [&](int k) { return int(g[b[4 + k] | ((h >> k) & 1) << 8]); };
+    return _mm256_set_epi32(at(7), at(6), at(5), at(4), at(3), at(2), at(1), at(0));
   }
 }
 // v's bytes negated where `bits` has their bit set.
@@ -2686,7 +2703,8 @@ bool is_kernel_type(int64_t t) {
   return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ5_1 || t == kQ8_0 || t == kQ2_K ||
          t == kQ3_K || t == kMXFP4 || t == kIQ4NL || t == kIQ4XS32 || t == kQ4_K || t == kQ5_K ||
          t == kQ6_K || t == kI8 || (is_r16(int(t)) && kHasR16) ||
-         ((t == kIQ2XXS32 || t == kIQ3XXS32) && g_iq.ready.load(std::memory_order_acquire));
+         ((t == kIQ2XXS32 || t == kIQ3XXS32 || t == kIQ3S32) &&
+          g_iq.ready.load(std::memory_order_acquire));
 }
 
 // The Hadamard rotation of `--quantization int8` (models/int8.py): each block of B values of a
@@ -3773,19 +3791,23 @@ void dequantize_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, a
   });
 }
 
-void set_iq_grids(const at::Tensor& iq2xxs, const at::Tensor& iq3xxs) {
-  TORCH_CHECK(iq2xxs.scalar_type() == at::kByte && iq2xxs.is_contiguous() &&
-                  iq2xxs.numel() == 256 * 8 && iq3xxs.scalar_type() == at::kByte &&
-                  iq3xxs.is_contiguous() && iq3xxs.numel() == 256 * 4,
-              "set_iq_grids: uint8 grids of 256 x 8 (IQ2_XXS) and 256 x 4 (IQ3_XXS) values");
+void set_iq_grids(const at::Tensor& iq2xxs, const at::Tensor& iq3xxs, const at::Tensor& iq3s) {
+  auto fits = [](const at::Tensor& t, int64_t n) {
+    return t.scalar_type() == at::kByte && t.is_contiguous() && t.numel() == n;
+  };
+  TORCH_CHECK(fits(iq2xxs, 256 * 8) && fits(iq3xxs, 256 * 4) && fits(iq3s, 512 * 4),
+              "set_iq_grids: uint8 grids of 256 x 8 (IQ2_XXS), 256 x 4 (IQ3_XXS) and 512 x 4 "
+              "(IQ3_S) values");
   if (g_iq.ready.load(std::memory_order_acquire)) {  // once per process: running parts read them
     TORCH_CHECK(std::memcmp(g_iq.g2, iq2xxs.data_ptr(), sizeof g_iq.g2) == 0 &&
-                    std::memcmp(g_iq.g3, iq3xxs.data_ptr(), sizeof g_iq.g3) == 0,
+                    std::memcmp(g_iq.g3, iq3xxs.data_ptr(), sizeof g_iq.g3) == 0 &&
+                    std::memcmp(g_iq.g3s, iq3s.data_ptr(), sizeof g_iq.g3s) == 0,
                 "set_iq_grids: the grids are already set, to other values");
     return;
   }
   std::memcpy(g_iq.g2, iq2xxs.data_ptr(), sizeof g_iq.g2);
   std::memcpy(g_iq.g3, iq3xxs.data_ptr(), sizeof g_iq.g3);
+  std::memcpy(g_iq.g3s, iq3s.data_ptr(), sizeof g_iq.g3s);
   g_iq.ready.store(true, std::memory_order_release);
 }
 
