@@ -1,7 +1,7 @@
 """A GGUF file's weights kept in their blocks: every linear (and the embedding) whose tensors are
 of a type the quantized kernels run (runner/quant.py: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, IQ4_NL,
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) becomes a QuantWeight holding the file's bytes (IQ4_XS's sub-blocks
-rewritten as blocks of 32: `WIDENED`), installed on the
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) becomes a QuantWeight holding the file's bytes (IQ4_XS's, IQ2_XXS's,
+IQ3_XXS's and IQ3_S's sub-blocks rewritten as blocks of 32: `WIDENED`), installed on the
 meta-device model before any dense memory is allocated. A fused projection takes one part per file
 tensor (a Q4_K_M file stores attn_v as Q6_K beside Q4_K attn_q and attn_k). A tensor of another type
 inside such a projection is dequantized to the model dtype as a dense part; a projection with no

@@ -1,8 +1,9 @@
 // Quantized linears: y (M, N) = x (M, K) @ W (N, K)^T where W's rows are parts, each in GGUF blocks
-// (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) or int8 with
-// a scale per row, and x is quantized to int8 once per call for all parts. One call, one parallel
-// region: a decode step's small matmuls (0.2-2 MB of weights, 10-100 us) would otherwise spend a
-// third of their time in Python and in the threads' wake-ups and joins. The pure-torch twin is in
+// (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, IQ4_NL, IQ4_XS, IQ2_XXS, IQ3_XXS, IQ3_S, Q2_K, Q3_K, Q4_K,
+// Q5_K, Q6_K) or int8 with a scale per row, and x is quantized to int8 once per call for all
+// parts. One call, one parallel region: a decode step's small matmuls (0.2-2 MB of weights,
+// 10-100 us) would otherwise spend a third of their time in Python and in the threads' wake-ups
+// and joins. The pure-torch twin is in
 // ladle/runner/quant.py; the tests compare the two.
 //
 // The scheme (ggml's, written afresh): the activations are int8 per block of 32 values with a float
