@@ -33,9 +33,9 @@ _CHUNK_VALUES = 1 << 24
 def dequantize(raw: np.ndarray | torch.Tensor, ggml_type: GGMLQuantizationType | int,
                shape: tuple[int, ...]) -> torch.Tensor:
     """The float32 values of a tensor of `ggml_type` (or of a layout a type runs in: ladle's
-    IQ4_XS_32, IQ2_XXS_32, IQ3_XXS_32) whose bytes are `raw` (numpy or torch, uint8, any shape), in `shape` (torch
-    order). Always new memory: `raw` may be a read-only view of a memory-mapped file, and is
-    only read."""
+    IQ4_XS_32, IQ2_XXS_32, IQ3_XXS_32, IQ3_S_32) whose bytes are `raw` (numpy or torch, uint8,
+    any shape), in `shape` (torch order). Always new memory: `raw` may be a read-only view of a
+    memory-mapped file, and is only read."""
     if ggml_type in _KERNEL_LAYOUTS:
         name, (block_size, type_size), fn = _KERNEL_LAYOUTS[ggml_type]
     else:
@@ -214,7 +214,7 @@ def _dequantize_iq4_xs_32(b: torch.Tensor) -> torch.Tensor:
     return _iq4_values(b[:, 4:]).float() * b[:, :4].contiguous().view(torch.float32)
 
 
-# ---- i-quants on a grid: IQ2_XXS, IQ3_XXS -----------------------------------------------------
+# ---- i-quants on a grid: IQ2_XXS, IQ3_XXS, IQ3_S ----------------------------------------------
 # A super-block of 256 values: d, then per 32 values grid indices and a little-endian uint32
 # word whose bits 7k .. 7k + 6 (k = 0 .. 3) are the signs of values 8k .. 8k + 7 (the eighth
 # sign makes the count of minus signs even) and whose top 4 bits are a scale s. An index picks 8

@@ -3,8 +3,7 @@
 // Q5_K, Q6_K) or int8 with a scale per row, and x is quantized to int8 once per call for all
 // parts. One call, one parallel region: a decode step's small matmuls (0.2-2 MB of weights,
 // 10-100 us) would otherwise spend a third of their time in Python and in the threads' wake-ups
-// and joins. The pure-torch twin is in
-// ladle/runner/quant.py; the tests compare the two.
+// and joins. The pure-torch twin is in ladle/runner/quant.py; the tests compare the two.
 //
 // The scheme (ggml's, written afresh): the activations are int8 per block of 32 values with a float
 // scale (d = max|x| / 127); a weight block of 32 is unpacked in registers to 32 int8 values; the 32
@@ -328,7 +327,6 @@ static_assert(kE8m0Half.v[0] == 0x1p-128f && kE8m0Half.v[1] == 0x1p-127f &&
               kE8m0Half.v[127] == 0.5f && kE8m0Half.v[255] == 0x1p127f);
 
 inline float e8m0_half(uint8_t e) { return kE8m0Half.v[e]; }
-
 
 // ggml's kvalues_iq4nl: the 16 values of IQ4_NL's and IQ4_XS's nibbles (|w| <= 127, as Q8_0's,
 // so the int16 pair sums of vpmaddubsw hold them).
@@ -667,12 +665,15 @@ inline __m256i negate_where(__m256i v, uint32_t bits) {
   return _mm256_sub_epi8(_mm256_xor_si256(v, m), m);
 #endif
 }
-// Its signed values (panels, rows of a call too small for the sign on x below).
+// Its signed values (what the panels take; tiles and rows put the signs onto x instead).
 template <int TYPE>
 inline __m256i grid_values(const uint8_t* b) {
   return negate_where(grid_mags<TYPE>(b), grid_signs<TYPE>(b));
 }
 
+// A block of 32 values with one scale (Q8_0, Q4_0, Q5_0, MXFP4, IQ4, IQ2_XXS, IQ3_XXS, IQ3_S,
+// int8 rows as blocks of scale 1; Q4_1 and Q5_1 with a min too), its values unpacked to signed
+// int8. (The K-quants have tiles of their own, below.)
 template <int TYPE> constexpr int64_t kBlockBytes =
     TYPE == kI8 ? 32 : TYPE == kQ8_0 ? 34 : TYPE == kQ4_0 ? 18 : TYPE == kMXFP4 ? 17
     : TYPE == kQ4_1 ? 20 : TYPE == kQ5_1 ? 24 : TYPE == kIQ4NL ? 18 : TYPE == kIQ4XS32 ? 20
@@ -2470,8 +2471,8 @@ inline __m256i panel_bytes(const uint8_t* row, int64_t sb) {
     return _mm256_or_si256(nibbles(b + 6), bit_bytes(qh));
   } else if constexpr (kMin32<TYPE>) {  // unsigned as stored
     return block_unsigned<TYPE>(row + sb * kBlockBytes<TYPE>);
-  } else {  // signed bytes (Q8_0, int8 rows, MXFP4's, IQ4's, IQ2_XXS's and IQ3_XXS's values):
-            // + 128 is the sign flipped
+  } else {  // signed bytes (Q8_0, int8 rows, MXFP4, IQ4 and the grid types): + 128 is the
+            // sign flipped
     return _mm256_xor_si256(block_quants<TYPE>(row + sb * kBlockBytes<TYPE>), flip);
   }
 }
