@@ -28,9 +28,16 @@ from ladle.models.gguf import (
     iter_hf_tensors,
     open_gguf,
 )
-from ladle.models.gguf.quants import iq2_xxs_as_32, iq3_s_as_32, iq3_xxs_as_32, iq4_xs_as_32
+from ladle.models.gguf.quants import (
+    iq2_s_as_32,
+    iq2_xs_as_32,
+    iq2_xxs_as_32,
+    iq3_s_as_32,
+    iq3_xxs_as_32,
+    iq4_xs_as_32,
+)
 from ladle.models.loader import ModelLoadError
-from ladle.runner.quant import IQ2_XXS_32, IQ3_S_32, IQ3_XXS_32, IQ4_XS_32
+from ladle.runner.quant import IQ2_S_32, IQ2_XS_32, IQ2_XXS_32, IQ3_S_32, IQ3_XXS_32, IQ4_XS_32
 
 T = GGMLQuantizationType
 GEMMA_FILE = Path.home() / ".cache" / "ladle" / "gguf" / "gemma-3-270m-q4_k_m.gguf"
@@ -45,8 +52,10 @@ FP16_FIELDS = {
     T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2),
     T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
     T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.IQ2_XXS: (0,), T.IQ3_XXS: (0,), T.IQ2_XS: (0,),
-    T.IQ2_S: (0,), T.IQ3_S: (0,),
+    T.IQ2_S: (0,), T.IQ3_S: (0,), T.IQ1_S: (0,), T.TQ1_0: (52,), T.TQ2_0: (64,),
     T.MXFP4: (),  # its scale is the E8M0 byte 0 (set below)
+    T.NVFP4: (),  # UE4M3 scales in bytes 0-3 (set below)
+    T.IQ1_M: (),  # d's 16 bits in the top nibbles of its 4 uint16 scale words (set below)
 }
 
 
@@ -64,6 +73,16 @@ def random_rows(ggml_type: GGMLQuantizationType, num_rows: int, blocks_per_row: 
                 num_rows, blocks_per_row, 2)
         if ggml_type == T.MXFP4:  # powers of two 2^-128 (subnormal) .. 2^30, no overflow
             raw[:, :, 0] = rng.integers(0, 158, (num_rows, blocks_per_row))
+        if ggml_type == T.NVFP4:  # 0x7F is UE4M3's NaN
+            raw[:, :, :4] = rng.integers(0, 0x7F, (num_rows, blocks_per_row, 4))
+        if ggml_type == T.IQ1_M:  # d (bits 4k .. 4k + 3 in word k's top nibble) 2^-15 .. 2^3
+            d = (rng.standard_normal((num_rows, blocks_per_row)) * 2.0 **
+                 rng.integers(-15, 3, (num_rows, blocks_per_row))).astype(np.float16)
+            words = raw[:, :, 48:56].copy().view(np.uint16)
+            for k in range(4):
+                nibble = (d.view(np.uint16) >> (4 * k)) & 0xF
+                words[:, :, k] = (words[:, :, k] & 0x0FFF) | (nibble << 12)
+            raw[:, :, 48:56] = words.view(np.uint8)
         return raw.reshape(num_rows, -1)
     values = rng.standard_normal((num_rows, blocks_per_row * block_size)).astype(np.float32)
     if ggml_type == T.F16:
@@ -109,16 +128,20 @@ def test_iq4_xs_in_blocks_of_32_keeps_every_value():
                        reference(edge, T.IQ4_XS))
 
 
-@pytest.mark.parametrize("ggml_type", [T.IQ2_XXS, T.IQ3_XXS, T.IQ3_S], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [T.IQ2_XXS, T.IQ3_XXS, T.IQ3_S, T.IQ2_XS, T.IQ2_S],
+                         ids=lambda t: t.name)
 def test_grid_types_in_blocks_of_32_keep_every_value(ggml_type):
-    """IQ2_XXS, IQ3_XXS and IQ3_S run as blocks of 32 (ladle's IQ2_XXS_32, IQ3_XXS_32,
-    IQ3_S_32): each 32's float32 scale, grid indices and 32 sign bits; those dequantize to
-    exactly the file's values (gguf-py's), at every index, sign pattern and scale: random bytes,
-    and every byte after d 0x00 (scale 0, no sign, index 0) or 0xFF (scale 15, every sign bit,
-    IQ2_XXS / IQ3_XXS: seven, an odd count, so the eighth too; the last index)."""
+    """IQ2_XXS, IQ3_XXS, IQ3_S, IQ2_XS and IQ2_S run as blocks of 32 (ladle's IQ2_XXS_32,
+    IQ3_XXS_32, IQ3_S_32, IQ2_XS_32, IQ2_S_32): each 32's float32 scale (IQ2_XS, IQ2_S: d / 8 and
+    the halves' 4-bit scales), grid indices and 32 sign bits; those dequantize to exactly the
+    file's values (gguf-py's), at every index, sign pattern and scale: random bytes, and every
+    byte after d 0x00 (scale 0, no sign, index 0) or 0xFF (scale 15, every sign bit, IQ2_XXS /
+    IQ3_XXS / IQ2_XS: seven, an odd count, so the eighth too; the last index)."""
     as_32, kind, size = {T.IQ2_XXS: (iq2_xxs_as_32, IQ2_XXS_32, 12),
                          T.IQ3_XXS: (iq3_xxs_as_32, IQ3_XXS_32, 16),
-                         T.IQ3_S: (iq3_s_as_32, IQ3_S_32, 17)}[ggml_type]
+                         T.IQ3_S: (iq3_s_as_32, IQ3_S_32, 17),
+                         T.IQ2_XS: (iq2_xs_as_32, IQ2_XS_32, 14),
+                         T.IQ2_S: (iq2_s_as_32, IQ2_S_32, 14)}[ggml_type]
     raw = random_rows(ggml_type, num_rows=24, blocks_per_row=2, rng=np.random.default_rng(5))
     blocks = as_32(torch.from_numpy(raw))
     assert blocks.dtype == torch.uint8 and blocks.shape == (24, 2 * 8 * size)
@@ -139,8 +162,8 @@ def test_dequantize_refuses_a_byte_count_that_does_not_fit_the_shape():
         dequantize(raw, T.Q4_K, (3, 256))
     with pytest.raises(ValueError, match="do not split into Q4_K blocks of 256"):
         dequantize(raw, T.Q4_K, (4, 128))
-    with pytest.raises(ValueError, match="IQ1_S cannot be dequantized; supported: F32"):
-        dequantize(raw, T.IQ1_S, (2, 256))
+    with pytest.raises(ValueError, match="Q8_K cannot be dequantized; supported: F32"):
+        dequantize(raw, T.Q8_K, (2, 256))
 
 
 @pytest.fixture(scope="module")
@@ -306,7 +329,7 @@ def test_unknown_architecture(tmp_path):
             "supported: llama, qwen2, qwen3, gemma3, gemma2")
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q8_1, T.IQ1_S], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [T.Q8_1, T.Q1_0], ids=lambda t: t.name)
 def test_unsupported_tensor_type_names_the_tensor(tmp_path, ggml_type):
     _, type_size = GGML_QUANT_SIZES[ggml_type]
     raw = np.zeros((2, type_size), np.uint8)
@@ -314,7 +337,8 @@ def test_unsupported_tensor_type_names_the_tensor(tmp_path, ggml_type):
                                                                     ggml_type)])
     refused(path, f"tensor 'blk.0.attn_q.weight' is {ggml_type.name}",
             "supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, IQ4_NL, IQ4_XS, "
-            "IQ2_XXS, IQ3_XXS, IQ2_XS, IQ2_S, IQ3_S, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K")
+            "IQ2_XXS, IQ3_XXS, IQ2_XS, IQ2_S, IQ3_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0, NVFP4, Q2_K, "
+            "Q3_K, Q4_K, Q5_K, Q6_K")
 
 
 def test_unknown_tensor_type_id(tmp_path):

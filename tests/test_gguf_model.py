@@ -113,13 +113,13 @@ def test_bad_gguf_is_a_startup_error_naming_the_file(tmp_path, gemma_gguf):
     magic = tmp_path / "magic.gguf"
     magic.write_bytes(b"GGML" + b"\0" * 4096)
     arch = write_gguf(tmp_path / "mamba.gguf", arch="mamba", tensors=[f32_tensor()])
-    iq1 = GGMLQuantizationType.IQ1_S
-    raw = np.zeros((2, GGML_QUANT_SIZES[iq1][1]), np.uint8)
-    qtype = write_gguf(tmp_path / "iq1.gguf", tensors=[f32_tensor(),
-                                                        ("blk.0.attn_q.weight", raw, iq1)])
+    q1 = GGMLQuantizationType.Q1_0
+    raw = np.zeros((2, GGML_QUANT_SIZES[q1][1]), np.uint8)
+    qtype = write_gguf(tmp_path / "q1.gguf", tensors=[f32_tensor(),
+                                                       ("blk.0.attn_q.weight", raw, q1)])
     cases = ((truncated, "truncated"), (magic, "not a GGUF file"),
              (arch, "architecture 'mamba' is not supported"),
-             (qtype, "tensor 'blk.0.attn_q.weight' is IQ1_S"))
+             (qtype, "tensor 'blk.0.attn_q.weight' is Q1_0"))
     for path, problem in cases:
         t0 = time.monotonic()
         proc = subprocess.run([sys.executable, "-m", "ladle.entrypoints.cli", "serve", str(path),

@@ -266,15 +266,15 @@ def write_qwen3moe(path: Path, *, hidden: int = HIDDEN, expert_size: int = EXPER
 
 
 @pytest.mark.parametrize("k4", [T.Q4_K, T.Q5_K, T.Q3_K, T.IQ4_XS, T.Q2_K, T.IQ2_XXS, T.IQ3_XXS,
-                                T.IQ3_S],
+                                T.IQ3_S, T.IQ2_XS, T.IQ2_S],
                          ids=lambda t: t.name)
 def test_k_quant_experts_keep_each_experts_rows(tmp_path, k4):
     """A Q4_K_M-style layer (gate and up Q4_K, down Q6_K, rows of 256 values so the K-quant
     super-blocks fit; a Q8_0 router), a Q5_K_M-style one (Q5_K gate and up, and Q5_K
     attention, the type a Q4_K_M file gives an 8-expert model's attn_output) and a Q3_K_M-style
     one (Q3_K gate, up and attention), an
-    IQ4_XS one (kept as blocks of 32 with a float32 scale each), a Q2_K one, and IQ2_XXS and
-    IQ3_XXS ones (as blocks of 32, a float32 scale each): each expert's
+    IQ4_XS one (kept as blocks of 32 with a float32 scale each), a Q2_K one, and IQ2_XXS,
+    IQ3_XXS, IQ3_S, IQ2_XS and IQ2_S ones (as blocks of 32, a float32 scale each): each expert's
     linears hold exactly its rows of the stacked tensors, in their blocks, and so do the
     attention's; the router is dequantized, since its logits choose the experts."""
     types = {"blk.0.ffn_gate_exps.weight": k4, "blk.0.ffn_up_exps.weight": k4,
@@ -307,33 +307,32 @@ def test_k_quant_experts_keep_each_experts_rows(tmp_path, k4):
 
 
 def test_types_without_a_kernel_are_dequantized_where_they_fit(tmp_path, monkeypatch):
-    """An IQ3_XXS file's mix (llama.cpp gives a GQA model's attn_k IQ2_S, attn_output IQ3_S):
-    the IQ2_S tensor, which no kernel runs, is dequantized at load to exactly gguf-py's values
-    beside the IQ3_XXS and IQ3_S parts kept in their blocks; the same for IQ2_XS (IQ2_XS, IQ2_M
-    files). Where those
-    tensors would not fit dequantized in the memory available, loading is an error naming the
-    file, the types, the size and the kernel types, before anything is dequantized."""
+    """An IQ2_XXS file's mix with the 1-bit and ternary types no kernel runs (IQ1_S, IQ1_M: the
+    bulk of IQ1 files; TQ1_0, TQ2_0; NVFP4): those tensors are dequantized at load to exactly
+    gguf-py's values beside the parts kept in their blocks (IQ2_XXS, IQ2_S, IQ3_S). Where they
+    would not fit dequantized in the memory available, loading is an error naming the file,
+    the types, the size and the kernel types, before anything is dequantized."""
     import ladle.models.gguf.quantized as quantized
 
     attention = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight",
                  "blk.0.attn_output.weight"]
-    types = {"blk.0.ffn_gate_exps.weight": T.IQ3_XXS, "blk.0.ffn_up_exps.weight": T.IQ3_S,
-             "blk.0.ffn_down_exps.weight": T.IQ2_XS, "blk.0.ffn_gate_inp.weight": T.Q8_0,
-             **dict.fromkeys(attention, T.IQ3_XXS), "blk.0.attn_k.weight": T.IQ2_S,
-             "blk.0.attn_output.weight": T.IQ3_S}
+    types = {"blk.0.ffn_gate_exps.weight": T.IQ2_XXS, "blk.0.ffn_up_exps.weight": T.IQ1_M,
+             "blk.0.ffn_down_exps.weight": T.IQ1_S, "blk.0.ffn_gate_inp.weight": T.Q8_0,
+             "blk.0.attn_q.weight": T.IQ2_S, "blk.0.attn_k.weight": T.TQ1_0,
+             "blk.0.attn_v.weight": T.TQ2_0, "blk.0.attn_output.weight": T.NVFP4}
     path = write_qwen3moe(tmp_path / "iq.gguf", hidden=256, expert_size=256, types=types)
     model = load_model(path, read_hf_config(path), torch.float32, torch.device("cpu"))
     stored = {name: t.dequantize() for name, t in open_gguf(path).tensors.items()}
     (attn,) = [m for m in model.modules() if hasattr(m, "qkv_proj")]
     qkv = attn.qkv_proj.weight
-    assert [p.name() for p in qkv.parts] == ["IQ3_XXS", "float32", "IQ3_XXS"]
+    assert [p.name() for p in qkv.parts] == ["IQ2_S", "float32", "float32"]
     assert torch.equal(qkv.dequantize(), torch.cat([stored[n] for n in attention[:3]]))
-    assert attn.o_proj.weight.describe() == "IQ3_S"
-    assert torch.equal(attn.o_proj.weight.dequantize(), stored[attention[3]])
+    assert isinstance(attn.o_proj.weight, torch.nn.Parameter)  # NVFP4 alone: dense
+    assert torch.equal(attn.o_proj.weight, stored[attention[3]])
     (block,) = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
     for e, expert in enumerate(block.experts):
         gate_up, down = expert.gate_up_proj.weight, expert.down_proj.weight
-        assert [p.name() for p in gate_up.parts] == ["IQ3_XXS", "IQ3_S"]
+        assert [p.name() for p in gate_up.parts] == ["IQ2_XXS", "float32"]
         assert torch.equal(gate_up.parts[1].dequantize(256), stored["blk.0.ffn_up_exps.weight"][e])
         assert isinstance(down, torch.nn.Parameter), type(down)  # a tensor with no kernel type
         assert torch.equal(down, stored["blk.0.ffn_down_exps.weight"][e])
@@ -341,8 +340,8 @@ def test_types_without_a_kernel_are_dequantized_where_they_fit(tmp_path, monkeyp
     with pytest.raises(ModelLoadError) as info:
         load_model(path, read_hf_config(path), torch.float32, torch.device("cpu"))
     message = str(info.value)
-    for fragment in (str(path), "2 IQ2_S/IQ2_XS tensors have no quantized kernel",
-                     "dequantized to float32, more than the 0.0 GiB", "IQ3_XXS"):
+    for fragment in (str(path), "5 IQ1_M/IQ1_S/NVFP4/TQ1_0/TQ2_0 tensors have no quantized kernel",
+                     "dequantized to float32, more than the 0.0 GiB", "IQ2_S", "IQ3_XXS"):
         assert fragment in message, message
 
 
@@ -352,7 +351,8 @@ def test_types_without_a_kernel_are_dequantized_where_they_fit(tmp_path, monkeyp
 # one, mixed 32-value types (Q5_1 and Q4_1: the fallbacks of Q5_K_M files and of 8-expert
 # Q4_0 files, with a min per block), a Q3_K_M one (a scale per 16 values, as Q6_K), IQ4 ones
 # (IQ4_XS in blocks of 32, IQ4_NL: table values), Q2_K ones (a min per 16 values), and
-# IQ2_XXS / IQ3_XXS ones (grid magnitudes and sign bits).
+# grid ones (IQ2_XXS, IQ3_XXS, IQ3_S: grid magnitudes and sign bits; IQ2_XS, IQ2_S: a scale
+# per 16 values too).
 QUANT_CASES = [(1, (T.Q4_K, T.Q4_K, T.Q6_K)), (3, (T.Q4_K, T.Q4_K, T.Q6_K)),
                (37, (T.Q4_K, T.Q4_K, T.Q6_K)), (1, (T.Q5_K, T.Q5_K, T.Q6_K)),
                (37, (T.Q5_K, T.Q5_K, T.Q5_K)), (1, (T.Q8_0, T.Q8_0, T.Q8_0)),
@@ -362,7 +362,8 @@ QUANT_CASES = [(1, (T.Q4_K, T.Q4_K, T.Q6_K)), (3, (T.Q4_K, T.Q4_K, T.Q6_K)),
                (37, (T.Q3_K, T.Q3_K, T.Q4_K)), (1, (T.IQ4_XS, T.IQ4_XS, T.IQ4_NL)),
                (37, (T.IQ4_XS, T.IQ4_NL, T.IQ4_XS)), (1, (T.Q2_K, T.Q2_K, T.Q3_K)),
                (37, (T.Q2_K, T.Q2_K, T.Q4_K)), (1, (T.IQ2_XXS, T.IQ2_XXS, T.IQ3_XXS)),
-               (37, (T.IQ3_XXS, T.IQ2_XXS, T.IQ3_XXS)), (37, (T.IQ3_S, T.IQ3_S, T.IQ2_XXS))]
+               (37, (T.IQ3_XXS, T.IQ2_XXS, T.IQ3_XXS)), (37, (T.IQ3_S, T.IQ3_S, T.IQ2_XXS)),
+               (1, (T.IQ2_XS, T.IQ2_S, T.IQ2_XS)), (37, (T.IQ2_S, T.IQ2_XS, T.IQ2_S))]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -26,7 +26,7 @@ needs_kernels = pytest.mark.skipif(kernels is None or not hasattr(kernels, "quan
 F16_FIELDS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2],
               Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.IQ4_NL: [0],
               Q.IQ4_XS_32: [], Q.MXFP4: [], Q.IQ2_XXS_32: [], Q.IQ3_XXS_32: [],
-              Q.IQ3_S_32: []}
+              Q.IQ3_S_32: [], Q.IQ2_XS_32: [], Q.IQ2_S_32: []}
 
 
 def random_blocks(kind: int, rows: int, k: int, g: torch.Generator) -> torch.Tensor:
@@ -43,6 +43,11 @@ def random_blocks(kind: int, rows: int, k: int, g: torch.Generator) -> torch.Ten
         d = (torch.rand(rows, k // values, generator=g) * 0.002 + 1e-4).half().float()
         s = torch.randint(0, 16, (rows, k // values), generator=g).float() + 0.5
         raw[:, :, :4] = (d * s * 0.25).view(torch.uint8).reshape(rows, k // values, 4)
+    if kind in (Q.IQ2_XS_32, Q.IQ2_S_32):  # float32 d / 8; IQ2_XS's indices 9 bits
+        d = (torch.rand(rows, k // values, generator=g) * 0.002 + 1e-4).half().float()
+        raw[:, :, :4] = (d / 8).view(torch.uint8).reshape(rows, k // values, 4)
+        if kind == Q.IQ2_XS_32:
+            raw[:, :, 12] &= 0x55
     if kind == Q.IQ4_XS_32:  # a float32 scale: float16 d times a 6-bit scale -32 .. 31
         d = (torch.rand(rows, k // values, generator=g) * 0.002 + 1e-4).half().float()
         sc = torch.randint(-32, 32, (rows, k // values), generator=g).float()

@@ -241,14 +241,14 @@ def load_cpu_kernels():
 
 
 def _set_tables(module) -> None:
-    """The data a kernel type needs that the sources do not hold: IQ2_XXS's, IQ3_XXS's and
-    IQ3_S's grids, from gguf-py (the format's definition), before any weight of those types can
-    run."""
+    """The data a kernel type needs that the sources do not hold: IQ2_XXS's, IQ3_XXS's,
+    IQ3_S's, IQ2_XS's and IQ2_S's grids, from gguf-py (the format's definition), before any
+    weight of those types can run."""
     from gguf import GGMLQuantizationType as T
 
     from ladle.models.gguf.quants import iq_grid  # (a cycle at import time)
 
-    module.set_iq_grids(iq_grid(T.IQ2_XXS), iq_grid(T.IQ3_XXS), iq_grid(T.IQ3_S))
+    module.set_iq_grids(*(iq_grid(t) for t in (T.IQ2_XXS, T.IQ3_XXS, T.IQ3_S, T.IQ2_XS, T.IQ2_S)))
 
 
 def _load_or_build(root: Path):

@@ -4,8 +4,9 @@ A `QuantWeight` stands where a linear's (N, K) weight tensor would be. Its rows 
 `QuantPart`s, because a fused projection (q|k|v, gate|up) may hold tensors of different types
 (a Q4_K_M file stores attn_v as Q6_K beside a Q4_K attn_q). A part is one of:
   - GGUF blocks kept as they are in the file (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, IQ4_NL,
-    Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; IQ4_XS's, IQ2_XXS's, IQ3_XXS's and IQ3_S's sub-blocks as
-    blocks of 32, IQ4_XS_32, IQ2_XXS_32, IQ3_XXS_32, IQ3_S_32): uint8 (rows, row_bytes);
+    Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; IQ4_XS's, IQ2_XXS's, IQ2_XS's, IQ2_S's, IQ3_XXS's and
+    IQ3_S's sub-blocks as blocks of 32, IQ4_XS_32, IQ2_XXS_32, IQ2_XS_32, IQ2_S_32,
+    IQ3_XXS_32, IQ3_S_32): uint8 (rows, row_bytes);
   - INT8_ROW: symmetric int8 per output channel, int8 (rows, K) with a float32 scale per row
     (`--quantization int8`, compressed-tensors W8A8 checkpoints);
   - DENSE: the model dtype (rows, K), for a GGUF type the kernels do not run (dequantized at
@@ -57,15 +58,20 @@ IQ4_XS_32 = -9
 # each 32 values a block of their own, a float32 scale, their grid indices as stored and 32 sign
 # bits (IQ3_S_32: then a byte of the indices' ninth bits). Counted as IQ2_XXS, IQ3_XXS, IQ3_S.
 IQ2_XXS_32, IQ3_XXS_32, IQ3_S_32 = -12, -13, -14
+# IQ2_XS and IQ2_S alike (gguf/quants.py's iq2_xs_as_32, iq2_s_as_32; one layout): the float32
+# d / 8, the indices' low bytes, 32 sign bits, a byte of the indices' high bits, a byte of the
+# two halves' 4-bit scales. Counted as IQ2_XS, IQ2_S.
+IQ2_XS_32, IQ2_S_32 = -15, -16
 BLOCK_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0",
                Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K",
                IQ4_NL: "IQ4_NL", IQ4_XS_32: "IQ4_XS", MXFP4: "MXFP4", IQ2_XXS_32: "IQ2_XXS",
-               IQ3_XXS_32: "IQ3_XXS", IQ3_S_32: "IQ3_S"}
+               IQ3_XXS_32: "IQ3_XXS", IQ3_S_32: "IQ3_S", IQ2_XS_32: "IQ2_XS", IQ2_S_32: "IQ2_S"}
 # (values per block, bytes per block): gguf's GGML_QUANT_SIZES for the types above.
 BLOCK_SIZES = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
                Q2_K: (256, 84), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176),
                Q6_K: (256, 210), IQ4_NL: (32, 18), IQ4_XS_32: (32, 20), MXFP4: (32, 17),
-               IQ2_XXS_32: (32, 12), IQ3_XXS_32: (32, 16), IQ3_S_32: (32, 17)}
+               IQ2_XXS_32: (32, 12), IQ3_XXS_32: (32, 16), IQ3_S_32: (32, 17),
+               IQ2_XS_32: (32, 14), IQ2_S_32: (32, 14)}
 INT8_ROW = -1  # int8 rows with a float32 scale per row
 DENSE = -2  # the model dtype
 # Blocks (and int8 rows) repacked at load by 16 rows for the AVX-512 VNNI kernels (repack_r16):

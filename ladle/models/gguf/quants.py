@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ladle.runner.quant import IQ2_XXS_32, IQ3_S_32, IQ3_XXS_32, IQ4_XS_32
+from ladle.runner.quant import IQ2_S_32, IQ2_XS_32, IQ2_XXS_32, IQ3_S_32, IQ3_XXS_32, IQ4_XS_32
 
 QK_K = 256  # values in a k-quant super-block
 # Values dequantized per step: bounds the temporaries (a few times this many floats) when a
@@ -33,9 +33,9 @@ _CHUNK_VALUES = 1 << 24
 def dequantize(raw: np.ndarray | torch.Tensor, ggml_type: GGMLQuantizationType | int,
                shape: tuple[int, ...]) -> torch.Tensor:
     """The float32 values of a tensor of `ggml_type` (or of a layout a type runs in: ladle's
-    IQ4_XS_32, IQ2_XXS_32, IQ3_XXS_32, IQ3_S_32) whose bytes are `raw` (numpy or torch, uint8,
-    any shape), in `shape` (torch order). Always new memory: `raw` may be a read-only view of a
-    memory-mapped file, and is only read."""
+    IQ4_XS_32, IQ2_XXS_32, IQ3_XXS_32, IQ3_S_32, IQ2_XS_32, IQ2_S_32) whose bytes are `raw`
+    (numpy or torch, uint8, any shape), in `shape` (torch order). Always new memory: `raw` may
+    be a read-only view of a memory-mapped file, and is only read."""
     if ggml_type in _KERNEL_LAYOUTS:
         name, (block_size, type_size), fn = _KERNEL_LAYOUTS[ggml_type]
     else:
@@ -214,7 +214,7 @@ def _dequantize_iq4_xs_32(b: torch.Tensor) -> torch.Tensor:
     return _iq4_values(b[:, 4:]).float() * b[:, :4].contiguous().view(torch.float32)
 
 
-# ---- i-quants on a grid: IQ2_XXS, IQ3_XXS, IQ3_S ----------------------------------------------
+# ---- i-quants on a grid: IQ2_XXS, IQ3_XXS, IQ3_S, IQ2_XS, IQ2_S --------------------------------
 # A super-block of 256 values: d, then per 32 values grid indices and a little-endian uint32
 # word whose bits 7k .. 7k + 6 (k = 0 .. 3) are the signs of values 8k .. 8k + 7 (the eighth
 # sign makes the count of minus signs even) and whose top 4 bits are a scale s. An index picks 8
@@ -224,11 +224,13 @@ def _dequantize_iq4_xs_32(b: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def iq_grid(ggml_type: GGMLQuantizationType | int) -> torch.Tensor:
-    """uint8 (256, 8) for IQ2_XXS, (256, 4) for IQ3_XXS, (512, 4) for IQ3_S: the magnitudes
-    index i picks."""
+    """uint8 (256, 8) for IQ2_XXS, (256, 4) for IQ3_XXS, (512, 4) for IQ3_S, (512, 8) for
+    IQ2_XS, (1024, 8) for IQ2_S: the magnitudes index i picks."""
     cls = {GGMLQuantizationType.IQ2_XXS: gguf.quants.IQ2_XXS,
            GGMLQuantizationType.IQ3_XXS: gguf.quants.IQ3_XXS,
-           GGMLQuantizationType.IQ3_S: gguf.quants.IQ3_S}[GGMLQuantizationType(ggml_type)]
+           GGMLQuantizationType.IQ3_S: gguf.quants.IQ3_S,
+           GGMLQuantizationType.IQ2_XS: gguf.quants.IQ2_XS,
+           GGMLQuantizationType.IQ2_S: gguf.quants.IQ2_S}[GGMLQuantizationType(ggml_type)]
     cls.init_grid()
     return torch.from_numpy(cls.grid.reshape(cls.grid_shape).astype(np.uint8))
 
@@ -301,6 +303,60 @@ def iq3_s_as_32(raw: torch.Tensor) -> torch.Tensor:
     return out.reshape(*lead, -1)
 
 
+# IQ2_XS: 74 bytes, d, qs[32] (a little-endian uint16 per 8 values: a 9-bit grid index, then
+# the 7-bit index of their sign byte as IQ2_XXS's), scales[8] (per 32 values: the low nibble
+# for values 0-15, the high one for 16-31). IQ2_S: 82 bytes, d, qs[32] (the low 8 bits of an
+# index per 8 values), signs[32] (a byte per 8 values, bit i: value i negative), qh[8] (per 32
+# values: bits 2k, 2k + 1 the high bits of index k), scales[8] as IQ2_XS's. Both pick 8
+# magnitudes per index (grids of 512 and 1024 entries); y = d * (s + 1/2) / 4 * mag * sign per 16
+# values. As blocks of 32 (IQ2_XS_32, IQ2_S_32: one layout, 14 bytes): the float32 d / 8, the
+# indices' low bytes, the 32 sign bits, the byte of the indices' high bits (qh's), the byte of
+# the halves' scales; the kernels multiply a half's integer sum by 2s + 1.
+
+
+def _grid_halves_as_32(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
+    size = 74 if ggml_type == GGMLQuantizationType.IQ2_XS else 82
+    lead = raw.shape[:-1]
+    b = raw.reshape(-1, size)
+    n = b.shape[0]
+    out = torch.empty(n, 8, 14, dtype=torch.uint8)
+    out[:, :, :4] = (_f16(b, 0) / 8).unsqueeze(-1).expand(n, 8, 1).contiguous().view(torch.uint8)
+    if ggml_type == GGMLQuantizationType.IQ2_XS:
+        qs = b[:, 2:66].contiguous().view(torch.int16).long().reshape(n, 8, 4) & 0xFFFF
+        out[:, :, 4:8] = qs & 255
+        out[:, :, 8:12] = _SIGN_BYTES[qs >> 9]
+        out[:, :, 12] = (((qs >> 8) & 1) << torch.tensor([0, 2, 4, 6])).sum(-1)
+        out[:, :, 13] = b[:, 66:74]
+    else:
+        out[:, :, 4:8] = b[:, 2:34].reshape(n, 8, 4)
+        out[:, :, 8:12] = b[:, 34:66].reshape(n, 8, 4)
+        out[:, :, 12] = b[:, 66:74]
+        out[:, :, 13] = b[:, 74:82]
+    return out.reshape(*lead, -1)
+
+
+def iq2_xs_as_32(raw: torch.Tensor) -> torch.Tensor:
+    """IQ2_XS rows (..., 74 * blocks) as IQ2_XS_32 rows (..., 112 * blocks): 14 bytes per 32
+    values against 9.25."""
+    return _grid_halves_as_32(raw, GGMLQuantizationType.IQ2_XS)
+
+
+def iq2_s_as_32(raw: torch.Tensor) -> torch.Tensor:
+    """IQ2_S rows (..., 82 * blocks) as IQ2_S_32 rows (..., 112 * blocks): 14 bytes per 32
+    values against 10.25."""
+    return _grid_halves_as_32(raw, GGMLQuantizationType.IQ2_S)
+
+
+def _grid_halves_values(b: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
+    # Blocks of 32 (n, 14).  y = d / 8 * (2s + 1) * mag * sign, s per 16 values
+    n = b.shape[0]
+    index = b[:, 4:8].long() | (_fields(b[:, 12:13], 2).reshape(n, 4).long() << 8)
+    mag = iq_grid(ggml_type)[index].reshape(n, 32).float()
+    negative = _fields(b[:, 8:12], 1).transpose(1, 2).reshape(n, 32).bool()
+    half = (2 * _fields(b[:, 13:14], 4).reshape(n, 2) + 1).float().repeat_interleave(16, dim=1)
+    return torch.where(negative, -mag, mag) * half * b[:, :4].contiguous().view(torch.float32)
+
+
 def _grid_values(b: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
     # Blocks of 32 (n, 8 + idx (+ 1)): the scale, grid indices' (low) bytes, sign bits (IQ3_S:
     # then the indices' ninth bits).  y = scale * mag * sign
@@ -314,36 +370,36 @@ def _grid_values(b: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tens
     return torch.where(negative, -mag, mag) * b[:, :4].contiguous().view(torch.float32)
 
 
-def _dequantize_iq2_xxs_32(b: torch.Tensor) -> torch.Tensor:
-    return _grid_values(b, GGMLQuantizationType.IQ2_XXS)
+def _grid_dequantizers(ggml_type: GGMLQuantizationType, as_32: Callable, size: int,
+                       values: Callable) -> tuple[Callable, Callable]:
+    """A grid type's dequantizers: of its blocks of 32 (n, size) and of the file's super-blocks
+    (n, bytes), through the rewrite into blocks of 32."""
+    def blocks_32(b: torch.Tensor) -> torch.Tensor:
+        return values(b, ggml_type)
+
+    def super_blocks(b: torch.Tensor) -> torch.Tensor:
+        return blocks_32(as_32(b).reshape(-1, size)).reshape(b.shape[0], QK_K)
+    return blocks_32, super_blocks
 
 
-def _dequantize_iq3_xxs_32(b: torch.Tensor) -> torch.Tensor:
-    return _grid_values(b, GGMLQuantizationType.IQ3_XXS)
+T = GGMLQuantizationType
+_dequantize_iq2_xxs_32, _dequantize_iq2_xxs = _grid_dequantizers(T.IQ2_XXS, iq2_xxs_as_32, 12,
+                                                                 _grid_values)
+_dequantize_iq3_xxs_32, _dequantize_iq3_xxs = _grid_dequantizers(T.IQ3_XXS, iq3_xxs_as_32, 16,
+                                                                 _grid_values)
+_dequantize_iq3_s_32, _dequantize_iq3_s = _grid_dequantizers(T.IQ3_S, iq3_s_as_32, 17,
+                                                             _grid_values)
+_dequantize_iq2_xs_32, _dequantize_iq2_xs = _grid_dequantizers(T.IQ2_XS, iq2_xs_as_32, 14,
+                                                               _grid_halves_values)
+_dequantize_iq2_s_32, _dequantize_iq2_s = _grid_dequantizers(T.IQ2_S, iq2_s_as_32, 14,
+                                                             _grid_halves_values)
+del T
 
 
-def _dequantize_iq3_s_32(b: torch.Tensor) -> torch.Tensor:
-    return _grid_values(b, GGMLQuantizationType.IQ3_S)
-
-
-def _dequantize_iq3_s(b: torch.Tensor) -> torch.Tensor:
-    return _dequantize_iq3_s_32(iq3_s_as_32(b).reshape(-1, 17)).reshape(b.shape[0], QK_K)
-
-
-def _dequantize_iq2_xxs(b: torch.Tensor) -> torch.Tensor:
-    # 66 bytes: d, then per 32 values 4 grid indices and the word.
-    return _dequantize_iq2_xxs_32(iq2_xxs_as_32(b).reshape(-1, 12)).reshape(b.shape[0], QK_K)
-
-
-def _dequantize_iq3_xxs(b: torch.Tensor) -> torch.Tensor:
-    # 98 bytes: d, qs[64] (8 grid indices per 32 values), words[32] (one per 32 values).
-    return _dequantize_iq3_xxs_32(iq3_xxs_as_32(b).reshape(-1, 16)).reshape(b.shape[0], QK_K)
-
-
-# ---- i-quants ladle only dequantizes at load ---------------------------------------------------
-# IQ2_XS and IQ2_S (attn_q and attn_k of IQ3_XXS files, the bulk of IQ2_S / IQ2_M ones): no
-# kernel runs them, so their tensors are dequantized at load (quantized.py checks that fits),
-# by gguf-py's own numpy dequantizer, the definition the others here are tested against.
+# ---- types ladle only dequantizes at load ------------------------------------------------------
+# IQ1_S, IQ1_M, TQ1_0, TQ2_0, NVFP4: no kernel runs them, so their tensors are dequantized at load
+# (quantized.py checks that fits), by gguf-py's own numpy dequantizer, the definition the others
+# here are tested against.
 
 def _by_gguf_py(ggml_type: GGMLQuantizationType) -> Callable[[torch.Tensor], torch.Tensor]:
     def dequantize_blocks(b: torch.Tensor) -> torch.Tensor:
@@ -465,9 +521,14 @@ _DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]
     GGMLQuantizationType.IQ4_XS: _dequantize_iq4_xs,
     GGMLQuantizationType.IQ2_XXS: _dequantize_iq2_xxs,
     GGMLQuantizationType.IQ3_XXS: _dequantize_iq3_xxs,
-    GGMLQuantizationType.IQ2_XS: _by_gguf_py(GGMLQuantizationType.IQ2_XS),
-    GGMLQuantizationType.IQ2_S: _by_gguf_py(GGMLQuantizationType.IQ2_S),
+    GGMLQuantizationType.IQ2_XS: _dequantize_iq2_xs,
+    GGMLQuantizationType.IQ2_S: _dequantize_iq2_s,
     GGMLQuantizationType.IQ3_S: _dequantize_iq3_s,
+    GGMLQuantizationType.IQ1_S: _by_gguf_py(GGMLQuantizationType.IQ1_S),
+    GGMLQuantizationType.IQ1_M: _by_gguf_py(GGMLQuantizationType.IQ1_M),
+    GGMLQuantizationType.TQ1_0: _by_gguf_py(GGMLQuantizationType.TQ1_0),
+    GGMLQuantizationType.TQ2_0: _by_gguf_py(GGMLQuantizationType.TQ2_0),
+    GGMLQuantizationType.NVFP4: _by_gguf_py(GGMLQuantizationType.NVFP4),
     GGMLQuantizationType.Q2_K: _dequantize_q2_k,
     GGMLQuantizationType.Q3_K: _dequantize_q3_k,
     GGMLQuantizationType.Q4_K: _dequantize_q4_k,
@@ -479,4 +540,6 @@ SUPPORTED_TYPES = tuple(_DEQUANTIZERS)
 _KERNEL_LAYOUTS = {IQ4_XS_32: ("IQ4_XS_32", (32, 20), _dequantize_iq4_xs_32),
                    IQ2_XXS_32: ("IQ2_XXS_32", (32, 12), _dequantize_iq2_xxs_32),
                    IQ3_XXS_32: ("IQ3_XXS_32", (32, 16), _dequantize_iq3_xxs_32),
-                   IQ3_S_32: ("IQ3_S_32", (32, 17), _dequantize_iq3_s_32)}
+                   IQ3_S_32: ("IQ3_S_32", (32, 17), _dequantize_iq3_s_32),
+                   IQ2_XS_32: ("IQ2_XS_32", (32, 14), _dequantize_iq2_xs_32),
+                   IQ2_S_32: ("IQ2_S_32", (32, 14), _dequantize_iq2_s_32)}

@@ -184,8 +184,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale") = py::none(), py::arg("rotation") = 0);
   m.def("quant_isa", &quant_isa, "instruction set of the quantized kernels");
   m.def("set_iq_grids", &set_iq_grids,
-        "IQ2_XXS's, IQ3_XXS's and IQ3_S's grids (uint8 256 x 8, 256 x 4, 512 x 4), once per "
-        "process", py::arg("iq2xxs"), py::arg("iq3xxs"), py::arg("iq3s"));
+        "IQ2_XXS's, IQ3_XXS's, IQ3_S's, IQ2_XS's and IQ2_S's grids (uint8 256 x 8, 256 x 4, "
+        "512 x 4, 512 x 8, 1024 x 8), once per process", py::arg("iq2xxs"), py::arg("iq3xxs"),
+        py::arg("iq3s"), py::arg("iq2xs"), py::arg("iq2s"));
   m.def("quant_r16", &quant_r16, "whether quant_matmul takes types repacked by 16 rows");
   m.def("quant_bf16_min_rows", &quant_bf16_min_rows,
         "from how many bfloat16 rows quant_matmul runs parts of this type (repacked, Q4_0, Q5_0) "

@@ -1,9 +1,10 @@
 // Quantized linears: y (M, N) = x (M, K) @ W (N, K)^T where W's rows are parts, each in GGUF blocks
-// (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, IQ4_NL, IQ4_XS, IQ2_XXS, IQ3_XXS, IQ3_S, Q2_K, Q3_K, Q4_K,
-// Q5_K, Q6_K) or int8 with a scale per row, and x is quantized to int8 once per call for all
-// parts. One call, one parallel region: a decode step's small matmuls (0.2-2 MB of weights,
-// 10-100 us) would otherwise spend a third of their time in Python and in the threads' wake-ups
-// and joins. The pure-torch twin is in ladle/runner/quant.py; the tests compare the two.
+// (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, IQ4_NL, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S,
+// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) or int8 with a scale per row, and x is quantized to int8 once
+// per call for all parts. One call, one parallel region: a decode step's small matmuls (0.2-2
+// MB of weights, 10-100 us) would otherwise spend a third of their time in Python and in the
+// threads' wake-ups and joins. The pure-torch twin is in ladle/runner/quant.py; the tests
+// compare the two.
 //
 // The scheme (ggml's, written afresh): the activations are int8 per block of 32 values with a float
 // scale (d = max|x| / 127); a weight block of 32 is unpacked in registers to 32 int8 values; the 32
@@ -52,6 +53,10 @@
 #include <memory>
 #include <optional>
 #include <type_traits>
+#include <utility>
+#if defined(__BMI2__)
+#include <immintrin.h>  // _pdep_u64
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define LADLE_QUANT_AVX2 1
@@ -90,18 +95,32 @@ template <int TYPE> constexpr bool kLut4 =
 // stored as bits, a 4-bit scale s per 32 values, w = d * (2s + 1) * grid * sign; as IQ3_S_32:
 // the float32 scale, the indices' low bytes, the 32 sign bits, then a byte of their high bits
 // (17 bytes against the file's 13.75).
-constexpr int kIQ2XXS32 = -12, kIQ3XXS32 = -13, kIQ3S32 = -14;
+// IQ2_XS and IQ2_S (IQ2_XS / IQ2_S / IQ2_M files' bulk, IQ3_XXS files' attn_q and attn_k): 8
+// magnitudes per index as IQ2_XXS's, from grids of 512 and 1024 entries (9- and 10-bit
+// indices), signs from a 7-bit index (IQ2_XS) or stored as bits (IQ2_S), and a 4-bit scale per
+// 16 values: w = d * (s + 1/2) / 4 * grid * sign. As IQ2_XS_32 / IQ2_S_32 (one layout): the
+// float32 d / 8, the indices' low bytes, the 32 sign bits, a byte of the indices' high bits
+// (bits 2k, 2k + 1: index k's ninth and tenth), then the byte of the halves' scales (low nibble:
+// values 0-15); 14 bytes against the file's 9.25 and 10.25. A half's integer sum is multiplied by
+// its 2s + 1 (<= 31) in integers, so a block's sum stays one exact integer as for the other
+// blocks of 32.
+constexpr int kIQ2XXS32 = -12, kIQ3XXS32 = -13, kIQ3S32 = -14, kIQ2XS32 = -15, kIQ2S32 = -16;
+template <int TYPE> constexpr bool kGridHalves = TYPE == kIQ2XS32 || TYPE == kIQ2S32;
 template <int TYPE> constexpr bool kGrid =
-    TYPE == kIQ2XXS32 || TYPE == kIQ3XXS32 || TYPE == kIQ3S32;
-template <int TYPE> constexpr int kGridSigns = TYPE == kIQ2XXS32 ? 8 : 12;  // the bits' offset
-// The grids, as gguf-py (ggml's iq2xxs_grid, iq3xxs_grid, iq3s_grid) defines them: 256 entries
-// of 8 and 4 magnitudes, 512 of 4, one byte each. Set once per process by set_iq_grids
-// (cpu_kernels.py, when the kernels load) before any part of those types can run;
-// quant_matmul refuses them until then.
+    TYPE == kIQ2XXS32 || TYPE == kIQ3XXS32 || TYPE == kIQ3S32 || kGridHalves<TYPE>;
+template <int TYPE> constexpr bool kGrid8 = TYPE == kIQ2XXS32 || kGridHalves<TYPE>;  // 8 a row
+template <int TYPE> constexpr int kGridSigns = kGrid8<TYPE> ? 8 : 12;  // the bits' offset
+constexpr int kGridHigh = 12, kGridScales = 13;  // IQ2_XS_32's, IQ2_S_32's bytes
+// The grids, as gguf-py (ggml's iq2xxs_grid, iq3xxs_grid, iq3s_grid, iq2xs_grid, iq2s_grid)
+// defines them: 256 entries of 8 and 4 magnitudes, 512 of 4, 512 and 1024 of 8, one byte each.
+// Set once per process by set_iq_grids (cpu_kernels.py, when the kernels load) before any part
+// of those types can run; quant_matmul refuses them until then.
 struct IqGrids {
   uint64_t g2[256];
   uint32_t g3[256];
   uint32_t g3s[512];
+  uint64_t g2xs[512];
+  uint64_t g2s[1024];
   std::atomic<bool> ready{false};
 };
 IqGrids g_iq;
@@ -111,11 +130,44 @@ inline uint32_t grid_signs(const uint8_t* b) {
   std::memcpy(&w, b + kGridSigns<TYPE>, 4);
   return w;
 }
+// The 4 indices of an IQ2_XS_32 (9 bits) / IQ2_S_32 (10 bits) block, index k in bits 16k ..
+// 16k + 15: two bit deposits where the CPU has BMI2 (the 0.6B's linears at one row, 28 layers
+// of random IQ2_XS blocks, Zen 4: 21.4 ms with the indices put together one at a time, 17.6).
+template <int TYPE>
+inline uint64_t grid8_indices(const uint8_t* b) {
+  const uint32_t high = b[kGridHigh] & (TYPE == kIQ2XS32 ? 0x55 : 0xFF);
+  uint32_t low;
+  std::memcpy(&low, b + 4, 4);
+#if defined(__BMI2__)
+  return _pdep_u64(low, 0x00FF00FF00FF00FFULL) | _pdep_u64(high, 0x0300030003000300ULL);
+#else
+  uint64_t i = 0;
+  for (int k = 0; k < 4; k++)
+    i |= uint64_t(((low >> (8 * k)) & 0xFF) | ((high >> (2 * k)) & 3) << 8) << (16 * k);
+  return i;
+#endif
+}
+// Grid entry k (0..3) of an IQ2_XXS_32 / IQ2_XS_32 / IQ2_S_32 block (`i`: IQ2_XS's and IQ2_S's
+// grid8_indices).
+template <int TYPE>
+inline uint64_t grid8_entry(const uint8_t* b, uint64_t i, int k) {
+  if constexpr (TYPE == kIQ2XXS32) return g_iq.g2[b[4 + k]];
+  else if constexpr (TYPE == kIQ2XS32) return g_iq.g2xs[(i >> (16 * k)) & 0xFFFF];
+  else return g_iq.g2s[(i >> (16 * k)) & 0xFFFF];
+}
+// The halves' integer scales 2s + 1 of an IQ2_XS_32 / IQ2_S_32 block.
+inline int half_scale(const uint8_t* b, int half) {
+  return 2 * ((b[kGridScales] >> (4 * half)) & 0xF) + 1;
+}
 // The 32 magnitudes of a block, in order.
 template <int TYPE>
 inline void grid_magnitudes(const uint8_t* b, uint8_t* out) {
-  if constexpr (TYPE == kIQ2XXS32) {
-    for (int k = 0; k < 4; k++) std::memcpy(out + 8 * k, &g_iq.g2[b[4 + k]], 8);
+  if constexpr (kGrid8<TYPE>) {
+    const uint64_t i = kGridHalves<TYPE> ? grid8_indices<TYPE>(b) : 0;
+    for (int k = 0; k < 4; k++) {
+      const uint64_t e = grid8_entry<TYPE>(b, i, k);
+      std::memcpy(out + 8 * k, &e, 8);
+    }
   } else if constexpr (TYPE == kIQ3XXS32) {
     for (int k = 0; k < 8; k++) std::memcpy(out + 4 * k, &g_iq.g3[b[4 + k]], 4);
   } else {
@@ -245,6 +297,8 @@ inline void with_type(int type, F&& f) {
     case kIQ2XXS32: return f(std::integral_constant<int, kIQ2XXS32>{});
     case kIQ3XXS32: return f(std::integral_constant<int, kIQ3XXS32>{});
     case kIQ3S32: return f(std::integral_constant<int, kIQ3S32>{});
+    case kIQ2XS32: return f(std::integral_constant<int, kIQ2XS32>{});
+    case kIQ2S32: return f(std::integral_constant<int, kIQ2S32>{});
     case kQ4_K: return f(std::integral_constant<int, kQ4_K>{});
     case kQ5_K: return f(std::integral_constant<int, kQ5_K>{});
     case kQ6_K: return f(std::integral_constant<int, kQ6_K>{});
@@ -273,6 +327,8 @@ constexpr int64_t block_bytes(int type) {
     case kIQ2XXS32: return 12;
     case kIQ3XXS32: return 16;
     case kIQ3S32: return 17;
+    case kIQ2XS32: return 14;
+    case kIQ2S32: return 14;
     case kQ4_K: return 144;
     case kQ5_K: return 176;
     case kQ6_K: return 210;
@@ -386,6 +442,10 @@ inline void sub_scales(const uint8_t* row, int64_t sb, Sub& o) {
     o.s0 = o.s1 = f16(row + sb * 18);
   } else if constexpr (TYPE == kIQ4XS32) {
     o.s0 = o.s1 = f32_at(row + sb * 20);
+  } else if constexpr (kGridHalves<TYPE>) {
+    const uint8_t* b = row + sb * block_bytes(TYPE);
+    o.s0 = f32_at(b) * float(half_scale(b, 0));
+    o.s1 = f32_at(b) * float(half_scale(b, 1));
   } else if constexpr (kGrid<TYPE>) {
     o.s0 = o.s1 = f32_at(row + sb * block_bytes(TYPE));
   } else if constexpr (kK4<TYPE>) {
@@ -639,10 +699,11 @@ inline __m256i bit_bytes(uint32_t bits) {
 // IQ3_XXS 29-30 / 29, IQ3_S (its ninth index bits then in scalar code) 37 / 32.
 template <int TYPE>
 inline __m256i grid_mags(const uint8_t* b) {
-  if constexpr (TYPE == kIQ2XXS32) {
-    const uint64_t* g = g_iq.g2;
-    return _mm256_set_epi64x(int64_t(g[b[7]]), int64_t(g[b[6]]), int64_t(g[b[5]]),
-                             int64_t(g[b[4]]));
+  if constexpr (kGrid8<TYPE>) {
+    const uint64_t i = kGridHalves<TYPE> ? grid8_indices<TYPE>(b) : 0;
+    return _mm256_set_epi64x(
+        int64_t(grid8_entry<TYPE>(b, i, 3)), int64_t(grid8_entry<TYPE>(b, i, 2)),
+        int64_t(grid8_entry<TYPE>(b, i, 1)), int64_t(grid8_entry<TYPE>(b, i, 0)));
   } else {
     uint64_t idx;
     std::memcpy(&idx, b + 4, 8);
@@ -672,8 +733,9 @@ inline __m256i grid_values(const uint8_t* b) {
 }
 
 // A block of 32 values with one scale (Q8_0, Q4_0, Q5_0, MXFP4, IQ4, IQ2_XXS, IQ3_XXS, IQ3_S,
-// int8 rows as blocks of scale 1; Q4_1 and Q5_1 with a min too), its values unpacked to signed
-// int8. (The K-quants have tiles of their own, below.)
+// int8 rows as blocks of scale 1; Q4_1 and Q5_1 with a min too; IQ2_XS and IQ2_S with an
+// integer scale per half too), its values unpacked to signed int8. (The K-quants have tiles of
+// their own, below.)
 template <int TYPE> constexpr int64_t kBlockBytes =
     TYPE == kI8 ? 32 : TYPE == kQ8_0 ? 34 : TYPE == kQ4_0 ? 18 : TYPE == kMXFP4 ? 17
     : TYPE == kQ4_1 ? 20 : TYPE == kQ5_1 ? 24 : TYPE == kIQ4NL ? 18 : TYPE == kIQ4XS32 ? 20
@@ -798,6 +860,23 @@ inline __m256i row_sums(const __m256i* h) {
                           _mm256_permute2x128_si256(lo, hi, 0x31));
 }
 
+// IQ2_XS_32 / IQ2_S_32, a scale per half: the 8 blocks b[n]'s 2s + 1 as int32 lanes (m0: their
+// values 0-15, m1: 16-31), and row_sums with each half's integer sum times its scale (after the
+// first vphaddd the halves are 128-bit lanes apart).
+inline void half_scales8(const uint8_t* const* b, __m256i& m0, __m256i& m1) {
+  const __m256i v = _mm256_setr_epi32(b[0][kGridScales], b[1][kGridScales], b[2][kGridScales],
+                                      b[3][kGridScales], b[4][kGridScales], b[5][kGridScales],
+                                      b[6][kGridScales], b[7][kGridScales]);
+  const __m256i one = _mm256_set1_epi32(1);
+  m0 = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0xF)), 1), one);
+  m1 = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(v, 4), 1), one);
+}
+inline __m256i row_sums_halves(const __m256i* h, __m256i m0, __m256i m1) {
+  const __m256i lo = _mm256_hadd_epi32(h[0], h[1]), hi = _mm256_hadd_epi32(h[2], h[3]);
+  return _mm256_add_epi32(_mm256_mullo_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), m0),
+                          _mm256_mullo_epi32(_mm256_permute2x128_si256(lo, hi, 0x31), m1));
+}
+
 // r[n] lane j -> t[j] lane n (8 x 8 floats).
 inline void transpose8(const __m256* r, __m256* t) {
   __m256 a[8], b[8];
@@ -886,8 +965,12 @@ inline void tile_blocks(const uint8_t* const* w, const Act& a, __m256* acc) {
     const __m256 s = block_scales<TYPE>(b);
     [[maybe_unused]] __m256 mins;  // Q4_1, Q5_1: -m of each row's block
     if constexpr (kMin32<TYPE>) mins = _mm256_sub_ps(_mm256_setzero_ps(), f16_rows(b, 2));
+    [[maybe_unused]] __m256i hs0, hs1;  // IQ2_XS, IQ2_S: the halves' scales
+    if constexpr (kGridHalves<TYPE>) half_scales8(b, hs0, hs1);
     for (int m = 0; m < MR; m++) {
-      __m256i I = row_sums(h[m]);
+      __m256i I;
+      if constexpr (kGridHalves<TYPE>) I = row_sums_halves(h[m], hs0, hs1);
+      else I = row_sums(h[m]);
       if constexpr (kRowBias<TYPE>) {  // - bias * sum(x) of row m's block
         const int16_t* hx = a.h + m * (K / 16) + blk * 2;
         const int32_t sum = int32_t(hx[0]) + hx[1];
@@ -1172,7 +1255,14 @@ inline float row_blocks(const uint8_t* w, const Act& a) {
       }
       h[k] = pair_sums(p[0], p[1]);
     }
-    __m256i I = row_sums(h);
+    __m256i I;
+    if constexpr (kGridHalves<TYPE>) {
+      __m256i hs0, hs1;
+      half_scales8(b, hs0, hs1);
+      I = row_sums_halves(h, hs0, hs1);
+    } else {
+      I = row_sums(h);
+    }
     if constexpr (kRowBias<TYPE>) {  // - bias * sum(x) of each of the 8 blocks
       const __m256i hx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.h + blk * 2));
       I = _mm256_sub_epi32(I, _mm256_slli_epi32(_mm256_madd_epi16(hx, _mm256_set1_epi16(1)),
@@ -1184,7 +1274,12 @@ inline float row_blocks(const uint8_t* w, const Act& a) {
   for (; blk < nblocks; blk++) {  // K not a multiple of 256
     const uint8_t* b = w + blk * BB;
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + blk * 32));
-    int32_t I = hsum_epi32(block_dot<TYPE>(b, x));
+    __m256i lanes = block_dot<TYPE>(b, x);
+    if constexpr (kGridHalves<TYPE>) {  // lanes 0-3: values 0-15
+      const int s0 = half_scale(b, 0), s1 = half_scale(b, 1);
+      lanes = _mm256_mullo_epi32(lanes, _mm256_setr_epi32(s0, s0, s0, s0, s1, s1, s1, s1));
+    }
+    int32_t I = hsum_epi32(lanes);
     if constexpr (kRowBias<TYPE>)
       I -= (int32_t(a.h[2 * blk]) + a.h[2 * blk + 1]) * (1 << kRowBiasShift<TYPE>);
     const __m256 F = _mm256_mul_ps(_mm256_set1_ps(block_scale<TYPE>(b)), _mm256_set1_ps(a.d[blk]));
@@ -2496,6 +2591,11 @@ inline void panel_scales(const uint8_t* row, int64_t sb, float& dw, float& s0, f
     const uint8_t* b = row + (sb >> 3) * kS16Bytes<TYPE>;
     s16_pair<TYPE>(b, int(sb & 7), s0, s1);
     dw = f16(b + kS16D<TYPE>);
+  } else if constexpr (kGridHalves<TYPE>) {
+    const uint8_t* b = row + sb * kBlockBytes<TYPE>;
+    dw = f32_at(b);
+    s0 = float(half_scale(b, 0));
+    s1 = float(half_scale(b, 1));
   } else if constexpr (TYPE == kQ2_K) {
     const uint8_t* b = row + (sb >> 3) * kQ2KBytes;
     const uint8_t* sc = b + 2 * (sb & 7);
@@ -2612,7 +2712,8 @@ inline void panel_rows(const PanelBuffers& pb, const Act& a, int64_t m0, float (
     for (int t = 0; t < 8; t++) w[t] = _mm512_loadu_si512(v + sb * 512 + t * 64);
     const int16_t* hx = a.h + m0 * (K / 16) + sb * 2;  // row m's: hx[m * K / 16], [.. + 1]
     __m512 f[MR];
-    if constexpr (kS16<TYPE> || TYPE == kQ2_K) {  // f = s_lo * I_lo + s_hi * I_hi, exact
+    if constexpr (kS16<TYPE> || TYPE == kQ2_K || kGridHalves<TYPE>) {
+      // f = s_lo * I_lo + s_hi * I_hi, exact
       for (int hf = 0; hf < 2; hf++) {
         __m512i i[MR];
         for (int m = 0; m < MR; m++) i[m] = _mm512_set1_epi32(-bias * hx[m * (K / 16) + hf]);
@@ -2710,7 +2811,8 @@ bool is_kernel_type(int64_t t) {
   return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ5_1 || t == kQ8_0 || t == kQ2_K ||
          t == kQ3_K || t == kMXFP4 || t == kIQ4NL || t == kIQ4XS32 || t == kQ4_K || t == kQ5_K ||
          t == kQ6_K || t == kI8 || (is_r16(int(t)) && kHasR16) ||
-         ((t == kIQ2XXS32 || t == kIQ3XXS32 || t == kIQ3S32) &&
+         ((t == kIQ2XXS32 || t == kIQ3XXS32 || t == kIQ3S32 || t == kIQ2XS32 ||
+           t == kIQ2S32) &&
           g_iq.ready.load(std::memory_order_acquire));
 }
 
@@ -3798,23 +3900,25 @@ void dequantize_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, a
   });
 }
 
-void set_iq_grids(const at::Tensor& iq2xxs, const at::Tensor& iq3xxs, const at::Tensor& iq3s) {
+void set_iq_grids(const at::Tensor& iq2xxs, const at::Tensor& iq3xxs, const at::Tensor& iq3s,
+                  const at::Tensor& iq2xs, const at::Tensor& iq2s) {
   auto fits = [](const at::Tensor& t, int64_t n) {
     return t.scalar_type() == at::kByte && t.is_contiguous() && t.numel() == n;
   };
-  TORCH_CHECK(fits(iq2xxs, 256 * 8) && fits(iq3xxs, 256 * 4) && fits(iq3s, 512 * 4),
-              "set_iq_grids: uint8 grids of 256 x 8 (IQ2_XXS), 256 x 4 (IQ3_XXS) and 512 x 4 "
-              "(IQ3_S) values");
+  TORCH_CHECK(fits(iq2xxs, 256 * 8) && fits(iq3xxs, 256 * 4) && fits(iq3s, 512 * 4) &&
+                  fits(iq2xs, 512 * 8) && fits(iq2s, 1024 * 8),
+              "set_iq_grids: uint8 grids of 256 x 8 (IQ2_XXS), 256 x 4 (IQ3_XXS), 512 x 4 "
+              "(IQ3_S), 512 x 8 (IQ2_XS) and 1024 x 8 (IQ2_S) values");
+  const std::pair<void*, const at::Tensor*> grids[] = {
+      {g_iq.g2, &iq2xxs}, {g_iq.g3, &iq3xxs}, {g_iq.g3s, &iq3s}, {g_iq.g2xs, &iq2xs},
+      {g_iq.g2s, &iq2s}};
   if (g_iq.ready.load(std::memory_order_acquire)) {  // once per process: running parts read them
-    TORCH_CHECK(std::memcmp(g_iq.g2, iq2xxs.data_ptr(), sizeof g_iq.g2) == 0 &&
-                    std::memcmp(g_iq.g3, iq3xxs.data_ptr(), sizeof g_iq.g3) == 0 &&
-                    std::memcmp(g_iq.g3s, iq3s.data_ptr(), sizeof g_iq.g3s) == 0,
-                "set_iq_grids: the grids are already set, to other values");
+    for (const auto& [to, from] : grids)
+      TORCH_CHECK(std::memcmp(to, from->data_ptr(), from->numel()) == 0,
+                  "set_iq_grids: the grids are already set, to other values");
     return;
   }
-  std::memcpy(g_iq.g2, iq2xxs.data_ptr(), sizeof g_iq.g2);
-  std::memcpy(g_iq.g3, iq3xxs.data_ptr(), sizeof g_iq.g3);
-  std::memcpy(g_iq.g3s, iq3s.data_ptr(), sizeof g_iq.g3s);
+  for (const auto& [to, from] : grids) std::memcpy(to, from->data_ptr(), from->numel());
   g_iq.ready.store(true, std::memory_order_release);
 }
 

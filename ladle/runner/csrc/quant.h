@@ -22,7 +22,8 @@ std::string quant_isa();
 // IQ2_XXS's, IQ3_XXS's and IQ3_S's grids (uint8 256 x 8, 256 x 4, 512 x 4), from gguf-py: set
 // once, before parts of those types (quant.py's IQ2_XXS_32, IQ3_XXS_32, IQ3_S_32) are kernel
 // types.
-void set_iq_grids(const at::Tensor& iq2xxs, const at::Tensor& iq3xxs, const at::Tensor& iq3s);
+void set_iq_grids(const at::Tensor& iq2xxs, const at::Tensor& iq3xxs, const at::Tensor& iq3s,
+                  const at::Tensor& iq2xs, const at::Tensor& iq2s);
 bool quant_r16();  // whether quant_matmul takes parts repacked by 16 rows (quant.py's R16_OF)
 bool set_quant_amx(bool on);  // repacked parts on AMX from 16 rows; returns whether it now is
 // From how many rows a call of parts of this type (repacked: -3 .. -8; Q4_0, Q5_0) runs
