@@ -6,13 +6,14 @@ Models (--models, any subset, in this order by default):
     by ladle and llama.cpp from that same file; gemma-q5_k_m, gemma-iq4_xs: that file requantized
     to Q5_K_M or IQ4_XS by llama.cpp's quantize API (allow_requantize; its 640-value rows get the
     fallbacks Q5_1 and IQ4_NL);
-  - 0.6b-q8_0, 0.6b-q4_k_m, 0.6b-q5_k_m, 0.6b-q3_k_m, 0.6b-q2_k, 0.6b-iq4_xs, 0.6b-iq3_xxs,
-    0.6b-iq2_m, 0.6b-iq2_xs, 0.6b-iq2_xxs: the random Qwen3-0.6B-shaped checkpoint converted to
-    a bf16 GGUF by llama.cpp's own converter, then quantized by llama.cpp's quantize API
-    (llama-cpp-python's `llama_model_quantize`, its default tensor-type mix for the type; the
-    IQ2/IQ3_XXS types, which need an importance matrix, by its llama-quantize tool with a
-    uniform one); ladle and llama.cpp both load the quantized file (ladle's default for a .gguf:
-    --quantization gguf, the blocks kept; the i-quants' in blocks of 32);
+  - 0.6b-q8_0, 0.6b-q4_k_m, 0.6b-q5_k_m, 0.6b-q3_k_m, 0.6b-q2_k, 0.6b-iq4_xs, 0.6b-iq3_m,
+    0.6b-iq3_xxs, 0.6b-iq2_m, 0.6b-iq2_xs, 0.6b-iq2_xxs: the random Qwen3-0.6B-shaped
+    checkpoint converted to a bf16 GGUF by llama.cpp's own converter, then quantized by
+    llama.cpp's quantize API (llama-cpp-python's `llama_model_quantize`, its default tensor-type
+    mix for the type; the i-quants of 2-3 bits, most of which need an importance matrix, by its
+    llama-quantize tool with a uniform one); ladle and llama.cpp both load the quantized file
+    (ladle's default for a .gguf: --quantization gguf, the blocks kept; the i-quants' in blocks
+    of 32);
   - 0.6b: that checkpoint in bfloat16 (ladle and transformers load the safetensors, llama.cpp
     its bf16 conversion), plus a `ladle int8` column: ladle with --quantization int8 (W8A8) on
     the same bf16 checkpoint (shown "n/a" while this ladle does not accept int8);
@@ -22,8 +23,8 @@ The random checkpoints carry Qwen's tokenizer, so llama.cpp's HF -> GGUF convert
 the llama-cpp-python sdist that benchmarks/build_llama_cpp.sh builds) converts them; every file
 is made once, beside its checkpoint in the ladle cache directory (~/.cache/ladle,
 $LADLE_CACHE_DIR): model-bf16.gguf, model-q8_0.gguf, model-q4_k_m.gguf, model-q5_k_m.gguf,
-model-q3_k_m.gguf, model-q2_k.gguf, model-iq4_xs.gguf, model-iq3_xxs.gguf, model-iq2_m.gguf,
-model-iq2_xs.gguf, model-iq2_xxs.gguf, model-f32.gguf.
+model-q3_k_m.gguf, model-q2_k.gguf, model-iq4_xs.gguf, model-iq3_m.gguf, model-iq3_xxs.gguf,
+model-iq2_m.gguf, model-iq2_xs.gguf, model-iq2_xxs.gguf, model-f32.gguf.
 Cases:
   - single-stream decode tok/s and TTFT of a 128-token prompt, every model (in process: ladle's
     LLM, transformers' generate, llama-cpp-python's Llama);
@@ -173,6 +174,7 @@ MODELS = {
     "0.6b-q3_k_m": Spec("0.6b", "bfloat16", "q3_k_m", True, ("single",)),
     "0.6b-q2_k": Spec("0.6b", "bfloat16", "q2_k", True, ("single",)),
     "0.6b-iq4_xs": Spec("0.6b", "bfloat16", "iq4_xs", True, ("single",)),
+    "0.6b-iq3_m": Spec("0.6b", "bfloat16", "iq3_m", True, ("single",)),
     "0.6b-iq3_xxs": Spec("0.6b", "bfloat16", "iq3_xxs", True, ("single",)),
     "0.6b-iq2_m": Spec("0.6b", "bfloat16", "iq2_m", True, ("single",)),
     "0.6b-iq2_xs": Spec("0.6b", "bfloat16", "iq2_xs", True, ("single",)),
@@ -186,11 +188,12 @@ QUANT_FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY
                 "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "q3_k_m": "LLAMA_FTYPE_MOSTLY_Q3_K_M",
                 "q2_k": "LLAMA_FTYPE_MOSTLY_Q2_K", "iq4_xs": "LLAMA_FTYPE_MOSTLY_IQ4_XS"}
 # Types llama.cpp quantizes only with an importance matrix (its quantize refuses them without
-# one, IQ3_XXS for the IQ2_S it gives attn_k, and the API takes it as a C++ map): made by its
+# one, IQ3_XXS for the IQ2_S it gives attn_k, and the API takes it as a C++ map; IQ3_M, which
+# needs none, made the same way): made by its
 # llama-quantize tool (built beside llama-server) with a uniform matrix, every column weighted
 # alike, which is all a random checkpoint has to say; its type names.
 IMATRIX_FTYPES = {"iq2_xxs": "IQ2_XXS", "iq2_xs": "IQ2_XS", "iq2_m": "IQ2_M",
-                  "iq3_xxs": "IQ3_XXS"}
+                  "iq3_xxs": "IQ3_XXS", "iq3_m": "IQ3_M"}
 PACKAGED_GEMMA = "gemma-3-270m"
 
 

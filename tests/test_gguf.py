@@ -133,13 +133,14 @@ def test_iq4_xs_in_blocks_of_32_keeps_every_value():
 def test_grid_types_in_blocks_of_32_keep_every_value(ggml_type):
     """IQ2_XXS, IQ3_XXS, IQ3_S, IQ2_XS and IQ2_S run as blocks of 32 (ladle's IQ2_XXS_32,
     IQ3_XXS_32, IQ3_S_32, IQ2_XS_32, IQ2_S_32): each 32's float32 scale (IQ2_XS, IQ2_S: d / 8 and
-    the halves' 4-bit scales), grid indices and 32 sign bits; those dequantize to exactly the
-    file's values (gguf-py's), at every index, sign pattern and scale: random bytes, and every
-    byte after d 0x00 (scale 0, no sign, index 0) or 0xFF (scale 15, every sign bit, IQ2_XXS /
-    IQ3_XXS / IQ2_XS: seven, an odd count, so the eighth too; the last index)."""
+    the halves' 4-bit scales), grid indices (IQ3: each value's level code) and 32 sign bits;
+    those dequantize to exactly the file's values (gguf-py's), at every index, sign pattern and
+    scale: random bytes, and every byte after d 0x00 (scale 0, no sign, index 0) or 0xFF (scale
+    15, every sign bit, IQ2_XXS / IQ3_XXS / IQ2_XS: seven, an odd count, so the eighth too; the
+    last index)."""
     as_32, kind, size = {T.IQ2_XXS: (iq2_xxs_as_32, IQ2_XXS_32, 12),
-                         T.IQ3_XXS: (iq3_xxs_as_32, IQ3_XXS_32, 16),
-                         T.IQ3_S: (iq3_s_as_32, IQ3_S_32, 17),
+                         T.IQ3_XXS: (iq3_xxs_as_32, IQ3_XXS_32, 20),
+                         T.IQ3_S: (iq3_s_as_32, IQ3_S_32, 20),
                          T.IQ2_XS: (iq2_xs_as_32, IQ2_XS_32, 14),
                          T.IQ2_S: (iq2_s_as_32, IQ2_S_32, 14)}[ggml_type]
     raw = random_rows(ggml_type, num_rows=24, blocks_per_row=2, rng=np.random.default_rng(5))

@@ -551,6 +551,33 @@ def test_repack_for_kernels_keeps_stacked_experts():
                                      "Q6_K": 32 * 210, "Q5_0": 16 * 176}
 
 
+@needs_kernels
+def test_grids_are_set_once_and_checked():
+    """The i-quants' grids reach the kernels once per process (cpu_kernels does it when they
+    load): the same grids again are accepted, other values, sizes or an IQ3 grid that is not 8
+    levels are refused with the reason, and the kernels keep the first set."""
+    from gguf import GGMLQuantizationType as T
+
+    from ladle.models.gguf.quants import iq_grid
+
+    grids = [iq_grid(t).contiguous() for t in (T.IQ2_XXS, T.IQ3_XXS, T.IQ3_S, T.IQ2_XS, T.IQ2_S)]
+    kernels.set_iq_grids(*grids)
+    other = [g.clone() for g in grids]
+    other[3][0, 0] += 1
+    with pytest.raises(RuntimeError, match="already set, to other values"):
+        kernels.set_iq_grids(*other)
+    nine = [g.clone() for g in grids]
+    nine[1][0, 0] = 5  # a ninth level
+    with pytest.raises(RuntimeError, match="more than 8 distinct values"):
+        kernels.set_iq_grids(*nine)
+    with pytest.raises(RuntimeError, match="512 x 8 \\(IQ2_XS\\)"):
+        kernels.set_iq_grids(*grids[:3], grids[3][:256], grids[4])
+    kind = Q.IQ3_XXS_32
+    raw = random_blocks(kind, 16, 256, torch.Generator().manual_seed(1))
+    w = Q.QuantWeight([Q.QuantPart(kind, raw)], 256, torch.float32)
+    assert torch.equal(Q.quant_rows(w, torch.arange(16)), dequantize(raw, kind, (16, 256)))
+
+
 def test_weight_shapes_are_checked():
     g = torch.Generator().manual_seed(5)
     with pytest.raises(ValueError, match="does not hold 512 values"):

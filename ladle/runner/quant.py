@@ -54,9 +54,10 @@ Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4 = (2, 
 # IQ4_XS as the kernels run it (gguf/quants.py's iq4_xs_as_32): each sub-block of 32 a block of
 # its own, a float32 scale and IQ4_NL's nibbles. Counted as IQ4_XS.
 IQ4_XS_32 = -9
-# IQ2_XXS and IQ3_XXS as the kernels run them (gguf/quants.py's iq2_xxs_as_32, iq3_xxs_as_32):
-# each 32 values a block of their own, a float32 scale, their grid indices as stored and 32 sign
-# bits (IQ3_S_32: then a byte of the indices' ninth bits). Counted as IQ2_XXS, IQ3_XXS, IQ3_S.
+# IQ2_XXS as the kernels run it (gguf/quants.py's iq2_xxs_as_32): each 32 values a block of
+# their own, a float32 scale, their grid indices as stored and 32 sign bits; IQ3_XXS and IQ3_S
+# alike (iq3_xxs_as_32, iq3_s_as_32; one layout) with each value's 3-bit level code in place of
+# the indices. Counted as IQ2_XXS, IQ3_XXS, IQ3_S.
 IQ2_XXS_32, IQ3_XXS_32, IQ3_S_32 = -12, -13, -14
 # IQ2_XS and IQ2_S alike (gguf/quants.py's iq2_xs_as_32, iq2_s_as_32; one layout): the float32
 # d / 8, the indices' low bytes, 32 sign bits, a byte of the indices' high bits, a byte of the
@@ -70,7 +71,7 @@ BLOCK_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8
 BLOCK_SIZES = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
                Q2_K: (256, 84), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176),
                Q6_K: (256, 210), IQ4_NL: (32, 18), IQ4_XS_32: (32, 20), MXFP4: (32, 17),
-               IQ2_XXS_32: (32, 12), IQ3_XXS_32: (32, 16), IQ3_S_32: (32, 17),
+               IQ2_XXS_32: (32, 12), IQ3_XXS_32: (32, 20), IQ3_S_32: (32, 20),
                IQ2_XS_32: (32, 14), IQ2_S_32: (32, 14)}
 INT8_ROW = -1  # int8 rows with a float32 scale per row
 DENSE = -2  # the model dtype

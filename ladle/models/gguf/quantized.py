@@ -61,9 +61,9 @@ logger = logging.getLogger(__name__)
 # ggml types whose blocks are rewritten at load, exactly, as blocks of a kernel type (their bytes
 # grow, but far less than dequantized): type -> (kernel type, rewrite, how, for the log line).
 # IQ4_XS's sub-blocks run as IQ4_NL-style blocks with a float32 scale each (1.18x its bytes);
-# IQ2_XXS's, IQ3_XXS's and IQ3_S's 32s each with a float32 scale and 32 sign bits (1.45x,
-# 1.31x, 1.24x); IQ2_XS's and IQ2_S's with d / 8, the sign bits and their halves' scales (1.51x,
-# 1.37x).
+# IQ2_XXS's 32s each with a float32 scale and 32 sign bits (1.45x), IQ3_XXS's and IQ3_S's with
+# their values' 3-bit level codes too (1.63x, 1.45x); IQ2_XS's and IQ2_S's with d / 8, the sign
+# bits and their halves' scales (1.51x, 1.37x).
 WIDENED = {int(GGMLQuantizationType.IQ4_XS): (IQ4_XS_32, iq4_xs_as_32, "in blocks of 32"),
            int(GGMLQuantizationType.IQ2_XXS): (IQ2_XXS_32, iq2_xxs_as_32, "in blocks of 32"),
            int(GGMLQuantizationType.IQ3_XXS): (IQ3_XXS_32, iq3_xxs_as_32, "in blocks of 32"),

@@ -244,10 +244,10 @@ _GRID_LAYOUT = {GGMLQuantizationType.IQ2_XXS: (66, 4, None),
 
 
 def _grid_as_32(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
-    """Super-blocks (..., bytes * blocks) -> blocks of 32 (..., 8 * (8 + indices) * blocks): each
-    32's float32 scale (d * (s + 1/2) / 4, IQ3_XXS / 2: exact), its grid indices as stored, then
-    its 32 sign bits (a little-endian uint32, bit i: value i negative; the eighth of each 8
-    computed), so the kernels unpack neither."""
+    """Super-blocks (..., bytes * blocks) -> blocks of 32: each 32's float32 scale (d * (s + 1/2)
+    / 4, IQ3_XXS / 2: exact), its grid indices as stored (IQ3_XXS: its values' level codes,
+    _as_codes), then its 32 sign bits (a little-endian uint32, bit i: value i negative; the
+    eighth of each 8 computed), so the kernels unpack neither."""
     size, idx, words = _GRID_LAYOUT[ggml_type]
     lead = raw.shape[:-1]
     b = raw.reshape(-1, size)
@@ -262,8 +262,11 @@ def _grid_as_32(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Ten
     step = 0.25 if ggml_type == GGMLQuantizationType.IQ2_XXS else 0.5
     scale = _f16(b, 0).unsqueeze(-1) * ((word >> 28).float() + 0.5) * step  # (n, 8, 1)
     signs = _SIGN_BYTES[(word >> torch.tensor([0, 7, 14, 21])) & 127]  # (n, 8, 4)
+    scale = scale.contiguous().view(torch.uint8)
+    if ggml_type == GGMLQuantizationType.IQ3_XXS:
+        return _as_codes(scale, indices.long(), signs, ggml_type).reshape(*lead, -1)
     out = torch.empty(n, 8, 8 + idx, dtype=torch.uint8)
-    out[:, :, :4] = scale.contiguous().view(torch.uint8)
+    out[:, :, :4] = scale
     out[:, :, 4:4 + idx] = indices
     out[:, :, 4 + idx:] = signs
     return out.reshape(*lead, -1)
@@ -276,9 +279,40 @@ def iq2_xxs_as_32(raw: torch.Tensor) -> torch.Tensor:
 
 
 def iq3_xxs_as_32(raw: torch.Tensor) -> torch.Tensor:
-    """IQ3_XXS rows (..., 98 * blocks) as IQ3_XXS_32 rows (..., 128 * blocks): 16 bytes per 32
+    """IQ3_XXS rows (..., 98 * blocks) as IQ3_XXS_32 rows (..., 160 * blocks): 20 bytes per 32
     values against 12.25."""
     return _grid_as_32(raw, GGMLQuantizationType.IQ3_XXS)
+
+
+# The IQ3 grids' magnitudes are 8 levels each (IQ3_XXS 4, 12, .. 52, 62; IQ3_S 1, 3, .. 15): their
+# blocks of 32 (IQ3_XXS_32, IQ3_S_32, one layout of 20 bytes) hold each value's level as a 3-bit
+# code, value i's in bits 3i .. 3i + 2 of 12 bytes (the kernels expand codes in registers, where
+# indices took a gather per 32 values), between the float32 scale and the 32 sign bits.
+
+@functools.cache
+def iq3_levels(ggml_type: GGMLQuantizationType | int) -> torch.Tensor:
+    """uint8 (8,): an IQ3 grid's distinct magnitudes, ascending (code c: levels[c])."""
+    return torch.from_numpy(np.unique(iq_grid(ggml_type).numpy()))
+
+
+@functools.cache
+def _grid_codes(ggml_type: GGMLQuantizationType) -> torch.Tensor:
+    """int64 (entries, 4): each grid entry's magnitudes as level codes."""
+    return torch.searchsorted(iq3_levels(ggml_type).long(), iq_grid(ggml_type).long())
+
+
+def _as_codes(scale: torch.Tensor, index: torch.Tensor, signs: torch.Tensor,
+              ggml_type: GGMLQuantizationType) -> torch.Tensor:
+    """(n, 8, 20) blocks of 32 from each 32's scale bytes (n, 8, 4), grid indices (n, 8, 8)
+    and sign bytes (n, 8, 4)."""
+    n = index.shape[0]
+    codes = _grid_codes(ggml_type)[index].reshape(n, 8, 4, 8)  # 4 runs of 8 values
+    word = (codes << (3 * torch.arange(8))).sum(-1)  # (n, 8, 4): 24 bits each
+    out = torch.empty(n, 8, 20, dtype=torch.uint8)
+    out[:, :, :4] = scale
+    out[:, :, 4:16] = ((word.unsqueeze(-1) >> torch.tensor([0, 8, 16])) & 255).reshape(n, 8, 12)
+    out[:, :, 16:] = signs
+    return out
 
 
 # IQ3_S: 110 bytes, d, qs[64] (the low 8 bits of 8 grid indices per 32 values), qh[8] (their
@@ -288,19 +322,18 @@ def iq3_xxs_as_32(raw: torch.Tensor) -> torch.Tensor:
 
 
 def iq3_s_as_32(raw: torch.Tensor) -> torch.Tensor:
-    """IQ3_S rows (..., 110 * blocks) as IQ3_S_32 rows (..., 136 * blocks): each 32's float32
-    scale d * (2s + 1) (exact), the indices' low bytes, the 32 sign bits, then the byte of the
-    indices' ninth bits: 17 bytes per 32 values against 13.75."""
+    """IQ3_S rows (..., 110 * blocks) as IQ3_S_32 rows (..., 160 * blocks): each 32's float32
+    scale d * (2s + 1) (exact), its values' level codes, the 32 sign bits: 20 bytes per 32
+    values against 13.75."""
     lead = raw.shape[:-1]
     b = raw.reshape(-1, 110)
     n = b.shape[0]
     s = _fields(b[:, 106:110], 4).transpose(1, 2).reshape(n, 8, 1)
-    out = torch.empty(n, 8, 17, dtype=torch.uint8)
-    out[:, :, :4] = (_f16(b, 0).unsqueeze(-1) * (2 * s + 1).float()).view(torch.uint8)
-    out[:, :, 4:12] = b[:, 2:66].reshape(n, 8, 8)
-    out[:, :, 12:16] = b[:, 74:106].reshape(n, 8, 4)
-    out[:, :, 16] = b[:, 66:74]
-    return out.reshape(*lead, -1)
+    scale = (_f16(b, 0).unsqueeze(-1) * (2 * s + 1).float()).view(torch.uint8)
+    ninth = _fields(b[:, 66:74], 1).transpose(1, 2).long()  # (n, 8, 8): bit k of byte j
+    index = b[:, 2:66].reshape(n, 8, 8).long() | ninth << 8
+    return _as_codes(scale, index, b[:, 74:106].reshape(n, 8, 4), GGMLQuantizationType.IQ3_S
+                     ).reshape(*lead, -1)
 
 
 # IQ2_XS: 74 bytes, d, qs[32] (a little-endian uint16 per 8 values: a 9-bit grid index, then
@@ -358,15 +391,18 @@ def _grid_halves_values(b: torch.Tensor, ggml_type: GGMLQuantizationType) -> tor
 
 
 def _grid_values(b: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
-    # Blocks of 32 (n, 8 + idx (+ 1)): the scale, grid indices' (low) bytes, sign bits (IQ3_S:
-    # then the indices' ninth bits).  y = scale * mag * sign
-    idx = 8 if ggml_type == GGMLQuantizationType.IQ3_S else _GRID_LAYOUT[ggml_type][1]
+    # Blocks of 32 (n, 12 / 20): the scale, grid indices (IQ2_XXS) or level codes (IQ3), sign
+    # bits.  y = scale * mag * sign
     n = b.shape[0]
-    index = b[:, 4:4 + idx].long()
-    if ggml_type == GGMLQuantizationType.IQ3_S:
-        index |= _fields(b[:, 16:17], 1).reshape(n, 8).long() << 8
-    mag = iq_grid(ggml_type)[index].reshape(n, 32).float()
-    negative = _fields(b[:, 4 + idx:8 + idx], 1).transpose(1, 2).reshape(n, 32).bool()
+    if ggml_type == GGMLQuantizationType.IQ2_XXS:
+        mag, signs = iq_grid(ggml_type)[b[:, 4:8].long()].reshape(n, 32), b[:, 8:12]
+    else:
+        three = b[:, 4:16].reshape(n, 4, 3).long()
+        word = three[..., 0] | three[..., 1] << 8 | three[..., 2] << 16  # 8 codes each
+        codes = (word.unsqueeze(-1) >> (3 * torch.arange(8))) & 7
+        mag, signs = iq3_levels(ggml_type)[codes.reshape(n, 32)], b[:, 16:20]
+    negative = _fields(signs, 1).transpose(1, 2).reshape(n, 32).bool()
+    mag = mag.float()
     return torch.where(negative, -mag, mag) * b[:, :4].contiguous().view(torch.float32)
 
 
@@ -385,9 +421,9 @@ def _grid_dequantizers(ggml_type: GGMLQuantizationType, as_32: Callable, size: i
 T = GGMLQuantizationType
 _dequantize_iq2_xxs_32, _dequantize_iq2_xxs = _grid_dequantizers(T.IQ2_XXS, iq2_xxs_as_32, 12,
                                                                  _grid_values)
-_dequantize_iq3_xxs_32, _dequantize_iq3_xxs = _grid_dequantizers(T.IQ3_XXS, iq3_xxs_as_32, 16,
+_dequantize_iq3_xxs_32, _dequantize_iq3_xxs = _grid_dequantizers(T.IQ3_XXS, iq3_xxs_as_32, 20,
                                                                  _grid_values)
-_dequantize_iq3_s_32, _dequantize_iq3_s = _grid_dequantizers(T.IQ3_S, iq3_s_as_32, 17,
+_dequantize_iq3_s_32, _dequantize_iq3_s = _grid_dequantizers(T.IQ3_S, iq3_s_as_32, 20,
                                                              _grid_values)
 _dequantize_iq2_xs_32, _dequantize_iq2_xs = _grid_dequantizers(T.IQ2_XS, iq2_xs_as_32, 14,
                                                                _grid_halves_values)
@@ -539,7 +575,7 @@ SUPPORTED_TYPES = tuple(_DEQUANTIZERS)
 # The layouts types run in (ladle's own ids): name, (values, bytes) per block, dequantizer.
 _KERNEL_LAYOUTS = {IQ4_XS_32: ("IQ4_XS_32", (32, 20), _dequantize_iq4_xs_32),
                    IQ2_XXS_32: ("IQ2_XXS_32", (32, 12), _dequantize_iq2_xxs_32),
-                   IQ3_XXS_32: ("IQ3_XXS_32", (32, 16), _dequantize_iq3_xxs_32),
-                   IQ3_S_32: ("IQ3_S_32", (32, 17), _dequantize_iq3_s_32),
+                   IQ3_XXS_32: ("IQ3_XXS_32", (32, 20), _dequantize_iq3_xxs_32),
+                   IQ3_S_32: ("IQ3_S_32", (32, 20), _dequantize_iq3_s_32),
                    IQ2_XS_32: ("IQ2_XS_32", (32, 14), _dequantize_iq2_xs_32),
                    IQ2_S_32: ("IQ2_S_32", (32, 14), _dequantize_iq2_s_32)}

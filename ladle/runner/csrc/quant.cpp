@@ -85,16 +85,20 @@ template <int TYPE> constexpr bool kLut4 =
 // values, d, then per 32 values grid indices and one 32-bit word of 4 x 7 sign bits and a 4-bit
 // scale s; an index picks 8 (IQ2_XXS) or 4 (IQ3_XXS) magnitudes from a fixed table (the grid),
 // the 7 bits the signs of 8 values (the 8th makes the count of minus signs even), and w = d *
-// (s + 1/2) / 4 (IQ3_XXS: / 2) * grid * sign. Run as blocks of 32 (quant.py's IQ2_XXS_32,
-// IQ3_XXS_32): the float32 scale d * (s + 1/2) / 4 (/ 2, exact), the grid indices as stored,
-// then the 32 sign bits (bit i: value i negative), 12 and 16 bytes against the file's 8.25 and
-// 12.25. Unpacking the scale and the eighth sign bits per block took as many instructions as the
-// rest of the product (with d copied into each 32 instead, 10 and 14 bytes, the 0.6B's IQ2_XXS
-// file decoded at 0.78x llama.cpp's speed, IQ3_XXS 0.63x). Signed values as Q8_0's, |w| <= 62.
+// (s + 1/2) / 4 (IQ3_XXS: / 2) * grid * sign. IQ2_XXS runs as blocks of 32 (quant.py's
+// IQ2_XXS_32): the float32 scale d * (s + 1/2) / 4 (exact), the grid indices as stored, then
+// the 32 sign bits (bit i: value i negative), 12 bytes against the file's 8.25. Unpacking the
+// scale and the eighth sign bits per block took as many instructions as the rest of the product
+// (with d copied into each 32 instead, 10 bytes, the 0.6B's IQ2_XXS file decoded at 0.78x
+// llama.cpp's speed). Signed values as Q8_0's, |w| <= 62.
 // IQ3_S (IQ3_S / IQ3_M files' bulk) alike: 9-bit indices into a grid of 512 x 4, its signs
-// stored as bits, a 4-bit scale s per 32 values, w = d * (2s + 1) * grid * sign; as IQ3_S_32:
-// the float32 scale, the indices' low bytes, the 32 sign bits, then a byte of their high bits
-// (17 bytes against the file's 13.75).
+// stored as bits, a 4-bit scale s per 32 values, w = d * (2s + 1) * grid * sign. The IQ3 grids'
+// magnitudes are 8 levels (IQ3_XXS 4, 12, .. 52, 62; IQ3_S 1, 3, .. 15), so IQ3_XXS_32 and
+// IQ3_S_32 (one layout) hold each value's level as a 3-bit code instead of the indices: the
+// float32 scale, the codes (value i's in bits 3i .. 3i + 2 of 12 bytes), the 32 sign bits; 20
+// bytes against the file's 12.25 and 13.75. Codes become magnitudes in registers (a byte
+// shuffle, one multishift, one table shuffle with AVX-512 VBMI) where indices took a gather of
+// 8 grid entries per 32 values (IQ3_XXS: 16 bytes, 0.6B file 0.95x llama.cpp's decode).
 // IQ2_XS and IQ2_S (IQ2_XS / IQ2_S / IQ2_M files' bulk, IQ3_XXS files' attn_q and attn_k): 8
 // magnitudes per index as IQ2_XXS's, from grids of 512 and 1024 entries (9- and 10-bit
 // indices), signs from a 7-bit index (IQ2_XS) or stored as bits (IQ2_S), and a 4-bit scale per
@@ -109,21 +113,21 @@ template <int TYPE> constexpr bool kGridHalves = TYPE == kIQ2XS32 || TYPE == kIQ
 template <int TYPE> constexpr bool kGrid =
     TYPE == kIQ2XXS32 || TYPE == kIQ3XXS32 || TYPE == kIQ3S32 || kGridHalves<TYPE>;
 template <int TYPE> constexpr bool kGrid8 = TYPE == kIQ2XXS32 || kGridHalves<TYPE>;  // 8 a row
-template <int TYPE> constexpr int kGridSigns = kGrid8<TYPE> ? 8 : 12;  // the bits' offset
+template <int TYPE> constexpr int kGridSigns = kGrid8<TYPE> ? 8 : 16;  // the bits' offset
 constexpr int kGridHigh = 12, kGridScales = 13;  // IQ2_XS_32's, IQ2_S_32's bytes
-// The grids, as gguf-py (ggml's iq2xxs_grid, iq3xxs_grid, iq3s_grid, iq2xs_grid, iq2s_grid)
-// defines them: 256 entries of 8 and 4 magnitudes, 512 of 4, 512 and 1024 of 8, one byte each.
-// Set once per process by set_iq_grids (cpu_kernels.py, when the kernels load) before any part
-// of those types can run; quant_matmul refuses them until then.
+// The grids, as gguf-py (ggml's iq2xxs_grid, iq2xs_grid, iq2s_grid) defines them: 256, 512 and
+// 1024 entries of 8 magnitudes, one byte each; the IQ3 grids' 8 levels, ascending (the code's
+// order), padded to 16 bytes. Set once per process by set_iq_grids (cpu_kernels.py, when the
+// kernels load) before any part of those types can run; quant_matmul refuses them until then.
 struct IqGrids {
   uint64_t g2[256];
-  uint32_t g3[256];
-  uint32_t g3s[512];
   uint64_t g2xs[512];
   uint64_t g2s[1024];
-  std::atomic<bool> ready{false};
+  uint8_t l3[16];
+  uint8_t l3s[16];
 };
 IqGrids g_iq;
+std::atomic<bool> g_iq_ready{false};
 template <int TYPE>
 inline uint32_t grid_signs(const uint8_t* b) {
   uint32_t w;
@@ -168,11 +172,13 @@ inline void grid_magnitudes(const uint8_t* b, uint8_t* out) {
       const uint64_t e = grid8_entry<TYPE>(b, i, k);
       std::memcpy(out + 8 * k, &e, 8);
     }
-  } else if constexpr (TYPE == kIQ3XXS32) {
-    for (int k = 0; k < 8; k++) std::memcpy(out + 4 * k, &g_iq.g3[b[4 + k]], 4);
-  } else {
-    for (int k = 0; k < 8; k++)
-      std::memcpy(out + 4 * k, &g_iq.g3s[b[4 + k] | ((b[16] >> k) & 1) << 8], 4);
+  } else {  // IQ3: 3-bit codes into the levels
+    const uint8_t* levels = TYPE == kIQ3XXS32 ? g_iq.l3 : g_iq.l3s;
+    for (int i = 0; i < 32; i++) {
+      uint16_t two;
+      std::memcpy(&two, b + 4 + 3 * i / 8, 2);
+      out[i] = levels[(two >> (3 * i % 8)) & 7];
+    }
   }
 }
 // Repacked at load by 16 rows (quant.py's Q4_K_R16, Q6_K_R16, Q8_0_R16, INT8_ROW_R16,
@@ -325,8 +331,8 @@ constexpr int64_t block_bytes(int type) {
     case kIQ4NL: return 18;
     case kIQ4XS32: return 20;
     case kIQ2XXS32: return 12;
-    case kIQ3XXS32: return 16;
-    case kIQ3S32: return 17;
+    case kIQ3XXS32: return 20;
+    case kIQ3S32: return 20;
     case kIQ2XS32: return 14;
     case kIQ2S32: return 14;
     case kQ4_K: return 144;
@@ -693,10 +699,10 @@ inline __m256i bit_bytes(uint32_t bits) {
   return _mm256_and_si256(bit_mask(bits), _mm256_set1_epi8(0x10));
 }
 
-// An IQ2_XXS / IQ3_XXS / IQ3_S block's 32 magnitudes from the grid (unsigned, <= 62): IQ2_XXS's
-// 4 entries loaded and inserted, the 8 of IQ3_XXS and IQ3_S in one gather. The 0.6B's linears
-// at one row, 28 layers of random blocks, Zen 4, ms, loads / gather: IQ2_XXS 14.5-15 / 19.4,
-// IQ3_XXS 29-30 / 29, IQ3_S (its ninth index bits then in scalar code) 37 / 32.
+// A grid block's 32 magnitudes (unsigned, <= 62): IQ2's 4 grid entries loaded and inserted;
+// IQ3's 3-bit codes through the levels. The 0.6B's linears at one row, 28 layers of random
+// blocks, Zen 4, ms: IQ2_XXS 14.5-15 (its entries in one gather: 19.4); IQ3_XXS 29-30 with 8
+// entries loaded, 29 gathered, 4x: codes.
 template <int TYPE>
 inline __m256i grid_mags(const uint8_t* b) {
   if constexpr (kGrid8<TYPE>) {
@@ -705,16 +711,35 @@ inline __m256i grid_mags(const uint8_t* b) {
         int64_t(grid8_entry<TYPE>(b, i, 3)), int64_t(grid8_entry<TYPE>(b, i, 2)),
         int64_t(grid8_entry<TYPE>(b, i, 1)), int64_t(grid8_entry<TYPE>(b, i, 0)));
   } else {
-    uint64_t idx;
-    std::memcpy(&idx, b + 4, 8);
-    __m256i i = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(idx)));
-    if constexpr (TYPE == kIQ3S32) {  // the ninth bits: bit k of byte 16 for index k
-      const __m256i h = _mm256_srlv_epi32(_mm256_set1_epi32(b[16]),
-                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-      i = _mm256_or_si256(i, _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(1)), 8));
+#if defined(__AVX512VBMI__) && defined(__AVX512VL__)
+    // Qword q (values 8q .. 8q + 7): the code bytes 3q .. 3q + 3, then byte j of it the 8 bits
+    // from bit 3j (vpmultishiftqb), of which the low 3 are the code.
+    const __m256i spread = _mm256_setr_epi8(0, 1, 2, 3, 0, 0, 0, 0, 3, 4, 5, 6, 0, 0, 0, 0,
+                                            6, 7, 8, 9, 0, 0, 0, 0, 9, 10, 11, 12, 0, 0, 0, 0);
+    const __m256i shifts = _mm256_set1_epi64x(0x15120F0C09060300LL);
+    const __m256i raw = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4)));  // codes, signs
+    const __m256i codes = _mm256_and_si256(
+        _mm256_multishift_epi64_epi8(shifts, _mm256_shuffle_epi8(raw, spread)),
+        _mm256_set1_epi8(7));
+#else
+    uint64_t q[4];
+    for (int k = 0; k < 4; k++) {
+      uint32_t w;
+      std::memcpy(&w, b + 4 + 3 * k, 4);
+#if defined(__BMI2__)
+      q[k] = _pdep_u64(w, 0x0707070707070707ULL);
+#else
+      q[k] = 0;
+      for (int j = 0; j < 8; j++) q[k] |= uint64_t((w >> (3 * j)) & 7) << (8 * j);
+#endif
     }
-    const int* g = reinterpret_cast<const int*>(TYPE == kIQ3XXS32 ? g_iq.g3 : g_iq.g3s);
-    return _mm256_i32gather_epi32(g, i, 4);
+    const __m256i codes = _mm256_setr_epi64x(int64_t(q[0]), int64_t(q[1]), int64_t(q[2]),
+                                             int64_t(q[3]));
+#endif
+    const __m128i levels =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(TYPE == kIQ3XXS32 ? g_iq.l3 : g_iq.l3s));
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(levels), codes);
   }
 }
 // v's bytes negated where `bits` has their bit set.
@@ -2813,7 +2838,7 @@ bool is_kernel_type(int64_t t) {
          t == kQ6_K || t == kI8 || (is_r16(int(t)) && kHasR16) ||
          ((t == kIQ2XXS32 || t == kIQ3XXS32 || t == kIQ3S32 || t == kIQ2XS32 ||
            t == kIQ2S32) &&
-          g_iq.ready.load(std::memory_order_acquire));
+          g_iq_ready.load(std::memory_order_acquire));
 }
 
 // The Hadamard rotation of `--quantization int8` (models/int8.py): each block of B values of a
@@ -3909,17 +3934,33 @@ void set_iq_grids(const at::Tensor& iq2xxs, const at::Tensor& iq3xxs, const at::
                   fits(iq2xs, 512 * 8) && fits(iq2s, 1024 * 8),
               "set_iq_grids: uint8 grids of 256 x 8 (IQ2_XXS), 256 x 4 (IQ3_XXS), 512 x 4 "
               "(IQ3_S), 512 x 8 (IQ2_XS) and 1024 x 8 (IQ2_S) values");
-  const std::pair<void*, const at::Tensor*> grids[] = {
-      {g_iq.g2, &iq2xxs}, {g_iq.g3, &iq3xxs}, {g_iq.g3s, &iq3s}, {g_iq.g2xs, &iq2xs},
-      {g_iq.g2s, &iq2s}};
-  if (g_iq.ready.load(std::memory_order_acquire)) {  // once per process: running parts read them
-    for (const auto& [to, from] : grids)
-      TORCH_CHECK(std::memcmp(to, from->data_ptr(), from->numel()) == 0,
-                  "set_iq_grids: the grids are already set, to other values");
+  // An IQ3 grid's distinct values, ascending: its 8 levels.
+  auto levels = [](const at::Tensor& grid, uint8_t* out) {
+    bool seen[256] = {};
+    const uint8_t* g = grid.data_ptr<uint8_t>();
+    for (int64_t i = 0; i < grid.numel(); i++) seen[g[i]] = true;
+    int n = 0;
+    std::memset(out, 0, 16);
+    for (int v = 0; v < 256; v++)
+      if (seen[v]) {
+        TORCH_CHECK(n < 8, "set_iq_grids: an IQ3 grid of more than 8 distinct values");
+        out[n++] = uint8_t(v);
+      }
+    TORCH_CHECK(n == 8, "set_iq_grids: an IQ3 grid of ", n, " distinct values, not 8");
+  };
+  IqGrids next{};
+  std::memcpy(next.g2, iq2xxs.data_ptr(), sizeof next.g2);
+  std::memcpy(next.g2xs, iq2xs.data_ptr(), sizeof next.g2xs);
+  std::memcpy(next.g2s, iq2s.data_ptr(), sizeof next.g2s);
+  levels(iq3xxs, next.l3);
+  levels(iq3s, next.l3s);
+  if (g_iq_ready.load(std::memory_order_acquire)) {  // once per process: running parts read them
+    TORCH_CHECK(std::memcmp(&g_iq, &next, sizeof next) == 0,
+                "set_iq_grids: the grids are already set, to other values");
     return;
   }
-  for (const auto& [to, from] : grids) std::memcpy(to, from->data_ptr(), from->numel());
-  g_iq.ready.store(true, std::memory_order_release);
+  g_iq = next;
+  g_iq_ready.store(true, std::memory_order_release);
 }
 
 bool quant_r16() { return kHasR16; }
