@@ -252,15 +252,19 @@ def quantized_gguf(path: Path, qtype: str, llama_py: Path) -> Path:
 
 
 def uniform_imatrix(src: Path, out: Path) -> Path:
-    """An importance matrix of ones for every 2-d weight of the blocks in `src`, in llama.cpp's
-    legacy imatrix file layout (int32 count; per entry int32 name length, the name, int32 calls,
-    int32 values, float32 values; then int32 last chunk and int32 dataset name length 0)."""
+    """An importance matrix of ones for every 2-d weight of the blocks in `src` and every
+    stacked experts' weight (3-d: a row's columns per expert, experts after each other), in
+    llama.cpp's legacy imatrix file layout (int32 count; per entry int32 name length, the name,
+    int32 calls, int32 values, float32 values; then int32 last chunk and int32 dataset name
+    length 0)."""
     import struct
 
     from gguf import GGUFReader
 
-    entries = [(t.name, int(t.shape[0])) for t in GGUFReader(src).tensors
-               if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2]
+    entries = [(t.name, int(t.shape[0]) * (int(t.shape[2]) if len(t.shape) == 3 else 1))
+               for t in GGUFReader(src).tensors
+               if t.name.startswith("blk.") and t.name.endswith(".weight")
+               and len(t.shape) in (2, 3)]
     with open(out, "wb") as f:
         f.write(struct.pack("<i", len(entries)))
         for name, cols in entries:

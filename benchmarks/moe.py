@@ -7,9 +7,10 @@ Checkpoints (random bf16 weights, Qwen's tokenizer, built once into the ladle ca
   - dense: Qwen3 with the same attention and vocabulary and one MLP of 8 x 512 = 4096: the MoE's
     active size, dense.
 llama.cpp runs the bf16 GGUF that its own converter makes of each checkpoint (the same weights).
-With --gguf q4_k_m, q3_k_m or q2_k, that GGUF is quantized by llama.cpp's quantize API (its
-default tensor-type mix for the type) and both systems run the quantized file (the 2-3 bit
-files people run large MoE models from on CPU).
+With --gguf q4_k_m, q3_k_m, q2_k, iq3_xxs or iq2_xxs, that GGUF is quantized by llama.cpp's
+quantize (its default tensor-type mix for the type; the i-quants with a uniform importance
+matrix, as compare.py makes them) and both systems run the quantized file (the 2-3 bit files
+people run large MoE models from on CPU).
 
 Cases, interleaved per repetition (medians reported), each system in its own process:
   - single-stream decode tok/s (64 tokens after a 128-token prompt) and TTFT;
@@ -20,7 +21,7 @@ ladle's MoE decode time per token / its dense-active decode time per token (targ
 
     nice -n 19 benchmarks/build_llama_cpp.sh    # once
     python benchmarks/moe.py [--reps 2] [--skip-llama] [--skip-batch]
-        [--gguf bf16|q4_k_m|q3_k_m|q2_k] [--llama-no-repack]
+        [--gguf bf16|q4_k_m|q3_k_m|q2_k|iq3_xxs|iq2_xxs] [--llama-no-repack]
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def main():
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--skip-batch", action="store_true")
-    ap.add_argument("--gguf", choices=("bf16", "q4_k_m", "q3_k_m", "q2_k"), default="bf16",
+    ap.add_argument("--gguf", choices=("bf16", "q4_k_m", "q3_k_m", "q2_k", "iq3_xxs", "iq2_xxs"),
+                    default="bf16",
                     help="the file both systems run (bf16: ladle the safetensors checkpoint)")
     ap.add_argument("--llama-no-repack", action="store_true",
                     help="llama.cpp without its extra weight buffers (compare.py's flag)")

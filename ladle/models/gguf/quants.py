@@ -383,7 +383,10 @@ def iq2_s_as_32(raw: torch.Tensor) -> torch.Tensor:
 def _grid_halves_values(b: torch.Tensor, ggml_type: GGMLQuantizationType) -> torch.Tensor:
     # Blocks of 32 (n, 14).  y = d / 8 * (2s + 1) * mag * sign, s per 16 values
     n = b.shape[0]
-    index = b[:, 4:8].long() | (_fields(b[:, 12:13], 2).reshape(n, 4).long() << 8)
+    high = _fields(b[:, 12:13], 2).reshape(n, 4).long()
+    if ggml_type == GGMLQuantizationType.IQ2_XS:  # 9-bit indices (the kernels mask alike)
+        high &= 1
+    index = b[:, 4:8].long() | high << 8
     mag = iq_grid(ggml_type)[index].reshape(n, 32).float()
     negative = _fields(b[:, 8:12], 1).transpose(1, 2).reshape(n, 32).bool()
     half = (2 * _fields(b[:, 13:14], 4).reshape(n, 2) + 1).float().repeat_interleave(16, dim=1)
