@@ -182,6 +182,47 @@ def test_greedy_rows_take_the_argmax_after_processing():
     assert out[1].item() == logits[1].argmax().item()
 
 
+def test_bfloat16_logits_give_the_tokens_of_their_float32_copy():
+    """A step whose rows are all greedy with nothing to apply takes the argmax of the model's
+    bfloat16 logits without the float32 copy; one with logit_bias, penalties, min_tokens or a
+    plug-in processor applies it as before. The tokens are those of the float32 logits (ties:
+    the first index), and the processors still act."""
+    from ladle.sample.logits_processors.interface import LogitsProcessor
+
+    class FavourFive(LogitsProcessor):  # a plug-in without per-row state: acts on every row
+        def is_argmax_invariant(self):
+            return False
+
+        def update_state(self, update):
+            pass
+
+        def apply(self, logits):
+            logits[:, 5] = 1e4
+            return logits
+
+    logits = logits_for(4, seed=9).bfloat16()
+    logits[1, 3] = logits[1, 9] = logits[1].max() + 1  # a tie: the first index wins
+    greedy = SamplingParams(temperature=0)
+    cases = [  # (params of row 0, plug-in, row 0's token where a processor decides it, copied)
+        (greedy, (), None, False),
+        (SamplingParams(temperature=0, logit_bias={7: 100.0}), (), 7, True),
+        (SamplingParams(temperature=0, repetition_penalty=1.5), (), None, True),
+        (SamplingParams(temperature=0, min_tokens=2), (), None, True),
+        (greedy, (FavourFive,), 5, True),
+    ]
+    for params, custom, forced, copied in cases:
+        h = Harness(V, custom=custom)
+        h.set_requests([(params, [1], [])] + [(greedy, [1], [])] * 3)
+        got = h.step(logits, accept=False).sampled_token_ids
+        assert ("logits" in h.sampler.workspaces) == copied, params
+        want = h.step(logits.float(), accept=False).sampled_token_ids
+        assert got.tolist() == want.tolist(), params
+        assert got[1].item() == (5 if custom else 3)
+        if forced is not None:
+            assert got[0].item() == forced
+    assert got.tolist() == [5] * 4
+
+
 def test_thinking_budget_forces_end_of_thinking():
     from ladle.reasoning import ReasoningConfig
 
