@@ -1,4 +1,6 @@
 // Small-M linear (decode's one to a few rows times every weight matrix).
+#include <type_traits>
+
 #include "kernels.h"
 #include "vec.h"
 
@@ -32,90 +34,119 @@ static inline void dot_block_scalar(const T* x, const T* w, int64_t M, int64_t K
 // better than no prefetch); more distance changes nothing.
 constexpr int64_t kPrefetchBlocks = 2;
 
-// out[m * 4 + j] = x[m] . w[j] for MB (up to 6) rows of x and 4 rows of w.
-template <int MB>
-static inline void dot4_f32(const float* x, const float* w, int64_t K, int64_t ldx, float* out) {
-  __m512 acc[MB][4];
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    __m512 wv[4];
-    for (int j = 0; j < 4; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (j + 4 * kPrefetchBlocks) * K + k),
-                   _MM_HINT_T1);
-      wv[j] = _mm512_loadu_ps(w + j * K + k);
-    }
-    for (int m = 0; m < MB; ++m) {
-      const __m512 xv = _mm512_loadu_ps(x + m * ldx + k);
-      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
-    }
-  }
-  for (int m = 0; m < MB; ++m) {
-    _mm_storeu_ps(out + m * 4, hsum4(acc[m]));
-    for (int j = 0; j < 4; ++j)
-      for (int64_t kk = k; kk < K; ++kk) out[m * 4 + j] += x[m * ldx + kk] * w[j * K + kk];
-  }
-}
-
-// out[m * 4 + j] = x[m] . w[j] for MB rows of x (up to 6: 24 accumulators + 4 weight vectors +
-// one x vector fit the 32 registers) and 4 rows of w; the weights PF blocks ahead are prefetched
-// with HINT (dot4 below chooses).
-template <int MB, int PF = kPrefetchBlocks, int HINT = _MM_HINT_T1>
-static inline void dot4_bf16(const at::BFloat16* x, const at::BFloat16* w, int64_t K,
-                             int64_t ldx, float* out) {
-  __m512 acc[MB][4];
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
-  int64_t k = 0;
+// One step over K of one (x row, weight row) product: S values of each loaded (load_step) and
+// multiplied into a float32 accumulator (fma_step). dot4_lanes and dot4_seq below both take
+// these steps, the same hsum4 and the same tail (dot4_finish), so they give the same bits.
 #if defined(__AVX512BF16__)
-  // vdpbf16ps: 32 bf16 products per instruction, summed in pairs into 16 float lanes.
-  for (; k + 32 <= K; k += 32) {
-    __m512i wv[4];
-    for (int j = 0; j < 4; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (j + 4 * PF) * K + k),
-                   static_cast<_mm_hint>(HINT));
-      wv[j] = _mm512_loadu_si512(reinterpret_cast<const void*>(w + j * K + k));
-    }
-    for (int m = 0; m < MB; ++m) {
-      const __m512i xv = _mm512_loadu_si512(reinterpret_cast<const void*>(x + m * ldx + k));
-      for (int j = 0; j < 4; ++j)
-        acc[m][j] = _mm512_dpbf16_ps(acc[m][j], (__m512bh)xv, (__m512bh)wv[j]);
-    }
-  }
+// vdpbf16ps: 32 bf16 products per instruction, summed in pairs into 16 float lanes.
+constexpr bool kBf16Dot = true;
+static inline __m512i load_step(const at::BFloat16* p) {
+  return _mm512_loadu_si512(reinterpret_cast<const void*>(p));
+}
+static inline __m512 fma_step(__m512 acc, __m512i x, __m512i w) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w);
+}
 #else
-  for (; k + 16 <= K; k += 16) {
-    __m512 wv[4];
-    for (int j = 0; j < 4; ++j) wv[j] = load16(w + j * K + k);
-    for (int m = 0; m < MB; ++m) {
-      const __m512 xv = load16(x + m * ldx + k);
-      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
-    }
-  }
+constexpr bool kBf16Dot = false;
+static inline __m512 load_step(const at::BFloat16* p) { return load16(p); }
 #endif
-  for (int m = 0; m < MB; ++m) {
-    _mm_storeu_ps(out + m * 4, hsum4(acc[m]));
+static inline __m512 load_step(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 fma_step(__m512 acc, __m512 x, __m512 w) { return _mm512_fmadd_ps(x, w, acc); }
+template <typename T>
+constexpr int64_t step_len() { return std::is_same_v<T, at::BFloat16> && kBf16Dot ? 32 : 16; }
+
+// out[m * 4 + j] += the products of K's tail [k, K), one after another. Out of line, so that
+// every caller runs the very same compiled loop (inlined copies were vectorised differently, and
+// float32 sums then differed in the last bit).
+template <typename T>
+__attribute__((noinline)) static void add_tail4(const T* x, const T* w, int64_t MB, int64_t K,
+                                                int64_t ldx, int64_t k, float* out) {
+  for (int64_t m = 0; m < MB; ++m)
     for (int j = 0; j < 4; ++j)
       for (int64_t kk = k; kk < K; ++kk)
         out[m * 4 + j] += to_f(x[m * ldx + kk]) * to_f(w[j * K + kk]);
-  }
 }
 
-template <int MB>
-static inline void dot4(const float* x, const float* w, int64_t K, int64_t ldx, float* out) {
-  dot4_f32<MB>(x, w, K, ldx, out);
+// out[m * 4 + j] = the horizontal sums of acc[m][j] plus the products of K's tail from k on.
+template <int MB, typename T>
+static inline void dot4_finish(const __m512 (&acc)[MB][4], const T* x, const T* w, int64_t K,
+                               int64_t ldx, int64_t k, float* out) {
+  for (int m = 0; m < MB; ++m) _mm_storeu_ps(out + m * 4, hsum4(acc[m]));
+  if (k < K) add_tail4(x, w, MB, K, ldx, k, out);
 }
+
+// out[m * 4 + j] = x[m] . w[j] for MB rows of x (up to 6: 24 accumulators + 4 weight vectors +
+// one x vector fit the 32 registers) and 4 rows of w, the four rows side by side; the weights PF
+// blocks ahead are prefetched with HINT (dot4 below chooses; bfloat16 without vdpbf16ps
+// prefetches nothing, as measured before).
+template <int MB, int PF = kPrefetchBlocks, int HINT = _MM_HINT_T1, typename T>
+static inline void dot4_lanes(const T* x, const T* w, int64_t K, int64_t ldx, float* out) {
+  constexpr int64_t S = step_len<T>();
+  constexpr bool prefetch = std::is_same_v<T, float> || kBf16Dot;
+  __m512 acc[MB][4];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + S <= K; k += S) {
+    decltype(load_step(w)) wv[4];
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (prefetch)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (j + 4 * PF) * K + k),
+                     static_cast<_mm_hint>(HINT));
+      wv[j] = load_step(w + j * K + k);
+    }
+    for (int m = 0; m < MB; ++m) {
+      const auto xv = load_step(x + m * ldx + k);
+      for (int j = 0; j < 4; ++j) acc[m][j] = fma_step(acc[m][j], xv, wv[j]);
+    }
+  }
+  dot4_finish<MB>(acc, x, w, K, ldx, k, out);
+}
+
+// With one row of x, each step also prefetches the weights this far ahead (into the next rows
+// of the thread's share) into L2. Zen 4, bf16 0.6B single-stream decode in process, the
+// distance toggled every 4 steps (medians of 16-20 alternations): none / 1 KB 1.035x / 2 KB
+// 1.046-1.088x / 3 KB 1.042x / 4 KB 1.029-1.072x / 8 KB 0.96x / 16 KB 0.99x; the non-temporal
+// hint 0.88x. Two rows of x ran 0.95x with it, so they go without.
+constexpr int64_t kRowPrefetchBytes = 2048;
+
+// dot4_lanes' products, each weight row's to the end before the next row's: a thread then reads
+// its share of the weights as one sequential stream (four rows side by side are four streams
+// 2K bytes apart, which Zen 4's prefetcher follows less well). One accumulator per pair is one
+// dependency chain, yet fast enough: a standalone loop over 512 MB of bf16 weights (Zen 4, one
+// row of x) read 29-31 GB/s on one core this way, 19-24 side by side, 29-31 with dot_row's four
+// interleaved accumulators (which this replaced); 54-60 against 35-47 on two cores. The same
+// steps, sums and tail as dot4_lanes, so the same bits: batch-invariant mode takes it too.
+template <int MB, typename T>
+static inline void dot4_seq(const T* x, const T* w, int64_t K, int64_t ldx, float* out) {
+  constexpr int64_t S = step_len<T>();
+  __m512 acc[MB][4];
+  int64_t k = 0;
+  for (int j = 0; j < 4; ++j) {
+    const T* wj = w + j * K;
+    for (int m = 0; m < MB; ++m) acc[m][j] = _mm512_setzero_ps();
+    for (k = 0; k + S <= K; k += S) {
+      if constexpr (MB == 1)
+        _mm_prefetch(reinterpret_cast<const char*>(wj + k) + kRowPrefetchBytes, _MM_HINT_T1);
+      const auto wv = load_step(wj + k);
+      for (int m = 0; m < MB; ++m) acc[m][j] = fma_step(acc[m][j], load_step(x + m * ldx + k), wv);
+    }
+  }
+  dot4_finish<MB>(acc, x, w, K, ldx, k, out);
+}
+
 // One row of x (single-stream decode, where the weights are streamed once per token) on Intel's
-// cores prefetches the next block into L1 rather than two blocks ahead into L2. On a 2-core
-// Xeon with AMX (KVM, 2026-12-06), the 0.6B's 112 bf16 linears (0.88 GB, two threads, a
+// cores prefetches the next block into L1 rather than two blocks ahead into L2 (bfloat16). On a
+// 2-core Xeon with AMX (KVM, 2026-12-06), the 0.6B's 112 bf16 linears (0.88 GB, two threads, a
 // standalone loop alternating the variants, two runs): 2 blocks into L2 25.8-26.8 ms, 1 into
 // L1 25.5-25.7, 2 into L1 25.8-26.3, 3 into L1 26.6-26.8, none 31.9-32.6; plain reads of the
 // same bytes 25.0-25.6. Zen 4 measured the L1 prefetch no better than none (above).
-template <int MB>
-static inline void dot4(const at::BFloat16* x, const at::BFloat16* w, int64_t K, int64_t ldx,
-                        float* out) {
-  if (MB == 1 && intel_cpu()) dot4_bf16<MB, 1, _MM_HINT_T0>(x, w, K, ldx, out);
-  else dot4_bf16<MB>(x, w, K, ldx, out);
+template <int MB, typename T>
+static inline void dot4(const T* x, const T* w, int64_t K, int64_t ldx, float* out) {
+  if (std::is_same_v<T, at::BFloat16> && MB == 1 && intel_cpu())
+    dot4_lanes<MB, 1, _MM_HINT_T0>(x, w, K, ldx, out);
+  else
+    dot4_lanes<MB>(x, w, K, ldx, out);
 }
 #endif
 
@@ -132,11 +163,18 @@ constexpr int64_t kRowBlock = 6;
 // above read four streams 2*K bytes apart, which the hardware prefetcher follows less well.
 // Measured on a Zen 4 at the Qwen3-0.6B shapes, one row of x: 1.1-1.6x the bandwidth of the
 // four-row blocks (the machine's bandwidth varies from run to run; never slower). From 4 rows
-// on, the four-row blocks win: they load each weight vector once for up to 24 products.
+// on, the four-row blocks win: they load each weight vector once for up to 24 products. In
+// AVX-512 builds float32 takes one row only: two rows of float32 (0.6B shapes, Zen 4, two
+// threads, builds alternating) read 29-31 GB/s sequentially against 33-34 in the blocks, while
+// bfloat16's two rows read 31-35 against 30-32.
 constexpr int64_t kSequentialRows = 2;
+#if defined(__AVX512F__)
+template <typename T>
+constexpr int64_t sequential_rows() { return std::is_same_v<T, float> ? 1 : kSequentialRows; }
+#endif
 
-// Whether 1-2 rows take the sequential path (outside batch-invariant mode): on AMD's cores, where
-// it was measured faster, and not on Intel's. On a 2-core Sapphire Rapids-class Xeon (KVM,
+// Whether 1-2 rows take the sequential path: on AMD's cores, where it was measured faster, and
+// not on Intel's. On a 2-core Sapphire Rapids-class Xeon (KVM,
 // 2026-12-04), one row against 28 layers of the 0.6B's weights (0.88 GB, two threads): the
 // sequential path read 22.4-22.6 GB/s, with software prefetch 16-32 KB ahead and two to four
 // rows in flight at most 25.1, and the four-row blocks 25.0-26.8 (end to end, single-stream
@@ -150,56 +188,6 @@ static bool sequential_rows_preferred() {
 #endif
 }
 
-#if defined(__AVX512F__)
-// acc += x . w over one chunk of 32 bf16 (vdpbf16ps where the CPU has it) or 16 floats.
-static inline __m512 fma_chunk(__m512 acc, const at::BFloat16* x, const at::BFloat16* w) {
-#if defined(__AVX512BF16__)
-  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(x)),
-                          (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(w)));
-#else
-  acc = _mm512_fmadd_ps(load16(x), load16(w), acc);
-  return _mm512_fmadd_ps(load16(x + 16), load16(w + 16), acc);
-#endif
-}
-static inline __m512 fma_chunk(__m512 acc, const float* x, const float* w) {
-  return _mm512_fmadd_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(w), acc);
-}
-template <typename T> constexpr int64_t chunk_len() { return 64 / sizeof(T); }  // one cache line
-
-// With one row of x, each chunk also prefetches the weights this far ahead (into the next rows
-// of the thread's share) into L2. Zen 4, bf16 0.6B single-stream decode in process, the
-// distance toggled every 4 steps (medians of 16-20 alternations): none / 1 KB 1.035x / 2 KB
-// 1.046-1.088x / 3 KB 1.042x / 4 KB 1.029-1.072x / 8 KB 0.96x / 16 KB 0.99x; the non-temporal
-// hint 0.88x. Two rows of x ran 0.95x with it, so they go without.
-constexpr int64_t kRowPrefetchBytes = 2048;
-
-// out[m] = x[m] . w for MB rows of x and one weight row; U chunks of each row in flight so that
-// at least four accumulator chains hide the FMA latency.
-template <int MB, int U, typename T>
-static inline void dot_row(const T* x, const T* w, int64_t K, int64_t ldx, float* out) {
-  constexpr int64_t C = chunk_len<T>();
-  __m512 acc[U][MB];
-  for (int u = 0; u < U; ++u)
-    for (int m = 0; m < MB; ++m) acc[u][m] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + C * U <= K; k += C * U)
-    for (int u = 0; u < U; ++u) {
-      if constexpr (MB == 1)
-        _mm_prefetch(reinterpret_cast<const char*>(w + k + C * u) + kRowPrefetchBytes, _MM_HINT_T1);
-      for (int m = 0; m < MB; ++m)
-        acc[u][m] = fma_chunk(acc[u][m], x + m * ldx + k + C * u, w + k + C * u);
-    }
-  for (; k + C <= K; k += C)
-    for (int m = 0; m < MB; ++m) acc[0][m] = fma_chunk(acc[0][m], x + m * ldx + k, w + k);
-  for (int m = 0; m < MB; ++m) {
-    __m512 s = acc[0][m];
-    for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, acc[u][m]);
-    float v = _mm512_reduce_add_ps(s);
-    for (int64_t kk = k; kk < K; ++kk) v += to_f(x[m * ldx + kk]) * to_f(w[kk]);
-    out[m] = v;
-  }
-}
-#endif
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 // AVX2 + FMA (8 float lanes, 16 vector registers), for CPUs without AVX-512 (Zen 2/3, most
@@ -322,16 +310,11 @@ static inline void dot_row(const T* x, const T* w, int64_t K, int64_t ldx, float
 #endif
 
 // invariant: a row's result is the same bits whatever M. Each (row, weight row) pair
-// accumulates over K in one fixed order in the four-row blocks (one accumulator per pair, chunk
-// after chunk, the same horizontal sum), and which weight rows form a block depends on N only.
-// The vector sequential paths (AVX-512, AVX2) sum interleaved accumulators instead, so those
-// builds send every M through the blocks in this mode; the portable build computes both paths
-// with the same dot_block_scalar loop, so it keeps the sequential path.
-#if defined(__AVX512F__) || defined(LADLE_LINEAR_AVX2)
-constexpr bool kSequentialOrderDiffers = true;
-#else
-constexpr bool kSequentialOrderDiffers = false;
-#endif
+// accumulates over K in one fixed order in the four-row blocks (one accumulator per pair, step
+// after step, the same horizontal sum), and which weight rows form a block depends on N only.
+// AVX-512's sequential path (dot4_seq) computes the very same pairs, so it serves both modes;
+// AVX2's (dot_row) sums interleaved accumulators instead, so that build sends every M through
+// the blocks in this mode. The portable build has one loop (dot_block_scalar) for both.
 
 #if defined(__AVX512F__) || defined(LADLE_LINEAR_AVX2)
 // The register block of mb (1 .. kRowBlock) rows of x against 4 weight rows.
@@ -366,16 +349,12 @@ template <typename T>
 __attribute__((noinline)) void linear_cols(const T* x, const T* w, const T* b, T* y, int64_t M,
                                            int64_t N, int64_t K, int64_t ldx, bool invariant,
                                            int64_t n_begin, int64_t n_end) {
-  if (M <= kSequentialRows && !(invariant && kSequentialOrderDiffers) &&
-      sequential_rows_preferred()) {
+#if defined(LADLE_LINEAR_AVX2)
+  if (M <= kSequentialRows && !invariant && sequential_rows_preferred()) {
     float out[kSequentialRows];
     for (int64_t n = n_begin; n < n_end; ++n) {
-#if defined(__AVX512F__) || defined(LADLE_LINEAR_AVX2)
       if (M == 1) dot_row<1, 4>(x, w + n * K, K, ldx, out);
       else dot_row<2, 2>(x, w + n * K, K, ldx, out);
-#else
-      dot_block_scalar(x, w + n * K, M, K, ldx, 1, out);
-#endif
       for (int64_t m = 0; m < M; ++m) {
         float v = out[m];
         if (b != nullptr) v += to_f(b[n]);  // in float32, one rounding to T
@@ -384,6 +363,9 @@ __attribute__((noinline)) void linear_cols(const T* x, const T* w, const T* b, T
     }
     return;
   }
+#elif defined(__AVX512F__)
+  const bool sequential = M <= sequential_rows<T>() && sequential_rows_preferred();
+#endif
   // Each block of 4 weight rows is read once from memory and then used from L1 for every row
   // of x, in register blocks of up to kRowBlock rows (sizes balanced: 8 rows = 4 + 4).
   const int64_t row_blocks = (M + kRowBlock - 1) / kRowBlock;
@@ -395,7 +377,12 @@ __attribute__((noinline)) void linear_cols(const T* x, const T* w, const T* b, T
       const T* xm = x + m0 * ldx;
 #if defined(__AVX512F__) || defined(LADLE_LINEAR_AVX2)
       if (nb == 4) {
-        dot4_block(mb, xm, w + n0 * K, K, ldx, out);
+#if defined(__AVX512F__)
+        if (sequential && mb == 1) dot4_seq<1>(xm, w + n0 * K, K, ldx, out);
+        else if (sequential) dot4_seq<2>(xm, w + n0 * K, K, ldx, out);
+        else
+#endif
+          dot4_block(mb, xm, w + n0 * K, K, ldx, out);
       } else {
         dot_block_scalar(xm, w + n0 * K, mb, K, ldx, nb, out);
         // dot_block_scalar writes (mb, nb); spread to the (mb, 4) layout used below.
