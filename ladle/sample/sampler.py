@@ -4,7 +4,9 @@ own parameters.
 Steps, in order (each skipped when no row needs it):
    1. raw snapshot for rows that asked for raw logprobs / raw logits
    2. float32 (beam-search rows arrive as log-probabilities: transformers scores beams so,
-      before its processors)
+      before its processors); a step whose rows are all greedy with nothing else to do (no
+      logprobs, penalties, beams or argmax-changing processor rows) instead takes the argmax of
+      the model's logits as they are and ends here
    3. processors that can change the argmax: allowed_token_ids, bad_words, min_tokens,
       logit_bias, then custom ones
    4. penalties: repetition, frequency, presence (incremental counts, see penalties.py)
@@ -137,9 +139,8 @@ class Sampler:
         (meta.beam_rows) come in as log-probabilities (ModelRunner.execute)."""
         if logits.dtype != torch.float32 and self._argmax_only(meta):
             # The float32 copy below would change nothing this step reads: bfloat16 widens to
-            # float32 exactly, so the argmax of the model's own logits is the same token (a
-            # 0.6B's 152k-token row: one 0.3 MB read instead of 0.9 MB moved, ~1.5% of a
-            # single-stream step).
+            # float32 exactly, so the argmax of the model's own logits is the same token (152k
+            # tokens, caches cold: one row 150-180 -> 90-115 us, 32 rows 0.97 -> 0.35 ms).
             return SamplerOutput(cpu_kernels.argmax(logits))
         raw = None
         if meta.any_raw_logprobs:
