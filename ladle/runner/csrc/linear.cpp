@@ -580,7 +580,12 @@ bool set_linear_amx(bool on) {
 #endif
 }
 
-// Threads split N in blocks of 4 columns.
+// Threads split N in blocks of 4 columns, each thread one contiguous share. Measured against the
+// alternatives (Zen 4, 0.6B bf16 single-stream decode, the variants alternating step by step):
+// shares taken from a counter in 64 / 256 KB chunks ran 0.74x / 0.94x; contiguous shares whose
+// idle thread then takes the other's last 16-64 KB 1.003-1.006x (the threads end 5-13% of a
+// linear's time apart, but the one still reading has the bandwidth to itself meanwhile); each
+// thread prefetching the start of its share of the next linear after its own 0.99-1.00x.
 template <typename T>
 static void linear_kernel(const T* x, const T* w, const T* b, T* y, int64_t M, int64_t N,
                           int64_t K, int64_t ldx, bool invariant) {
