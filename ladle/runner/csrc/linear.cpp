@@ -103,12 +103,14 @@ static inline void dot4_lanes(const T* x, const T* w, int64_t K, int64_t ldx, fl
   dot4_finish<MB>(acc, x, w, K, ldx, k, out);
 }
 
-// With one row of x, each step also prefetches the weights this far ahead (into the next rows
-// of the thread's share) into L2. Zen 4, bf16 0.6B single-stream decode in process, the
-// distance toggled every 4 steps (medians of 16-20 alternations): none / 1 KB 1.035x / 2 KB
-// 1.046-1.088x / 3 KB 1.042x / 4 KB 1.029-1.072x / 8 KB 0.96x / 16 KB 0.99x; the non-temporal
-// hint 0.88x. Two rows of x ran 0.95x with it, so they go without.
-constexpr int64_t kRowPrefetchBytes = 2048;
+// dot4_seq issues no software prefetch: the hardware's stream prefetcher alone reads fastest.
+// A 2 KB-ahead L2 prefetch for one row of x measured 1.035-1.088x in process on a Zen 4 on
+// 2026-12-06, but on 2026-12-07 (a Zen 4 again; weights and KV cache on 2 MiB pages) every
+// distance slowed it: 0.6B bf16 single-stream decode, the distance flipped step by step in one
+// engine, against none: 512 B 0.99x, 1 KB 0.97-1.00x, 1.5 KB 0.99x, 2 KB 0.85-0.91x (0.97x with
+// the weights on 4 KiB pages), 2.5 KB 0.92x, 3 KB 0.93x, 8 KB 0.98x; the linears alone at the
+// 0.6B's shapes (two threads, 2 MiB pages) read 1.12-1.30x faster without it in bf16, 1.02-1.26x
+// in float32. The non-temporal hint ran 0.88x the day before.
 
 // dot4_lanes' products, each weight row's to the end before the next row's: a thread then reads
 // its share of the weights as one sequential stream (four rows side by side are four streams
@@ -126,8 +128,6 @@ static inline void dot4_seq(const T* x, const T* w, int64_t K, int64_t ldx, floa
     const T* wj = w + j * K;
     for (int m = 0; m < MB; ++m) acc[m][j] = _mm512_setzero_ps();
     for (k = 0; k + S <= K; k += S) {
-      if constexpr (MB == 1)
-        _mm_prefetch(reinterpret_cast<const char*>(wj + k) + kRowPrefetchBytes, _MM_HINT_T1);
       const auto wv = load_step(wj + k);
       for (int m = 0; m < MB; ++m) acc[m][j] = fma_step(acc[m][j], load_step(x + m * ldx + k), wv);
     }
