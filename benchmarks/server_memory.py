@@ -11,8 +11,9 @@ allocated whole at start, so it is resident in both servers alike.
 
 Models (random weights, Qwen's tokenizer, built once into the ladle cache directory):
   0.6b: compare.py's Qwen3-0.6B shape (1.19 GB in bf16);
-  8b:   Qwen3-8B's shapes (16.4 GB in bf16; written shard by shard; making its Q4_K_M file takes
-        ~33 GB of disk for a while, and its bf16 server ~18 GB of memory).
+  8b:   Qwen3-8B's shapes (16.4 GB in bf16, written shard by shard; making its Q4_K_M file takes
+        ~38 GB of disk for a while, its bf16 GGUF step deleted after; its bf16 server ~18 GB of
+        memory).
 
     python benchmarks/server_memory.py [--models 0.6b,8b] [-- more ladle serve arguments]
 """
@@ -170,6 +171,8 @@ def main() -> None:
     for name in args.models.split(","):
         path = checkpoint(name)
         q4 = compare.quantized_gguf(path, "q4_k_m", llama_py)
+        if name == "8b":  # the converter's bf16 file, only the way to Q4_K_M: 16 GB
+            (path / "model-bf16.gguf").unlink(missing_ok=True)
         bf16 = measure(str(path), serve_args)
         quant = measure(str(q4), serve_args)
         rows.append((name, bf16, quant))
