@@ -115,13 +115,6 @@ def checkpoint(name: str) -> Path:
     raise SystemExit(f"--models: {name!r}; accepted: 0.6b, 8b")
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def weight_bytes(url: str) -> int:
     """The sum of the server's ladle:model_weight_bytes gauge (every dtype)."""
     total = 0
@@ -133,6 +126,7 @@ def weight_bytes(url: str) -> int:
 
 def measure(model: str, serve_args: list[str]) -> dict:
     """One server of `model` (a directory or a .gguf file) after one completion."""
+    from memory_soak import rss_mib
     from test_server import API_KEY, RemoteServer
 
     server = RemoteServer("--api-key", API_KEY, "--disable-log-stats", "--dtype", "bfloat16",
