@@ -1716,42 +1716,56 @@ inline void s16_r16_values(const uint8_t* b, int half, int t, __m512i* v) {
 }
 
 // out (MR x 16) = MR activation rows from m0 times the 16 repacked rows at g.
-// kOnce: the call has one activation row (single-stream decode). On AMD's cores it issues no
-// software prefetch: the hardware's stream prefetchers alone read a thread's groups (contiguous,
-// in order) fastest there. On Intel's it prefetches a group ahead into L2 as from two rows:
-// the L2 streamer there does not run past a 4 KB page, and a group is 9-52 KB. On a 2-core Xeon
-// with AMX (KVM, 2026-12-07), the 0.6B's 112 linears at one row, random blocks repacked, from
-// memory (GB/s, none / a group ahead; two runs): Q4_K 20.1 / 27.7, Q8_0 25.3 / 29.1, Q6_K
-// 16.0 / 25.2, Q5_K 15.5 / 26.7, and a Q6_K head of 151936 x 1024 19 / 40-60 (partly from L3);
-// single-stream decode (ms a token, processes alternating): 0.6B Q4_K_M 21.2-22.1 -> 15.6-15.8,
-// Q8_0 24.4-25.2 -> 21.2-22.1, Gemma 3 270M Q4_K_M (8 KB ahead) 10.6-11.6 -> 9.9-10.1; 1-16
-// KB into L1 or L2 measured no better than a group. Measured on a Zen 4 (2 cores, in process, the choice toggled every 4
-// steps, medians of 30 alternations), the one-row step without prefetches against the group-ahead
-// non-temporal ones it had: 0.6B Q8_0 1.08-1.10x (three runs; at 2000 tokens of context 1.03x),
-// Q4_K_M 1.01-1.05x (three runs), Gemma 3 270M Q4_K_M 1.13x, the bf16 0.6B at
-// --quantization int8 1.10x; short distances into L2 (512 B to 2 KB ahead) ran like none on Q8_0
-// and 0.87-1.01x on Q4_K_M, the non-temporal hint 1 KB ahead 1.02x. (A group ahead is 9-52 KB;
-// AMD's optimization guides put a non-temporal prefetch in L1 only, 32 KB here, so the lines
-// may be evicted before use and read twice: a likely cause, not measured.) From two rows the
-// prefetches into L2 stay: without them Q8_0 ran 1.11x at 2 rows but 0.91x at 3 and 0.76x at 8,
-// and Q4_K_M 0.94x at 2. The Q8_0 numbers come from one process per run, so also (as the
-// machine's phases go) from one bandwidth level each: 1.18x in a process of 14.7 ms steps,
-// 1.02-1.06x in three of 20-21 ms.
+// kOnce: the call has one activation row (single-stream decode). On Zen 4 it issues no software
+// prefetch: the hardware's stream prefetchers alone read a thread's groups (contiguous, in order)
+// fastest there. On Intel's cores, and for the K-quants on Zen 5 (one_row_prefetch below), it
+// prefetches a group ahead into L2 as from two rows. On Intel: the L2 streamer there does not run
+// past a 4 KB page, and a group is 9-52 KB. On a 2-core Xeon with AMX (KVM, 2026-12-07), the 0.6B's
+// 112 linears at one row, random blocks repacked, from memory (GB/s, none / a group ahead; two
+// runs): Q4_K 20.1 / 27.7, Q8_0 25.3 / 29.1, Q6_K 16.0 / 25.2, Q5_K 15.5 / 26.7, and a Q6_K head of
+// 151936 x 1024 19 / 40-60 (partly from L3); single-stream decode (ms a token, processes
+// alternating): 0.6B Q4_K_M 21.2-22.1 -> 15.6-15.8, Q8_0 24.4-25.2 -> 21.2-22.1, Gemma 3 270M
+// Q4_K_M (8 KB ahead) 10.6-11.6 -> 9.9-10.1; 1-16 KB into L1 or L2 measured no better than a group.
+// Measured on a Zen 4 (2 cores, in process, the choice toggled every 4 steps, medians of 30
+// alternations), the one-row step without prefetches against the group-ahead non-temporal ones it
+// had: 0.6B Q8_0 1.08-1.10x (three runs; at 2000 tokens of context 1.03x), Q4_K_M 1.01-1.05x (three
+// runs), Gemma 3 270M Q4_K_M 1.13x, the bf16 0.6B at --quantization int8 1.10x; short distances
+// into L2 (512 B to 2 KB ahead) ran like none on Q8_0 and 0.87-1.01x on Q4_K_M, the non-temporal
+// hint 1 KB ahead 1.02x. (A group ahead is 9-52 KB; AMD's optimization guides put a non-temporal
+// prefetch in L1 only, 32 KB here, so the lines may be evicted before use and read twice: a likely
+// cause, not measured.) From two rows the prefetches into L2 stay: without them Q8_0 ran 1.11x at 2
+// rows but 0.91x at 3 and 0.76x at 8, and Q4_K_M 0.94x at 2. The Q8_0 numbers come from one process
+// per run, so also (as the machine's phases go) from one bandwidth level each: 1.18x in a process
+// of 14.7 ms steps, 1.02-1.06x in three of 20-21 ms.
+// On a Zen 5 (2 cores, AMD family 0x1A, 2026-12-08) the group ahead into L2 is the faster
+// choice for the K-quants: the 0.6B's single-stream decode step with it against none, flipped
+// step by step in one engine (medians of 5-8 decodes): Q4_K_M 1.18-1.29x (its Q6_K parts alone
+// 1.13x, its Q4_K parts alone 1.04x), Q5_K_M 1.19x, Q3_K_M 1.35x, Q2_K 1.30x, Gemma 3 270M
+// Q4_K_M's Q4_K and Q6_K parts 1.02x; the 151936-row Q6_K head alone read 35 -> 47 GB/s. For
+// Q8_0 and int8 rows it stays off there: 0.96x on the 0.6B Q8_0, 0.95x on Gemma's Q8_0 parts,
+// 0.92x at --quantization int8 (Q5_0's 1.006x: off). (Zen 4's measurements above compared
+// none against a non-temporal group ahead and short L2 distances, so it keeps none.)
+template <int TYPE>
+inline bool one_row_prefetch() {
+  if (intel_cpu()) return true;
+  return (kK4R<TYPE> || kHalvesR<TYPE>) && amd_family() >= 0x1A;
+}
+
 template <int TYPE, int MR, bool kOnce>
 inline void r16_rows(const uint8_t* g, const Act& a, int64_t m0, float (*out)[16]) {
   const int64_t nsub = a.K / 32;
-  // From two rows (on Intel from one, above), each block prefetches the same block of the next
-  // group (the group this thread takes next) into L2: a group ahead, where 4 KB ahead (the tiles'
-  // distance) left a group's compute and its memory reads in turn (0.6B Q8_0 decode step, 1 row
-  // 31.1 -> 29.3 ms, 8 rows 59.4 -> 54.0; Q4_K_M 25.1 -> 24.3, 59.5 -> 57.1). The prefetches are
-  // spread over the block's steps, a few lines each (Q4_K 37 lines over its 8 sub-blocks, Q6_K 53
-  // over its 16 steps): issued all at the block's start they left the demand loads waiting behind
-  // them. One row, the 0.6B's four linears x 28 layers from memory, ms, medians of 4 alternating
-  // runs, at the start / spread: Q4_K 17.8 / 14.8 (248 MB: 17 GB/s of the 22 measured), Q6_K (20
-  // layers) 16.9 / 17.1. Both run at L3's ~30 GB/s when the weights are there (4 layers), so what
-  // is left is waiting.
+  // From two rows (from one on Intel and for Zen 5's K-quants: above), each block prefetches the
+  // same block of the next group (the group this thread takes next) into L2: a group ahead, where 4
+  // KB ahead (the tiles' distance) left a group's compute and its memory reads in turn (0.6B Q8_0
+  // decode step, 1 row 31.1 -> 29.3 ms, 8 rows 59.4 -> 54.0; Q4_K_M 25.1 -> 24.3, 59.5 -> 57.1).
+  // The prefetches are spread over the block's steps, a few lines each (Q4_K 37 lines over its 8
+  // sub-blocks, Q6_K 53 over its 16 steps): issued all at the block's start they left the demand
+  // loads waiting behind them. One row, the 0.6B's four linears x 28 layers from memory, ms,
+  // medians of 4 alternating runs, at the start / spread: Q4_K 17.8 / 14.8 (248 MB: 17 GB/s of the
+  // 22 measured), Q6_K (20 layers) 16.9 / 17.1. Both run at L3's ~30 GB/s when the weights are
+  // there (4 layers), so what is left is waiting.
   const int64_t ahead = nsub / kR16Subs<TYPE> * kR16Block<TYPE>;
-  const bool prefetch = !kOnce || intel_cpu();
+  const bool prefetch = !kOnce || one_row_prefetch<TYPE>();
   constexpr int64_t kLines = (kR16Block<TYPE> + 63) / 64;
   __m512 acc[MR];
   for (int m = 0; m < MR; m++) acc[m] = _mm512_setzero_ps();
